@@ -1,0 +1,3 @@
+"""Version of the lorafusion-sched distribution (read by hatchling)."""
+
+__version__ = "0.1.0"
