@@ -1,0 +1,270 @@
+"""The ``lorafusion-sched`` command: plan, verify, simulate, demo.
+
+Exit codes: 0 success, 1 the plan has violations, 2 bad input (the message says what to change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import ValidationError
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from lorafusion_sched.__about__ import __version__
+from lorafusion_sched.errors import SchedError
+from lorafusion_sched.io import describe_validation_error, load_jobs, load_plan, save_plan
+from lorafusion_sched.models import AdapterJob, CostModel, Plan, PlanOptions, SimulationResult
+from lorafusion_sched.planner import plan as make_plan
+from lorafusion_sched.simulate import simulate
+from lorafusion_sched.verify import verify
+from lorafusion_sched.workloads import WORKLOADS, synthetic_jobs
+
+__all__ = ["main"]
+
+
+def _plan_with_progress(jobs: list[AdapterJob], options: PlanOptions, console: Console, quiet: bool) -> Plan:
+    if quiet:
+        return make_plan(jobs, options)
+    columns = (
+        TextColumn("[bold]packing global batches"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("pack", total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        return make_plan(jobs, options, progress=update)
+
+
+def _plan_table(plan: Plan) -> Table:
+    s = plan.stats
+    table = Table(title="plan", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    samples = sum(min(len(a.sample_tokens), a.num_global_batches * a.global_batch_size) for a in plan.adapters)
+    table.add_row("adapters / samples", f"{len(plan.adapters)} / {samples:,}")
+    table.add_row("groups (first phase)", "  ".join("+".join(g) for g in s.groups))
+    table.add_row("microbatches", f"{s.num_microbatches - s.num_noops:,} + {s.num_noops} no-ops")
+    over = (s.num_microbatches - s.num_noops) / s.lower_bound - 1 if s.lower_bound else 0.0
+    table.add_row("lower bound", f"{s.lower_bound:,} ({over:+.1%})")
+    table.add_row("fill (padded / real tokens)", f"{s.fill_ratio:.1%} / {s.token_ratio:.1%}")
+    table.add_row("MILP wins / runs / tasks", f"{s.milp_wins} / {s.milp_runs} / {s.num_tasks}")
+    table.add_row("samples merged forward", f"{s.merged_samples:,}")
+    table.add_row("solve time", f"{s.solve_seconds:.2f} s on {s.workers} process(es)")
+    return table
+
+
+def _simulation_table(result: SimulationResult) -> Table:
+    table = Table(title=f"simulated pipeline, {result.pipeline_stages} stages", title_justify="left")
+    for name in ("run", "microbatches", "makespan (s)", "bubble ratio", "tokens/s", "speedup"):
+        table.add_column(name, justify="left" if name == "run" else "right")
+    reference = {r.name: r for r in result.runs}.get("megatron", result.runs[0])
+    for run in result.runs:
+        style = "bold green" if run.name == "lorafusion" else None
+        table.add_row(
+            run.name,
+            f"{run.num_microbatches:,}",
+            f"{run.makespan_s:,.1f}",
+            f"{run.bubble_ratio:.1%}",
+            f"{run.tokens_per_s:,.0f}",
+            f"{run.tokens_per_s / reference.tokens_per_s:.2f}x",
+            style=style,
+        )
+    return table
+
+
+def _cost_model(args: argparse.Namespace) -> CostModel:
+    factors = None
+    if args.stage_factors:
+        try:
+            factors = tuple(float(x) for x in args.stage_factors.split(","))
+        except ValueError:
+            raise SchedError(f"--stage-factors = {args.stage_factors!r}: give comma-separated numbers") from None
+    return CostModel(
+        forward_fixed_s=args.forward_fixed,
+        forward_per_token_s=args.forward_per_token,
+        backward_factor=args.backward_factor,
+        stage_factors=factors,
+    )
+
+
+def _override(options: PlanOptions, args: argparse.Namespace) -> PlanOptions:
+    updates: dict[str, object] = {}
+    if args.workers is not None:
+        updates["workers"] = args.workers
+    if args.time_limit is not None:
+        updates["time_limit"] = args.time_limit
+    if args.no_milp:
+        updates["use_milp"] = False
+    return PlanOptions.model_validate(options.model_dump() | updates) if updates else options
+
+
+def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    jobs, options = load_jobs(args.jobs)
+    options = _override(options, args)
+    plan = _plan_with_progress(jobs, options, console, args.quiet)
+    save_plan(plan, args.output)
+    if not args.quiet:
+        console.print(_plan_table(plan))
+    console.print(f"wrote [bold]{args.output}[/bold] ({plan.stats.num_microbatches:,} microbatches)")
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace, console: Console) -> int:
+    plan = load_plan(args.plan)
+    violations = verify(plan)
+    if not violations:
+        console.print(f"[green]ok[/green]: {args.plan} verifies clean ({len(plan.microbatches):,} microbatches)")
+        return 0
+    for v in violations[:50]:
+        console.print(f"[red]violation[/red] {v}", highlight=False)
+    if len(violations) > 50:
+        console.print(f"... and {len(violations) - 50} more")
+    console.print(f"[red]{len(violations)} violation(s)[/red] in {args.plan}")
+    return 1
+
+
+def _draw(plan: Plan, png: Path, cost: CostModel, console: Console) -> None:
+    from lorafusion_sched.plot import plot_timeline
+
+    plot_timeline(plan, png, cost_model=cost)
+    console.print(f"wrote timeline [bold]{png}[/bold]")
+
+
+def _cmd_simulate(args: argparse.Namespace, console: Console) -> int:
+    plan = load_plan(args.plan)
+    cost = _cost_model(args)
+    result = simulate(plan, cost, baselines=not args.no_baselines)
+    console.print(_simulation_table(result))
+    if args.png:
+        _draw(plan, args.png, cost, console)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
+    jobs = synthetic_jobs(
+        args.workload,
+        args.samples,
+        num_adapters=args.adapters,
+        global_batch_size=args.global_batch_size,
+        seed=args.seed,
+    )
+    options = _override(
+        PlanOptions(capacity=args.capacity, pipeline_stages=args.stages, padding_multiple=args.padding), args
+    )
+    console.rule(f"[bold]lorafusion-sched {__version__} demo")
+    console.print(
+        f"{len(jobs)} LoRA jobs on the [bold]{args.workload}[/bold] workload (SYNTHETIC lengths, seed {args.seed}), "
+        f"{args.samples:,} samples, global batch {args.global_batch_size}, capacity {args.capacity} tokens, "
+        f"{args.stages} pipeline stages, padding {args.padding}"
+    )
+    jobs_table = Table(title="jobs", title_justify="left")
+    for name in ("adapter", "samples", "mean tokens", "max tokens"):
+        jobs_table.add_column(name, justify="left" if name == "adapter" else "right")
+    for job in jobs:
+        mean = sum(job.sample_tokens) / len(job.sample_tokens)
+        jobs_table.add_row(job.name, f"{len(job.sample_tokens):,}", f"{mean:,.0f}", f"{max(job.sample_tokens):,}")
+    console.print(jobs_table)
+    plan = _plan_with_progress(jobs, options, console, quiet=False)
+    console.print(_plan_table(plan))
+    violations = verify(plan)
+    console.print(
+        "[green]verify: no violations[/green]" if not violations else f"[red]verify: {len(violations)} violations"
+    )
+    cost = _cost_model(args)
+    result = simulate(plan, cost)
+    console.print(_simulation_table(result))
+    ours, megatron, mlora = (result.run(n) for n in ("lorafusion", "megatron", "mlora"))
+    console.print(
+        f"bubbles: [bold green]{ours.bubble_ratio:.1%}[/bold green] vs Megatron-style {megatron.bubble_ratio:.1%} "
+        f"and mLoRA-style {mlora.bubble_ratio:.1%}; throughput [bold]{ours.tokens_per_s / megatron.tokens_per_s:.2f}x"
+        f"[/bold] Megatron-style, {ours.tokens_per_s / mlora.tokens_per_s:.2f}x mLoRA-style "
+        "(simulated, linear cost model)"
+    )
+    if args.output:
+        save_plan(plan, args.output)
+        console.print(f"wrote [bold]{args.output}[/bold]")
+    if args.png:
+        _draw(plan, args.png, cost, console)
+    return 0 if not violations else 1
+
+
+def _add_cost_args(parser: argparse.ArgumentParser) -> None:
+    defaults = CostModel()
+    group = parser.add_argument_group("cost model (seconds per stage; forward = fixed + per_token x padded tokens)")
+    group.add_argument("--forward-fixed", type=float, default=defaults.forward_fixed_s, metavar="S")
+    group.add_argument("--forward-per-token", type=float, default=defaults.forward_per_token_s, metavar="S")
+    group.add_argument("--backward-factor", type=float, default=defaults.backward_factor, metavar="X")
+    group.add_argument("--stage-factors", default=None, metavar="F,F,...", help="one multiplier per stage")
+
+
+def _add_solver_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=None, help="processes for MILP solves (default: CPUs)")
+    parser.add_argument("--time-limit", type=float, default=None, metavar="S", help="seconds per MILP solve")
+    parser.add_argument("--no-milp", action="store_true", help="greedy packing only")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lorafusion-sched", description="Plan, verify and simulate multi-adapter LoRA microbatch schedules."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="plan a jobs file (JSON or YAML) into a plan JSON")
+    p.add_argument("jobs", type=Path)
+    p.add_argument("-o", "--output", type=Path, required=True, help="plan JSON to write")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or table")
+    _add_solver_args(p)
+
+    v = sub.add_parser("verify", help="check every invariant of a plan JSON")
+    v.add_argument("plan", type=Path)
+
+    s = sub.add_parser("simulate", help="simulate a plan against the Megatron-style and mLoRA-style baselines")
+    s.add_argument("plan", type=Path)
+    s.add_argument("--png", type=Path, default=None, help="also draw the timelines (needs the plot extra)")
+    s.add_argument("--no-baselines", action="store_true")
+    _add_cost_args(s)
+
+    d = sub.add_parser("demo", help="plan and simulate a synthetic workload in a few seconds")
+    d.add_argument("--workload", choices=WORKLOADS, default="het")
+    d.add_argument("--samples", type=int, default=2560)
+    d.add_argument("--adapters", type=int, default=4)
+    d.add_argument("--global-batch-size", type=int, default=32)
+    d.add_argument("--stages", type=int, default=4)
+    d.add_argument("--capacity", type=int, default=4096)
+    d.add_argument("--padding", type=int, default=64)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("-o", "--output", type=Path, default=None, help="also write the plan JSON")
+    d.add_argument("--png", type=Path, default=None, help="also draw the timelines (needs the plot extra)")
+    _add_solver_args(d)
+    _add_cost_args(d)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    args = _parser().parse_args(argv)
+    console = Console()
+    commands = {"plan": _cmd_plan, "verify": _cmd_verify, "simulate": _cmd_simulate, "demo": _cmd_demo}
+    try:
+        return commands[args.command](args, console)
+    except SchedError as err:
+        console.print(f"[bold red]error:[/bold red] {err}", highlight=False)
+        return 2
+    except ValidationError as err:  # a command-line value the models refuse
+        console.print(f"[bold red]error:[/bold red] {describe_validation_error(err)}", highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

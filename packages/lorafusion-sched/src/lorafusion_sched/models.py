@@ -1,0 +1,286 @@
+"""Pydantic models at the package boundary: the jobs and options going in, the plan coming out.
+
+Everything inside the planner works on plain tuples and numpy arrays; only these models cross the
+public API and the JSON files. All are frozen and refuse unknown fields, and every validation error
+names the field and the offending value.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "AdapterInfo",
+    "AdapterJob",
+    "CostModel",
+    "Microbatch",
+    "Plan",
+    "PlanOptions",
+    "PlanStats",
+    "RunStats",
+    "Segment",
+    "SimulationResult",
+    "Violation",
+]
+
+SCHEMA_VERSION = 1
+"""Version of the plan JSON document; bumped on any incompatible change."""
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class AdapterJob(BaseModel):
+    """One LoRA fine-tuning job: its samples' token lengths and its global batch size.
+
+    Global batch ``g`` of the job is its samples ``[g * global_batch_size, (g + 1) * global_batch_size)``
+    in the given order; the scheduler reorders samples only inside a global batch.
+    """
+
+    model_config = _FROZEN
+
+    name: str = Field(min_length=1, description="Unique adapter name; the plan refers to the job by it.")
+    sample_tokens: tuple[int, ...] = Field(description="Token count of every sample, in training order.")
+    global_batch_size: int = Field(description="Samples per optimizer step of this adapter.")
+
+    @field_validator("sample_tokens")
+    @classmethod
+    def _lengths_positive(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if not value:
+            raise ValueError("sample_tokens is empty: give at least one sample length")
+        bad = [(i, t) for i, t in enumerate(value) if t < 1]
+        if bad:
+            i, t = bad[0]
+            raise ValueError(f"sample_tokens[{i}] = {t}: every sample needs at least one token")
+        return value
+
+    @field_validator("global_batch_size")
+    @classmethod
+    def _gbs_positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"global_batch_size = {value}: it must be at least 1")
+        return value
+
+
+class PlanOptions(BaseModel):
+    """How to plan: microbatch capacity, pipeline shape, padding, and the solver's limits."""
+
+    model_config = _FROZEN
+
+    capacity: int = Field(description="Token capacity of one microbatch, padding included.")
+    pipeline_stages: int = Field(default=1, description="Pipeline stages S: the bubble lemma needs S-1 others between.")
+    padding_multiple: int = Field(default=1, description="Each adapter's segment is padded up to a multiple of this.")
+    data_parallel: int = Field(default=1, description="Data-parallel replicas d; microbatches go round-robin to them.")
+    drop_last: bool = Field(default=False, description="Drop an adapter's last global batch when it is partial.")
+    truncate: bool = Field(
+        default=False, description="Cut samples longer than the capacity to it instead of refusing them."
+    )
+    use_milp: bool = Field(default=True, description="Try the two-stage MILP where greedy misses a bound.")
+    merge: bool = Field(default=True, description="Run the merge pass across consecutive global batches.")
+    neighbourhood: int | None = Field(
+        default=3, ge=1, description="Least-filled greedy microbatches the MILP re-packs; None: all (slow)."
+    )
+    time_limit: float = Field(default=0.02, gt=0, description="Wall-clock seconds per MILP solve.")
+    node_limit: int = Field(default=10_000, ge=1, description="Branch-and-bound nodes per MILP solve.")
+    mip_rel_gap: float = Field(default=0.0, ge=0, le=1, description="Relative gap at which a MILP solve stops.")
+    seed: int = Field(default=0, ge=0, description="Random seed handed to HiGHS.")
+    workers: int | None = Field(
+        default=None, ge=1, description="Processes solving global batches in parallel; default: the CPU count."
+    )
+    sigma_factor: float = Field(
+        default=0.25, ge=0, description="Grouping: microbatch estimates use mean - k*std tokens per sample."
+    )
+
+    @field_validator("capacity", "pipeline_stages", "padding_multiple", "data_parallel")
+    @classmethod
+    def _at_least_one(cls, value: int, info: ValidationInfo) -> int:
+        if value < 1:
+            raise ValueError(f"{info.field_name} = {value}: it must be at least 1")
+        return value
+
+    @model_validator(mode="after")
+    def _capacity_multiple_of_padding(self) -> PlanOptions:
+        if self.capacity % self.padding_multiple:
+            lower = self.capacity - self.capacity % self.padding_multiple
+            raise ValueError(
+                f"capacity = {self.capacity} is not a multiple of padding_multiple = {self.padding_multiple}: "
+                f"use capacity = {lower} or {lower + self.padding_multiple}"
+            )
+        return self
+
+
+class Segment(BaseModel):
+    """The samples of one adapter's global batch inside one microbatch (contiguous tokens)."""
+
+    model_config = _FROZEN
+
+    adapter: str = Field(description="Adapter name.")
+    global_batch: int = Field(ge=0, description="Index of the adapter's global batch these samples belong to.")
+    samples: tuple[int, ...] = Field(min_length=1, description="Indices into the adapter's sample_tokens.")
+    tokens: int = Field(ge=1, description="Real tokens: the sum of the samples' lengths.")
+    padded_tokens: int = Field(ge=1, description="tokens rounded up to the padding multiple.")
+
+
+class Microbatch(BaseModel):
+    """One packed microbatch, or an explicit no-op that only keeps a pipeline slot."""
+
+    model_config = _FROZEN
+
+    segments: tuple[Segment, ...] = Field(default=(), description="Per-adapter segments; empty for a no-op.")
+    noop: bool = Field(default=False, description="True for an empty slot inserted to honour the bubble lemma.")
+    step_after: tuple[str, ...] = Field(
+        default=(), description="Adapters whose optimizer steps once this microbatch's backward left every stage."
+    )
+    replica: int | None = Field(default=None, ge=0, description="Data-parallel replica; None without data parallel.")
+
+    @property
+    def padded_tokens(self) -> int:
+        """Padded tokens of all segments (0 for a no-op)."""
+        return sum(s.padded_tokens for s in self.segments)
+
+    @property
+    def tokens(self) -> int:
+        """Real tokens of all segments (0 for a no-op)."""
+        return sum(s.tokens for s in self.segments)
+
+
+class AdapterInfo(BaseModel):
+    """An adapter as the plan saw it: enough to re-check the plan without the jobs file."""
+
+    model_config = _FROZEN
+
+    name: str
+    global_batch_size: int = Field(ge=1)
+    num_samples: int = Field(ge=1, description="Samples in the job (before drop_last).")
+    num_global_batches: int = Field(ge=0, description="Global batches the plan schedules.")
+    sample_tokens: tuple[int, ...] = Field(description="Lengths as scheduled (after truncation, if any).")
+    truncated_samples: int = Field(default=0, ge=0, description="Samples cut to the capacity.")
+
+
+class PlanStats(BaseModel):
+    """How good the plan is and how it was made."""
+
+    model_config = _FROZEN
+
+    num_microbatches: int = Field(description="All microbatches, no-ops included.")
+    num_noops: int = Field(description="No-op microbatches inserted for the bubble lemma or data parallel.")
+    lower_bound: int = Field(description="ceil(sum over adapter global batches of padded tokens / capacity).")
+    fill_ratio: float = Field(description="Padded tokens / (non-no-op microbatches x capacity).")
+    token_ratio: float = Field(description="Real tokens / (non-no-op microbatches x capacity).")
+    num_groups: int = Field(description="Adapter groups used (summed over phases when adapters run out).")
+    groups: tuple[tuple[str, ...], ...] = Field(description="Groups of the first phase, in execution order.")
+    num_tasks: int = Field(description="Packing problems: (group, global batch) pairs.")
+    greedy_at_bound: int = Field(description="Tasks where greedy met both lower bounds, so no MILP ran.")
+    milp_runs: int = Field(description="Tasks where the MILP ran.")
+    milp_wins: int = Field(description="Tasks where the MILP beat greedy (fewer or a smaller last microbatch).")
+    milp_timeouts: int = Field(description="MILP solves stopped by the time or node limit.")
+    merged_samples: int = Field(description="Samples moved into an earlier microbatch by the merge pass.")
+    dropped_samples: int = Field(description="Samples left out by drop_last.")
+    workers: int = Field(description="Processes that solved MILPs (1: in this process).")
+    solve_seconds: float = Field(description="Wall time of plan(), seconds (the only non-deterministic field).")
+
+
+class Plan(BaseModel):
+    """The versioned plan document that the runtime executes (Contract 1)."""
+
+    model_config = _FROZEN
+
+    schema_version: Literal[1] = 1
+    capacity: int = Field(ge=1)
+    pipeline_stages: int = Field(ge=1)
+    padding_multiple: int = Field(ge=1)
+    data_parallel: int = Field(default=1, ge=1)
+    adapters: tuple[AdapterInfo, ...]
+    stats: PlanStats
+    microbatches: tuple[Microbatch, ...]
+
+
+class Violation(BaseModel):
+    """One broken invariant found by ``verify``."""
+
+    model_config = _FROZEN
+
+    kind: Literal[
+        "schema",
+        "sample_missing",
+        "sample_repeated",
+        "sample_wrong_batch",
+        "tokens",
+        "capacity",
+        "two_global_batches",
+        "batch_order",
+        "bubble_lemma",
+        "step_after",
+        "noop",
+        "replica",
+    ]
+    microbatch: int | None = Field(default=None, description="Index of the offending microbatch, if one.")
+    adapter: str | None = None
+    message: str
+
+    def __str__(self) -> str:
+        where = f"microbatch {self.microbatch}: " if self.microbatch is not None else ""
+        return f"[{self.kind}] {where}{self.message}"
+
+
+class CostModel(BaseModel):
+    """Seconds per stage for a microbatch of ``n`` padded tokens: ``fixed + per_token * n`` forward.
+
+    The backward takes ``backward_factor`` times the forward. ``stage_factors`` scales each stage
+    (e.g. a last stage that also runs the LM head). A no-op costs nothing but keeps its slot. The
+    defaults are illustrative; only ratios matter for bubble ratios and speedups.
+    """
+
+    model_config = _FROZEN
+
+    forward_fixed_s: float = Field(default=2e-3, ge=0)
+    forward_per_token_s: float = Field(default=2e-5, ge=0)
+    backward_factor: float = Field(default=2.0, gt=0)
+    stage_factors: tuple[float, ...] | None = Field(default=None, description="One positive factor per stage.")
+
+    @field_validator("stage_factors")
+    @classmethod
+    def _positive_factors(cls, value: tuple[float, ...] | None) -> tuple[float, ...] | None:
+        if value is not None and (not value or min(value) <= 0):
+            raise ValueError(f"stage_factors = {value}: give one positive factor per pipeline stage")
+        return value
+
+    def forward_seconds(self, padded_tokens: int, stage: int) -> float:
+        """Forward seconds of one microbatch on ``stage`` (0 for a no-op)."""
+        if padded_tokens == 0:
+            return 0.0
+        factor = self.stage_factors[stage] if self.stage_factors else 1.0
+        return factor * (self.forward_fixed_s + self.forward_per_token_s * padded_tokens)
+
+
+class RunStats(BaseModel):
+    """One simulated pipeline run (the plan or a baseline)."""
+
+    model_config = _FROZEN
+
+    name: str
+    num_microbatches: int
+    makespan_s: float
+    bubble_ratio: float = Field(description="Mean over stages of idle time / makespan.")
+    bubble_ratio_per_stage: tuple[float, ...]
+    tokens: int = Field(description="Real tokens trained.")
+    tokens_per_s: float
+
+
+class SimulationResult(BaseModel):
+    """The plan's continuous pipeline and the baselines, simulated with the same cost model."""
+
+    model_config = _FROZEN
+
+    pipeline_stages: int
+    cost_model: CostModel
+    runs: tuple[RunStats, ...] = Field(description="The plan first ('lorafusion'), then the baselines.")
+
+    def run(self, name: str) -> RunStats:
+        """The run called ``name`` (``lorafusion``, ``megatron`` or ``mlora``)."""
+        for r in self.runs:
+            if r.name == name:
+                return r
+        raise KeyError(name)

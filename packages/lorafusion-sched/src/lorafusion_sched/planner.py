@@ -1,0 +1,322 @@
+"""The facade: ``plan(jobs, options) -> Plan`` (paper Algorithm 1 with grouping, merge and repair).
+
+Steps: check the jobs; group adapters and order the packing tasks; pack every task greedily;
+improve the tasks where greedy misses a bound with the two-stage MILP, in a process pool; lay the
+microbatches out task after task; insert no-ops for the bubble lemma; merge across tasks; drop
+emptied microbatches and re-insert the fewest no-ops; set ``step_after``; verify.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+
+from lorafusion_sched.errors import SchedError
+from lorafusion_sched.grouping import AdapterProfile, Task, plan_tasks
+from lorafusion_sched.merge import merge_pass
+from lorafusion_sched.models import AdapterInfo, AdapterJob, Microbatch, Plan, PlanOptions, PlanStats, Segment
+from lorafusion_sched.packing import highs
+from lorafusion_sched.packing.pool import solve_in_workers
+from lorafusion_sched.packing.problem import Packing, PackingProblem, round_up
+from lorafusion_sched.packing.solve import TaskResult, pack_greedy, pack_with_milp
+from lorafusion_sched.sequence import Slot, insert_noops, step_rounds
+from lorafusion_sched.verify import verify
+
+__all__ = ["Progress", "default_workers", "plan"]
+
+Progress = Callable[[int, int], None]
+"""Called as ``progress(done, total)`` while tasks are packed."""
+
+_POOL_MIN_TASKS = 16
+"""Below this many MILP tasks a worker's start-up (about 0.3 s here) costs more than it saves."""
+
+
+def default_workers() -> int:
+    """CPUs this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _checked_lengths(jobs: Sequence[AdapterJob], options: PlanOptions) -> tuple[list[list[int]], list[int]]:
+    """Lengths per adapter (truncated if allowed) and truncation counts; raises on bad jobs."""
+    if not jobs:
+        raise SchedError("jobs is empty: give at least one adapter")
+    names = [j.name for j in jobs]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise SchedError(f"adapter names must be unique; repeated: {repeated}")
+    lengths: list[list[int]] = []
+    truncated: list[int] = []
+    for job in jobs:
+        too_long = [(i, t) for i, t in enumerate(job.sample_tokens) if t > options.capacity]
+        if too_long and not options.truncate:
+            i, t = too_long[0]
+            raise SchedError(
+                f"adapter {job.name!r}: sample_tokens[{i}] = {t} exceeds capacity = {options.capacity} "
+                f"({len(too_long)} samples do): raise the capacity, or set truncate = true to cut them"
+            )
+        lengths.append([min(t, options.capacity) for t in job.sample_tokens])
+        truncated.append(len(too_long))
+        if options.drop_last and len(job.sample_tokens) < job.global_batch_size:
+            raise SchedError(
+                f"adapter {job.name!r}: {len(job.sample_tokens)} samples < global_batch_size = "
+                f"{job.global_batch_size}, so drop_last = true would drop all of them"
+            )
+    return lengths, truncated
+
+
+def _num_batches(job: AdapterJob, drop_last: bool) -> int:
+    n, gbs = len(job.sample_tokens), job.global_batch_size
+    return n // gbs if drop_last else -(-n // gbs)
+
+
+def _problems(
+    tasks: Sequence[Task], jobs: Sequence[AdapterJob], lengths: Sequence[Sequence[int]], options: PlanOptions
+) -> list[tuple[PackingProblem, list[tuple[int, int]]]]:
+    """Each task's packing problem and its items as (adapter, sample)."""
+    out = []
+    for task in tasks:
+        items: list[tuple[int, int]] = []
+        for a in task.group:
+            gbs = jobs[a].global_batch_size
+            stop = min((task.global_batch + 1) * gbs, len(lengths[a]))
+            items.extend((a, s) for s in range(task.global_batch * gbs, stop))
+        problem = PackingProblem(
+            adapters=tuple(a for a, _s in items),
+            lengths=tuple(lengths[a][s] for a, s in items),
+            capacity=options.capacity,
+            padding=options.padding_multiple,
+        )
+        out.append((problem, items))
+    return out
+
+
+def _solve_milps(
+    work: list[tuple[int, PackingProblem, Packing]],
+    options: PlanOptions,
+    workers: int,
+    tick: Callable[[], None],
+) -> tuple[dict[int, TaskResult], int]:
+    """MILP results by task id (tasks a failed worker left out are missing), and the processes used."""
+    settings = highs.SolverSettings(
+        time_limit=options.time_limit, node_limit=options.node_limit, mip_rel_gap=options.mip_rel_gap, seed=options.seed
+    )
+    results: dict[int, TaskResult] = {}
+    if workers <= 1 or len(work) < _POOL_MIN_TASKS:
+        for task_id, problem, greedy in work:
+            results[task_id] = pack_with_milp(problem, greedy, settings, options.neighbourhood)
+            tick()
+        return results, 1
+
+    def collect(task_id: int, result: TaskResult) -> None:
+        results[task_id] = result
+        tick()
+
+    workers = min(workers, len(work))
+    try:
+        failure = solve_in_workers(work, settings, options.neighbourhood, workers, collect)
+    except OSError as err:  # no process could start (e.g. an embedded interpreter): solve here
+        warnings.warn(f"MILP worker processes could not start ({err}); solving in this process", stacklevel=3)
+        return _solve_milps(work, options, 1, tick)
+    if failure is not None:
+        missing = len(work) - len(results)
+        warnings.warn(f"{missing} MILP tasks kept their greedy packing, a worker failed: {failure}", stacklevel=3)
+    return results, workers
+
+
+def _segments(slot: Slot, jobs: Sequence[AdapterJob], lengths: Sequence[Sequence[int]], padding: int) -> list[Segment]:
+    segments = []
+    for a in sorted(slot):
+        batch, samples = slot[a]
+        tokens = sum(lengths[a][s] for s in samples)
+        segments.append(
+            Segment(
+                adapter=jobs[a].name,
+                global_batch=batch,
+                samples=tuple(samples),
+                tokens=tokens,
+                padded_tokens=round_up(tokens, padding),
+            )
+        )
+    return segments
+
+
+def _pack(
+    problems: Sequence[tuple[PackingProblem, list[tuple[int, int]]]], options: PlanOptions, progress: Progress | None
+) -> tuple[list[TaskResult], int]:
+    """Greedy for every task, then the MILP where greedy misses a bound; returns results and processes used."""
+    total, done = len(problems), 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    if progress is not None:
+        progress(0, total)
+    results: dict[int, TaskResult] = {}
+    work: list[tuple[int, PackingProblem, Packing]] = []
+    for task_id, (problem, _items) in enumerate(problems):
+        results[task_id] = pack_greedy(problem)
+        if options.use_milp and not results[task_id].at_bound:
+            work.append((task_id, problem, results[task_id].packing))
+        else:
+            tick()
+    workers = 1
+    if work:
+        milp, workers = _solve_milps(work, options, options.workers or default_workers(), tick)
+        results.update(milp)
+    return [results[t] for t in range(total)], workers
+
+
+def _sequence(
+    tasks: Sequence[Task],
+    problems: Sequence[tuple[PackingProblem, list[tuple[int, int]]]],
+    packed: Sequence[TaskResult],
+    lengths: Sequence[Sequence[int]],
+    options: PlanOptions,
+) -> tuple[list[Slot], int]:
+    """Lay tasks out in order, insert no-ops, merge, re-insert the fewest no-ops; returns slots and merged samples."""
+    stages, d = options.pipeline_stages, options.data_parallel
+    slots: list[Slot] = []
+    task_of: list[int | None] = []
+    for task_id, task in enumerate(tasks):
+        items = problems[task_id][1]
+        for bin_items in packed[task_id].packing:
+            slot: Slot = {}
+            for i in bin_items:
+                a, s = items[i]
+                slot.setdefault(a, (task.global_batch, []))[1].append(s)
+            slots.append({a: (g, sorted(samples)) for a, (g, samples) in slot.items()})
+            task_of.append(task_id)
+    order = insert_noops(slots, stages, d)
+    laid_out: list[Slot] = [{} if i is None else slots[i] for i in order]
+    merged = 0
+    if options.merge:
+        merged = merge_pass(
+            laid_out,
+            [None if i is None else task_of[i] for i in order],
+            lengths,
+            capacity=options.capacity,
+            padding=options.padding_multiple,
+            stages=stages,
+            replicas=d,
+        )
+    compact = [slot for slot in laid_out if slot]
+    return [{} if i is None else compact[i] for i in insert_noops(compact, stages, d)], merged
+
+
+def _stats(
+    microbatches: Sequence[Microbatch],
+    jobs: Sequence[AdapterJob],
+    lengths: Sequence[Sequence[int]],
+    batches: Sequence[int],
+    phases: Sequence[Sequence[tuple[int, ...]]],
+    packed: Sequence[TaskResult],
+    options: PlanOptions,
+) -> PlanStats:
+    compute = [mb for mb in microbatches if not mb.noop]
+    volume = 0
+    for a, job in enumerate(jobs):
+        gbs = job.global_batch_size
+        for g in range(batches[a]):
+            volume += round_up(sum(lengths[a][g * gbs : (g + 1) * gbs]), options.padding_multiple)
+    denominator = max(1, len(compute) * options.capacity)
+    return PlanStats(
+        num_microbatches=len(microbatches),
+        num_noops=len(microbatches) - len(compute),
+        lower_bound=-(-volume // options.capacity),
+        fill_ratio=sum(mb.padded_tokens for mb in compute) / denominator,
+        token_ratio=sum(mb.tokens for mb in compute) / denominator,
+        num_groups=sum(len(groups) for groups in phases),
+        groups=tuple(tuple(jobs[a].name for a in group) for group in (phases[0] if phases else [])),
+        num_tasks=len(packed),
+        greedy_at_bound=sum(r.at_bound for r in packed),
+        milp_runs=sum(r.milp_ran for r in packed),
+        milp_wins=sum(r.milp_won for r in packed),
+        milp_timeouts=sum(r.timeouts for r in packed),
+        merged_samples=0,
+        dropped_samples=sum(
+            len(lengths[a]) - min(len(lengths[a]), batches[a] * j.global_batch_size) for a, j in enumerate(jobs)
+        ),
+        workers=1,
+        solve_seconds=0.0,
+    )
+
+
+def plan(jobs: Iterable[AdapterJob], options: PlanOptions, *, progress: Progress | None = None) -> Plan:
+    """Plan the microbatches of several LoRA jobs sharing one pipeline.
+
+    Args:
+        jobs: The adapters (unique names).
+        options: Capacity, pipeline stages, padding multiple and solver limits.
+        progress: Optional ``progress(done, total)`` callback over packing tasks.
+
+    Returns:
+        A plan that :func:`lorafusion_sched.verify` accepts.
+
+    Raises:
+        SchedError: No jobs, repeated names, a sample longer than the capacity (unless
+            ``truncate``), or ``drop_last`` leaving an adapter with nothing.
+    """
+    start = time.perf_counter()
+    jobs = list(jobs)
+    lengths, truncated = _checked_lengths(jobs, options)
+    d = options.data_parallel
+    batches = [_num_batches(job, options.drop_last) for job in jobs]
+    profiles = [
+        AdapterProfile(
+            index=i,
+            mean=statistics.fmean(lengths[i]),
+            std=statistics.stdev(lengths[i]) if len(lengths[i]) > 1 else 0.0,
+            global_batch_size=job.global_batch_size,
+            num_global_batches=batches[i],
+        )
+        for i, job in enumerate(jobs)
+    ]
+    tasks, phases = plan_tasks(profiles, options.capacity, options.pipeline_stages, options.sigma_factor)
+    problems = _problems(tasks, jobs, lengths, options)
+    packed, workers = _pack(problems, options, progress)
+    final, merged = _sequence(tasks, problems, packed, lengths, options)
+    steps = step_rounds(final, d)
+    microbatches = [
+        Microbatch(
+            segments=tuple(_segments(slot, jobs, lengths, options.padding_multiple)),
+            noop=not slot,
+            step_after=tuple(sorted(jobs[a].name for a in steps.get(index // d, []))),
+            replica=index % d if d > 1 else None,
+        )
+        for index, slot in enumerate(final)
+    ]
+    stats = _stats(microbatches, jobs, lengths, batches, phases, packed, options)
+    result = Plan(
+        capacity=options.capacity,
+        pipeline_stages=options.pipeline_stages,
+        padding_multiple=options.padding_multiple,
+        data_parallel=d,
+        adapters=tuple(
+            AdapterInfo(
+                name=job.name,
+                global_batch_size=job.global_batch_size,
+                num_samples=len(job.sample_tokens),
+                num_global_batches=batches[a],
+                sample_tokens=tuple(lengths[a]),
+                truncated_samples=truncated[a],
+            )
+            for a, job in enumerate(jobs)
+        ),
+        stats=stats,
+        microbatches=tuple(microbatches),
+    )
+    violations = verify(result)
+    if violations:  # a bug in this package, never the user's input
+        raise RuntimeError(f"internal error, the plan does not verify: {violations[0]}")
+    seconds = time.perf_counter() - start
+    final_stats = stats.model_copy(update={"merged_samples": merged, "workers": workers, "solve_seconds": seconds})
+    return result.model_copy(update={"stats": final_stats})

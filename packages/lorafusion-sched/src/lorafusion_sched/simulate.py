@@ -1,0 +1,257 @@
+"""Pipeline simulator: the plan's continuous 1F1B pipeline against two baselines (paper sections 4 and 6.5).
+
+Every run is a sequence of microbatches per data-parallel replica, executed with the 1F1B schedule
+on ``S`` stages: stage ``s`` first runs ``S - 1 - s`` forwards, then alternates one forward and
+one backward, then drains the remaining backwards. A forward on stage ``s`` waits for the same
+microbatch's forward on ``s - 1``; a backward waits for the backward on ``s + 1`` (on the last
+stage, for its own forward). Communication is free; a no-op takes no time but keeps its slot.
+
+Runs:
+
+* ``lorafusion``: the plan's microbatches, one continuous pipeline (no flush between global
+  batches: the plan's bubble lemma makes that safe).
+* ``megatron``: each adapter alone in turn; each global batch split in order into microbatches of
+  a fixed number of samples and run as its own 1F1B pipeline (flush per global batch).
+* ``mlora``: for each global-batch index, adapters round-robin, fixed samples per microbatch
+  (one adapter per microbatch, no token balancing), one continuous pipeline with the no-ops the
+  bubble lemma needs.
+
+Baseline microbatches are padded like the plan's segments (one segment, rounded up to ``P``).
+With ``d`` replicas each replica runs its share of each pipeline independently (the slowest one
+sets the time), which ignores the all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lorafusion_sched.errors import SchedError
+from lorafusion_sched.models import CostModel, Plan, RunStats, SimulationResult
+from lorafusion_sched.packing.problem import round_up
+from lorafusion_sched.sequence import Slot, insert_noops
+
+__all__ = ["Event", "baseline_microbatch_samples", "run_sequences", "simulate", "timeline"]
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One forward (``F``) or backward (``B``) of one microbatch on one stage."""
+
+    stage: int
+    kind: str
+    microbatch: int
+    start: float
+    end: float
+    label: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    tokens: int
+    label: str
+
+
+def _one_f_one_b(
+    items: Sequence[_Item], stages: int, cost: CostModel, start: float, events: list[Event] | None
+) -> tuple[float, list[float]]:
+    """Simulate one 1F1B pipeline from ``start``; returns (end time, busy seconds per stage)."""
+    n = len(items)
+    busy = [0.0] * stages
+    if n == 0:
+        return start, busy
+    forward = [[cost.forward_seconds(it.tokens, s) for it in items] for s in range(stages)]
+    orders: list[list[tuple[bool, int]]] = []
+    for s in range(stages):
+        warmup = min(stages - 1 - s, n)
+        ops = [(True, i) for i in range(warmup)]
+        for i in range(n - warmup):
+            ops.extend([(True, warmup + i), (False, i)])
+        ops.extend((False, i) for i in range(n - warmup, n))
+        orders.append(ops)
+    f_end = [[-1.0] * n for _ in range(stages)]
+    b_end = [[-1.0] * n for _ in range(stages)]
+    free = [start] * stages
+    position = [0] * stages
+    remaining = 2 * n * stages
+    while remaining:
+        progressed = False
+        for s in range(stages):
+            ops = orders[s]
+            while position[s] < len(ops):
+                is_forward, i = ops[position[s]]
+                if is_forward:
+                    ready = f_end[s - 1][i] if s > 0 else start
+                else:
+                    ready = b_end[s + 1][i] if s < stages - 1 else f_end[s][i]
+                if ready < 0:
+                    break
+                duration = forward[s][i] * (1.0 if is_forward else cost.backward_factor)
+                begin = max(free[s], ready)
+                end = begin + duration
+                (f_end if is_forward else b_end)[s][i] = end
+                free[s] = end
+                busy[s] += duration
+                position[s] += 1
+                remaining -= 1
+                progressed = True
+                if events is not None and duration > 0:
+                    events.append(Event(s, "F" if is_forward else "B", i, begin, end, items[i].label))
+        if not progressed:  # 1F1B orders are deadlock-free; this guards the invariant
+            raise RuntimeError("1F1B simulation made no progress")
+    return max(free), busy
+
+
+def run_sequences(
+    pipelines: Sequence[Sequence[Sequence[_Item]]], stages: int, cost: CostModel, events: list[Event] | None = None
+) -> tuple[float, list[float]]:
+    """Run pipelines one after another (a flush between them); each has one sequence per replica.
+
+    Returns:
+        Makespan and busy seconds per stage (averaged over replicas).
+    """
+    clock = 0.0
+    busy = [0.0] * stages
+    for per_replica in pipelines:
+        ends = []
+        for r, items in enumerate(per_replica):
+            end, used = _one_f_one_b(items, stages, cost, clock, events if r == 0 else None)
+            ends.append(end)
+            for s in range(stages):
+                busy[s] += used[s] / len(per_replica)
+        clock = max([clock, *ends])
+    return clock, busy
+
+
+def baseline_microbatch_samples(plan: Plan) -> dict[str, int]:
+    """Default samples per baseline microbatch: the most whose mean padded size fits the capacity."""
+    out = {}
+    for a in plan.adapters:
+        mean = round_up(math.ceil(statistics.fmean(a.sample_tokens)), plan.padding_multiple)
+        out[a.name] = max(1, plan.capacity // mean)
+    return out
+
+
+def _scheduled(plan: Plan) -> list[list[list[int]]]:
+    """Per adapter, per global batch, the sample ids the plan schedules."""
+    out = []
+    for a in plan.adapters:
+        gbs = a.global_batch_size
+        out.append(
+            [list(range(g * gbs, min((g + 1) * gbs, len(a.sample_tokens)))) for g in range(a.num_global_batches)]
+        )
+    return out
+
+
+def _split(items: Sequence[_Item], replicas: int) -> list[list[_Item]]:
+    return [list(items[r::replicas]) for r in range(replicas)]
+
+
+def _plan_pipelines(plan: Plan) -> list[list[list[_Item]]]:
+    items = [_Item(mb.padded_tokens, "+".join(s.adapter for s in mb.segments) or "no-op") for mb in plan.microbatches]
+    return [_split(items, plan.data_parallel)]
+
+
+def _chunks(plan: Plan, adapter: int, samples: list[int], size: int) -> list[_Item]:
+    info = plan.adapters[adapter]
+    return [
+        _Item(round_up(sum(info.sample_tokens[s] for s in samples[i : i + size]), plan.padding_multiple), info.name)
+        for i in range(0, len(samples), size)
+    ]
+
+
+def _megatron_pipelines(plan: Plan, per_mb: dict[str, int]) -> list[list[list[_Item]]]:
+    return [
+        _split(_chunks(plan, a, samples, per_mb[plan.adapters[a].name]), plan.data_parallel)
+        for a, batches in enumerate(_scheduled(plan))
+        for samples in batches
+    ]
+
+
+def _mlora_pipelines(plan: Plan, per_mb: dict[str, int]) -> list[list[list[_Item]]]:
+    scheduled = _scheduled(plan)
+    slots: list[Slot] = []
+    items: list[_Item] = []
+    for g in range(max((len(b) for b in scheduled), default=0)):
+        for a, batches in enumerate(scheduled):
+            if g < len(batches):
+                for item in _chunks(plan, a, batches[g], per_mb[plan.adapters[a].name]):
+                    slots.append({a: (g, [])})
+                    items.append(item)
+    order = insert_noops(slots, plan.pipeline_stages, plan.data_parallel)
+    laid_out = [_Item(0, "no-op") if i is None else items[i] for i in order]
+    return [_split(laid_out, plan.data_parallel)]
+
+
+def _stats(name: str, pipelines: list[list[list[_Item]]], plan: Plan, cost: CostModel, tokens: int) -> RunStats:
+    makespan, busy = run_sequences(pipelines, plan.pipeline_stages, cost)
+    per_stage = tuple(1.0 - b / makespan if makespan > 0 else 0.0 for b in busy)
+    return RunStats(
+        name=name,
+        num_microbatches=sum(len(seq) for p in pipelines for seq in p),
+        makespan_s=makespan,
+        bubble_ratio=statistics.fmean(per_stage),
+        bubble_ratio_per_stage=per_stage,
+        tokens=tokens,
+        tokens_per_s=tokens / makespan if makespan > 0 else 0.0,
+    )
+
+
+def _check_cost(plan: Plan, cost: CostModel) -> None:
+    if cost.stage_factors is not None and len(cost.stage_factors) != plan.pipeline_stages:
+        raise SchedError(
+            f"cost_model.stage_factors has {len(cost.stage_factors)} entries: give one per pipeline stage "
+            f"({plan.pipeline_stages})"
+        )
+
+
+def simulate(
+    plan: Plan,
+    cost_model: CostModel | None = None,
+    *,
+    baselines: bool = True,
+    microbatch_samples: dict[str, int] | None = None,
+) -> SimulationResult:
+    """Simulate the plan's pipeline and, optionally, the Megatron-style and mLoRA-style baselines.
+
+    Args:
+        plan: The plan (its adapters carry the sample lengths the baselines need).
+        cost_model: Seconds per microbatch; default :class:`CostModel`.
+        baselines: Also simulate ``megatron`` and ``mlora``.
+        microbatch_samples: Samples per baseline microbatch by adapter name; default
+            :func:`baseline_microbatch_samples`.
+
+    Returns:
+        Makespan, per-stage bubble ratio and tokens/s of every run, the plan's first.
+
+    Raises:
+        SchedError: If the cost model's stage factors do not match the pipeline.
+    """
+    cost = cost_model or CostModel()
+    _check_cost(plan, cost)
+    tokens = sum(mb.tokens for mb in plan.microbatches)
+    runs = [_stats("lorafusion", _plan_pipelines(plan), plan, cost, tokens)]
+    if baselines:
+        per_mb = baseline_microbatch_samples(plan) | (microbatch_samples or {})
+        runs.append(_stats("megatron", _megatron_pipelines(plan, per_mb), plan, cost, tokens))
+        runs.append(_stats("mlora", _mlora_pipelines(plan, per_mb), plan, cost, tokens))
+    return SimulationResult(pipeline_stages=plan.pipeline_stages, cost_model=cost, runs=tuple(runs))
+
+
+def timeline(plan: Plan, run: str = "lorafusion", cost_model: CostModel | None = None) -> list[Event]:
+    """The events of replica 0 of one run (for plotting)."""
+    cost = cost_model or CostModel()
+    _check_cost(plan, cost)
+    per_mb = baseline_microbatch_samples(plan)
+    builders = {
+        "lorafusion": lambda: _plan_pipelines(plan),
+        "megatron": lambda: _megatron_pipelines(plan, per_mb),
+        "mlora": lambda: _mlora_pipelines(plan, per_mb),
+    }
+    if run not in builders:
+        raise SchedError(f"run = {run!r} is unknown: choose one of {', '.join(builders)}")
+    events: list[Event] = []
+    run_sequences(builders[run](), plan.pipeline_stages, cost, events)
+    return events

@@ -1,0 +1,203 @@
+"""Re-check every invariant of a plan from the plan alone (Contract 1).
+
+The runtime calls :func:`verify` before training and refuses a plan with violations. The checks:
+
+* every scheduled sample appears exactly once, in a segment of its own global batch
+  (``sample // global_batch_size``), and the segment's tokens and padded tokens are right;
+* a microbatch holds at most ``capacity`` padded tokens and at most one segment per adapter;
+* an adapter's global batches appear in order;
+* the bubble lemma: with ``d`` replicas and microbatch ``i`` at round ``i // d``, the first round
+  of global batch ``g + 1`` is at least ``S`` rounds after the last round of ``g``;
+* ``step_after`` names exactly the adapters whose global batch ends in that round, on every
+  replica's microbatch of the round;
+* no-ops have no segments, and ``replica`` is ``i % d`` (or absent when ``d = 1``).
+"""
+
+from __future__ import annotations
+
+from lorafusion_sched.models import Plan, Violation
+from lorafusion_sched.packing.problem import round_up
+
+__all__ = ["verify"]
+
+
+def _check_shape(plan: Plan, out: list[Violation]) -> None:
+    d = plan.data_parallel
+    names = [a.name for a in plan.adapters]
+    if len(set(names)) != len(names):
+        out.append(Violation(kind="schema", message=f"adapter names repeat: {sorted(names)}"))
+    for a in plan.adapters:
+        expected = -(-len(a.sample_tokens) // a.global_batch_size)
+        if len(a.sample_tokens) != a.num_samples or a.num_global_batches not in (
+            expected,
+            len(a.sample_tokens) // a.global_batch_size,
+        ):
+            out.append(
+                Violation(
+                    kind="schema",
+                    adapter=a.name,
+                    message=f"num_samples = {a.num_samples} / num_global_batches = {a.num_global_batches} "
+                    f"do not match {len(a.sample_tokens)} sample lengths and global_batch_size {a.global_batch_size}",
+                )
+            )
+    if d > 1 and len(plan.microbatches) % d:
+        out.append(
+            Violation(
+                kind="replica", message=f"{len(plan.microbatches)} microbatches is not a multiple of data_parallel {d}"
+            )
+        )
+    for i, mb in enumerate(plan.microbatches):
+        want = i % d if d > 1 else None
+        if mb.replica != want:
+            out.append(Violation(kind="replica", microbatch=i, message=f"replica = {mb.replica}, expected {want}"))
+        if mb.noop != (not mb.segments):
+            out.append(
+                Violation(kind="noop", microbatch=i, message=f"noop = {mb.noop} but it has {len(mb.segments)} segments")
+            )
+
+
+def _check_segments(plan: Plan, out: list[Violation]) -> dict[str, dict[int, tuple[int, int]]]:
+    """Per-sample checks; returns adapter -> global batch -> (first round, last round)."""
+    d = plan.data_parallel
+    info = {a.name: a for a in plan.adapters}
+    seen: dict[str, dict[int, int]] = {a.name: {} for a in plan.adapters}
+    spans: dict[str, dict[int, tuple[int, int]]] = {a.name: {} for a in plan.adapters}
+    latest: dict[str, int] = {}
+    for i, mb in enumerate(plan.microbatches):
+        round_ = i // d
+        if mb.padded_tokens > plan.capacity:
+            out.append(
+                Violation(
+                    kind="capacity",
+                    microbatch=i,
+                    message=f"{mb.padded_tokens} padded tokens exceed the capacity {plan.capacity}",
+                )
+            )
+        adapters_here = [s.adapter for s in mb.segments]
+        for name in sorted({n for n in adapters_here if adapters_here.count(n) > 1}):
+            batches = sorted({s.global_batch for s in mb.segments if s.adapter == name})
+            out.append(
+                Violation(
+                    kind="two_global_batches",
+                    microbatch=i,
+                    adapter=name,
+                    message=f"adapter {name!r} has {adapters_here.count(name)} segments (global batches {batches})",
+                )
+            )
+        for seg in mb.segments:
+            a = info.get(seg.adapter)
+            if a is None:
+                out.append(Violation(kind="schema", microbatch=i, message=f"unknown adapter {seg.adapter!r}"))
+                continue
+            total = 0
+            for s in seg.samples:
+                if not 0 <= s < len(a.sample_tokens) or s // a.global_batch_size >= a.num_global_batches:
+                    out.append(
+                        Violation(
+                            kind="sample_wrong_batch",
+                            microbatch=i,
+                            adapter=a.name,
+                            message=f"sample {s} is not a scheduled sample of {a.name!r}",
+                        )
+                    )
+                    continue
+                total += a.sample_tokens[s]
+                if s // a.global_batch_size != seg.global_batch:
+                    out.append(
+                        Violation(
+                            kind="sample_wrong_batch",
+                            microbatch=i,
+                            adapter=a.name,
+                            message=f"sample {s} belongs to global batch {s // a.global_batch_size}, "
+                            f"not {seg.global_batch}",
+                        )
+                    )
+                seen[a.name][s] = seen[a.name].get(s, 0) + 1
+            if total != seg.tokens or round_up(seg.tokens, plan.padding_multiple) != seg.padded_tokens:
+                out.append(
+                    Violation(
+                        kind="tokens",
+                        microbatch=i,
+                        adapter=a.name,
+                        message=f"segment says tokens = {seg.tokens}, padded = {seg.padded_tokens}; its samples sum "
+                        f"to {total}, padded to {round_up(total, plan.padding_multiple)}",
+                    )
+                )
+            if latest.get(a.name, -1) > seg.global_batch:
+                out.append(
+                    Violation(
+                        kind="batch_order",
+                        microbatch=i,
+                        adapter=a.name,
+                        message=f"global batch {seg.global_batch} of {a.name!r} comes after batch {latest[a.name]}",
+                    )
+                )
+            latest[a.name] = max(latest.get(a.name, -1), seg.global_batch)
+            first, _last = spans[a.name].get(seg.global_batch, (round_, round_))
+            spans[a.name][seg.global_batch] = (first, round_)
+    for a in plan.adapters:
+        scheduled = min(len(a.sample_tokens), a.num_global_batches * a.global_batch_size)
+        missing = [s for s in range(scheduled) if s not in seen[a.name]]
+        if missing:
+            out.append(
+                Violation(
+                    kind="sample_missing",
+                    adapter=a.name,
+                    message=f"{len(missing)} samples of {a.name!r} are never scheduled (first: {missing[:5]})",
+                )
+            )
+        repeated = sorted(s for s, n in seen[a.name].items() if n > 1)
+        if repeated:
+            out.append(
+                Violation(
+                    kind="sample_repeated",
+                    adapter=a.name,
+                    message=f"{len(repeated)} samples of {a.name!r} appear more than once (first: {repeated[:5]})",
+                )
+            )
+    return spans
+
+
+def _check_lemma_and_steps(plan: Plan, spans: dict[str, dict[int, tuple[int, int]]], out: list[Violation]) -> None:
+    d, stages = plan.data_parallel, plan.pipeline_stages
+    steps: dict[int, set[str]] = {}
+    for name, batches in spans.items():
+        for g, (_first, last) in sorted(batches.items()):
+            steps.setdefault(last, set()).add(name)
+            following = batches.get(g + 1)
+            if following is not None and following[0] - last < stages:
+                out.append(
+                    Violation(
+                        kind="bubble_lemma",
+                        microbatch=following[0] * d,
+                        adapter=name,
+                        message=f"global batch {g + 1} of {name!r} starts at round {following[0]}, "
+                        f"{following[0] - last} rounds after batch {g} ends (round {last}); needs {stages}",
+                    )
+                )
+    for i, mb in enumerate(plan.microbatches):
+        want = sorted(steps.get(i // d, set()))
+        if sorted(mb.step_after) != want:
+            out.append(
+                Violation(
+                    kind="step_after",
+                    microbatch=i,
+                    message=f"step_after = {sorted(mb.step_after)}, expected {want}",
+                )
+            )
+
+
+def verify(plan: Plan) -> list[Violation]:
+    """Every violated invariant of ``plan`` (empty when the plan is valid).
+
+    Args:
+        plan: A plan, e.g. from :func:`lorafusion_sched.plan` or read from JSON.
+
+    Returns:
+        Violations ordered by kind of check, then by microbatch.
+    """
+    out: list[Violation] = []
+    _check_shape(plan, out)
+    spans = _check_segments(plan, out)
+    _check_lemma_and_steps(plan, spans, out)
+    return out

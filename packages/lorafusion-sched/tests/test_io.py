@@ -1,0 +1,106 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lorafusion_sched import AdapterJob, PlanOptions, SchedError, plan, verify
+from lorafusion_sched.io import load_jobs, load_plan, read_lengths, save_plan
+
+
+def make_job(name: str, lengths: list[int], gbs: int) -> AdapterJob:
+    return AdapterJob(name=name, sample_tokens=tuple(lengths), global_batch_size=gbs)
+
+
+def test_read_lengths_in_every_format(tmp_path: Path) -> None:
+    (tmp_path / "a.json").write_text("[5, 7.0, 9]")
+    (tmp_path / "b.json").write_text('[{"tokens": 5}, {"tokens": 6}]')
+    (tmp_path / "c.jsonl").write_text('{"length": 3, "id": 1}\n\n{"length": 4, "id": 2}\n')
+    (tmp_path / "d.jsonl").write_text("8\n9\n")
+    (tmp_path / "e.csv").write_text("n\n11\n12\n")
+    (tmp_path / "f.csv").write_text("id,num_tokens,x\n1,13,a\n2,14,b\n")
+    (tmp_path / "g.csv").write_text("id,size\n1,15\n")
+    assert read_lengths(tmp_path / "a.json") == [5, 7, 9]
+    assert read_lengths(tmp_path / "b.json") == [5, 6]
+    assert read_lengths(tmp_path / "c.jsonl") == [3, 4]
+    assert read_lengths(tmp_path / "d.jsonl") == [8, 9]
+    assert read_lengths(tmp_path / "e.csv") == [11, 12]
+    assert read_lengths(tmp_path / "f.csv") == [13, 14]
+    assert read_lengths(tmp_path / "g.csv", "size") == [15]
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "needle"),
+    [
+        ("x.json", "[5, -1]", r"x.json\[1\]: -1 is not a positive"),
+        ("x.json", "[5, 2.5]", "2.5 is not a positive whole"),
+        ("x.json", "{", "invalid JSON"),
+        ("x.jsonl", '{"id": 1}\n', r"x.jsonl:1: none of the fields"),
+        ("x.csv", "id,size\n1,15\n", "pass lengths_field"),
+        ("x.txt", "5", "unknown suffix '.txt'"),
+        ("x.json", "[]", "no lengths found"),
+        ("x.json", '["many"]', "'many' is not a token count"),
+    ],
+)
+def test_bad_lengths_files_say_where(tmp_path: Path, name: str, text: str, needle: str) -> None:
+    (tmp_path / name).write_text(text)
+    with pytest.raises(SchedError, match=needle):
+        read_lengths(tmp_path / name)
+    with pytest.raises(SchedError, match="does not exist"):
+        read_lengths(tmp_path / "missing.json")
+
+
+def test_load_jobs_yaml_with_a_lengths_file(tmp_path: Path) -> None:
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"tokens": t}) for t in (100, 200, 300)))
+    (tmp_path / "jobs.yaml").write_text(
+        "adapters:\n"
+        "  - {name: a, sample_tokens: [512, 1033], global_batch_size: 2}\n"
+        "  - {name: b, lengths_file: b.jsonl, global_batch_size: 1}\n"
+        "options: {capacity: 4096, pipeline_stages: 4, padding_multiple: 64}\n"
+    )
+    jobs, options = load_jobs(tmp_path / "jobs.yaml")
+    assert [j.name for j in jobs] == ["a", "b"]
+    assert jobs[1].sample_tokens == (100, 200, 300)
+    assert options.pipeline_stages == 4
+
+
+@pytest.mark.parametrize(
+    ("doc", "needle"),
+    [
+        ({"adapters": []}, "adapters must be a non-empty list"),
+        ({"adapters": [{"name": "a", "sample_tokens": [0], "global_batch_size": 1}]}, r"adapters\[0\].sample_tokens"),
+        (
+            {
+                "adapters": [{"name": "a", "sample_tokens": [5], "global_batch_size": 1}],
+                "options": {"capacity": 100, "padding_multiple": 64},
+            },
+            "options.*capacity = 100 is not a multiple",
+        ),
+        ({"adapters": [{"name": "a", "sample_tokens": [5], "global_batch_size": 1}], "extra": 1}, "expected a mapping"),
+        (
+            {
+                "adapters": [{"name": "a", "sample_tokens": [5], "global_batch_size": 1}],
+                "options": {"capacity": 64, "pipeline_stages": 0},
+            },
+            "pipeline_stages = 0",
+        ),
+    ],
+)
+def test_bad_jobs_files_name_field_and_value(tmp_path: Path, doc: dict[str, object], needle: str) -> None:
+    path = tmp_path / "jobs.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(SchedError, match=needle):
+        load_jobs(path)
+
+
+def test_plan_json_round_trip(tmp_path: Path) -> None:
+    p = plan([make_job("a", [100, 900, 300, 50], gbs=2)], PlanOptions(capacity=1024, pipeline_stages=2))
+    save_plan(p, tmp_path / "plan.json")
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert doc["schema_version"] == 1
+    assert load_plan(tmp_path / "plan.json") == p
+    assert verify(load_plan(tmp_path / "plan.json")) == []
+    (tmp_path / "bad.json").write_text('{"schema_version": 2}')
+    with pytest.raises(SchedError, match="schema_version"):
+        load_plan(tmp_path / "bad.json")

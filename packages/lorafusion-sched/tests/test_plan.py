@@ -1,0 +1,144 @@
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from lorafusion_sched import AdapterJob, Plan, PlanOptions, plan, verify
+from lorafusion_sched.workloads import synthetic_jobs
+
+
+def make_job(name: str, lengths: list[int], gbs: int) -> AdapterJob:
+    return AdapterJob(name=name, sample_tokens=tuple(lengths), global_batch_size=gbs)
+
+
+def positions(p: Plan, adapter: str) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for i, mb in enumerate(p.microbatches):
+        for s in mb.segments:
+            if s.adapter == adapter:
+                out.setdefault(s.global_batch, []).append(i)
+    return out
+
+
+def test_one_adapter_gets_noops_for_the_bubble_lemma(fast_options: PlanOptions) -> None:
+    job = make_job("solo", [300] * 12, gbs=3)  # one microbatch per global batch
+    p = plan([job], fast_options)
+    assert verify(p) == []
+    assert p.stats.num_noops == 3 * 3  # S - 1 = 3 no-ops between each of the 4 global batches
+    pos = positions(p, "solo")
+    assert all(pos[g + 1][0] - pos[g][-1] >= 4 for g in range(3))
+    assert [mb.step_after for mb in p.microbatches if mb.step_after] == [("solo",)] * 4
+
+
+def test_step_after_marks_the_last_microbatch_of_each_global_batch(fast_options: PlanOptions) -> None:
+    jobs = synthetic_jobs("het", 192, num_adapters=4, global_batch_size=8, seed=1)
+    p = plan(jobs, fast_options.model_copy(update={"capacity": 4096}))
+    assert verify(p) == []
+    for job in jobs:
+        pos = positions(p, job.name)
+        for g, where in pos.items():
+            assert job.name in p.microbatches[where[-1]].step_after, g
+            assert all(job.name not in p.microbatches[i].step_after for i in where[:-1])
+
+
+def test_different_batch_sizes_and_dataset_sizes(fast_options: PlanOptions) -> None:
+    jobs = [
+        make_job("a", [100 + 7 * i for i in range(50)], gbs=8),  # 7 batches, last one partial (2)
+        make_job("b", [400 + 3 * i for i in range(13)], gbs=4),  # 4 batches, last partial (1)
+        make_job("c", [900] * 6, gbs=1),  # 6 single-sample batches
+    ]
+    p = plan(jobs, fast_options)
+    assert verify(p) == []
+    assert [a.num_global_batches for a in p.adapters] == [7, 4, 6]
+    assert p.stats.dropped_samples == 0
+    dropped = plan(jobs, fast_options.model_copy(update={"drop_last": True}))
+    assert verify(dropped) == []
+    assert [a.num_global_batches for a in dropped.adapters] == [6, 3, 6]
+    assert dropped.stats.dropped_samples == 2 + 1
+    scheduled = {s for mb in dropped.microbatches for seg in mb.segments if seg.adapter == "a" for s in seg.samples}
+    assert scheduled == set(range(48))
+
+
+def test_eight_adapters(fast_options: PlanOptions) -> None:
+    jobs = synthetic_jobs("mixed", 8 * 24, num_adapters=8, global_batch_size=6, seed=2)
+    p = plan(jobs, fast_options.model_copy(update={"capacity": 4096}))
+    assert verify(p) == []
+    assert p.stats.num_groups >= 4
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_data_parallel_lemma_holds_across_replicas(fast_options: PlanOptions, replicas: int) -> None:
+    jobs = synthetic_jobs("het", 96, num_adapters=2, global_batch_size=8, seed=3)
+    p = plan(jobs, fast_options.model_copy(update={"capacity": 4096, "data_parallel": replicas}))
+    assert verify(p) == []
+    assert len(p.microbatches) % replicas == 0
+    assert [mb.replica for mb in p.microbatches[:replicas]] == list(range(replicas))
+    for i in range(0, len(p.microbatches), replicas):
+        rounds = {mb.step_after for mb in p.microbatches[i : i + replicas]}
+        assert len(rounds) == 1  # every replica steps the same adapters after the same round
+
+
+def test_plan_is_deterministic_without_the_milp(fast_options: PlanOptions) -> None:
+    jobs = synthetic_jobs("het", 400, num_adapters=4, global_batch_size=16, seed=4)
+    options = fast_options.model_copy(update={"capacity": 4096, "use_milp": False})
+    a, b = plan(jobs, options), plan(jobs, options)
+    assert a.microbatches == b.microbatches
+
+
+def test_merge_never_adds_microbatches(fast_options: PlanOptions) -> None:
+    jobs = synthetic_jobs("het", 512, num_adapters=4, global_batch_size=16, seed=5)
+    base = fast_options.model_copy(update={"capacity": 4096, "use_milp": False})
+    merged = plan(jobs, base)
+    unmerged = plan(jobs, base.model_copy(update={"merge": False}))
+    assert verify(merged) == []
+    assert merged.stats.merged_samples > 0
+    assert merged.stats.num_microbatches <= unmerged.stats.num_microbatches
+
+
+def test_milp_in_worker_processes_matches_the_contract(fast_options: PlanOptions) -> None:
+    jobs = synthetic_jobs("het", 640, num_adapters=4, global_batch_size=16, seed=6)
+    seen: list[tuple[int, int]] = []
+    p = plan(
+        jobs,
+        fast_options.model_copy(update={"capacity": 4096, "workers": 2}),
+        progress=lambda done, total: seen.append((done, total)),
+    )
+    assert verify(p) == []
+    assert p.stats.workers == 2
+    assert p.stats.milp_runs >= 16
+    assert seen[0] == (0, p.stats.num_tasks)
+    assert seen[-1] == (p.stats.num_tasks, p.stats.num_tasks)
+    assert p.stats.num_microbatches - p.stats.num_noops >= p.stats.lower_bound
+
+
+def test_padding_is_per_adapter_segment(fast_options: PlanOptions) -> None:
+    jobs = [make_job("a", [10, 20, 30], gbs=3), make_job("b", [40], gbs=1)]
+    p = plan(jobs, fast_options.model_copy(update={"pipeline_stages": 1}))
+    assert verify(p) == []
+    seg = {s.adapter: s for mb in p.microbatches for s in mb.segments}
+    assert (seg["a"].tokens, seg["a"].padded_tokens) == (60, 64)
+    assert (seg["b"].tokens, seg["b"].padded_tokens) == (40, 64)
+
+
+@pytest.mark.slow
+def test_paper_scale_plan_verifies_clean() -> None:
+    jobs = synthetic_jobs("het", 25_600, num_adapters=4, global_batch_size=32, seed=0)
+    p = plan(jobs, PlanOptions(capacity=4096, pipeline_stages=4, padding_multiple=64))
+    assert verify(p) == []
+    assert p.stats.fill_ratio >= 0.95
+
+
+def test_failed_workers_fall_back_to_greedy(fast_options: PlanOptions, monkeypatch: pytest.MonkeyPatch) -> None:
+    jobs = synthetic_jobs("het", 640, num_adapters=4, global_batch_size=16, seed=7)
+    options = fast_options.model_copy(update={"capacity": 4096, "workers": 2})
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    with pytest.warns(UserWarning, match="kept their greedy packing"):
+        p = plan(jobs, options)
+    assert verify(p) == []
+    assert p.stats.milp_runs == 0
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    with pytest.warns(UserWarning, match="could not start"):
+        p = plan(jobs, options)
+    assert verify(p) == []
+    assert p.stats.workers == 1

@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from lorafusion_sched import CostModel, PlanOptions, SchedError, plan, simulate
+from lorafusion_sched.simulate import Event, _Item, run_sequences, timeline
+from lorafusion_sched.workloads import synthetic_jobs
+
+UNIT = CostModel(forward_fixed_s=0.0, forward_per_token_s=1.0, backward_factor=2.0)
+
+
+@pytest.mark.parametrize(("n", "stages"), [(1, 1), (4, 4), (8, 4), (16, 2), (3, 5)])
+def test_uniform_1f1b_matches_the_closed_form(n: int, stages: int) -> None:
+    makespan, busy = run_sequences([[[_Item(1, "a")] * n]], stages, UNIT)
+    assert makespan == pytest.approx((n + stages - 1) * 3.0)
+    assert busy == pytest.approx([3.0 * n] * stages)
+
+
+def test_events_respect_dependencies() -> None:
+    events: list[Event] = []
+    run_sequences([[[_Item(t, "a") for t in (3, 1, 2, 5, 1)]]], 3, UNIT, events)
+    end = {(e.stage, e.kind, e.microbatch): e.end for e in events}
+    for e in events:
+        if e.kind == "F" and e.stage > 0:
+            assert e.start >= end[(e.stage - 1, "F", e.microbatch)] - 1e-12
+        if e.kind == "B" and e.stage < 2:
+            assert e.start >= end[(e.stage + 1, "B", e.microbatch)] - 1e-12
+    per_stage: dict[int, list[Event]] = {}
+    for e in events:
+        per_stage.setdefault(e.stage, []).append(e)
+    for evs in per_stage.values():
+        evs.sort(key=lambda e: e.start)
+        assert all(a.end <= b.start + 1e-12 for a, b in itertools.pairwise(evs))
+
+
+def test_four_adapters_beat_both_baselines() -> None:
+    jobs = synthetic_jobs("het", 640, num_adapters=4, global_batch_size=16, seed=0)
+    p = plan(jobs, PlanOptions(capacity=4096, pipeline_stages=4, padding_multiple=64, use_milp=False))
+    result = simulate(p)
+    ours, megatron, mlora = (result.run(n) for n in ("lorafusion", "megatron", "mlora"))
+    assert ours.bubble_ratio < mlora.bubble_ratio < megatron.bubble_ratio
+    assert ours.tokens_per_s > mlora.tokens_per_s > megatron.tokens_per_s
+    assert ours.tokens == megatron.tokens == mlora.tokens
+    assert len(ours.bubble_ratio_per_stage) == 4
+
+
+def test_stage_factors_must_match_the_pipeline() -> None:
+    jobs = synthetic_jobs("xsum", 32, num_adapters=1, global_batch_size=8)
+    p = plan(jobs, PlanOptions(capacity=4096, pipeline_stages=2, use_milp=False))
+    with pytest.raises(SchedError, match="stage_factors has 3 entries"):
+        simulate(p, CostModel(stage_factors=(1.0, 1.0, 1.2)))
+    slow_last = simulate(p, CostModel(stage_factors=(1.0, 1.5)), baselines=False)
+    assert slow_last.runs[0].bubble_ratio_per_stage[0] > slow_last.runs[0].bubble_ratio_per_stage[1]
+    with pytest.raises(SchedError, match="run = 'x'"):
+        timeline(p, "x")
+
+
+def test_data_parallel_simulation_runs() -> None:
+    jobs = synthetic_jobs("het", 128, num_adapters=2, global_batch_size=8, seed=1)
+    p = plan(jobs, PlanOptions(capacity=4096, pipeline_stages=2, data_parallel=2, use_milp=False))
+    result = simulate(p)
+    assert all(r.makespan_s > 0 for r in result.runs)

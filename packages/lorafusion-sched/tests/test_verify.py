@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from lorafusion_sched import AdapterJob, Microbatch, Plan, PlanOptions, Segment, plan, verify
+
+
+def make_job(name: str, lengths: list[int], gbs: int) -> AdapterJob:
+    return AdapterJob(name=name, sample_tokens=tuple(lengths), global_batch_size=gbs)
+
+
+@pytest.fixture
+def good() -> Plan:
+    jobs = [make_job("a", [300, 200, 500, 100, 250, 50], gbs=2), make_job("b", [700, 800, 120, 90], gbs=2)]
+    return plan(jobs, PlanOptions(capacity=1024, pipeline_stages=2, padding_multiple=64, use_milp=False))
+
+
+def replace_mb(p: Plan, index: int, **changes: Any) -> Plan:
+    mbs = list(p.microbatches)
+    mbs[index] = mbs[index].model_copy(update=changes)
+    return p.model_copy(update={"microbatches": tuple(mbs)})
+
+
+def kinds(p: Plan) -> set[str]:
+    return {v.kind for v in verify(p)}
+
+
+def first_with(p: Plan, adapter: str) -> int:
+    return next(i for i, mb in enumerate(p.microbatches) if any(s.adapter == adapter for s in mb.segments))
+
+
+def test_good_plan_is_clean(good: Plan) -> None:
+    assert verify(good) == []
+
+
+def test_missing_and_repeated_samples(good: Plan) -> None:
+    i = first_with(good, "a")
+    assert "sample_missing" in kinds(replace_mb(good, i, segments=(), noop=True))
+    doubled = good.model_copy(update={"microbatches": (*good.microbatches, good.microbatches[i])})
+    assert "sample_repeated" in kinds(doubled)
+
+
+def test_capacity_and_token_counts(good: Plan) -> None:
+    i = first_with(good, "b")
+    seg = next(s for s in good.microbatches[i].segments if s.adapter == "b")
+    big = seg.model_copy(update={"tokens": 2000, "padded_tokens": 2048})
+    found = kinds(replace_mb(good, i, segments=(big,)))
+    assert {"capacity", "tokens"} <= found
+
+
+def test_two_global_batches_order_and_lemma(good: Plan) -> None:
+    a_segments = [(i, s) for i, mb in enumerate(good.microbatches) for s in mb.segments if s.adapter == "a"]
+    i0, s1 = a_segments[0][0], a_segments[-1][1]
+    both = (*good.microbatches[i0].segments, s1)
+    assert "two_global_batches" in kinds(replace_mb(good, i0, segments=both))
+    swapped = list(good.microbatches)
+    first, last = a_segments[0][0], a_segments[-1][0]
+    swapped[first], swapped[last] = swapped[last], swapped[first]
+    assert {"batch_order", "bubble_lemma"} & kinds(good.model_copy(update={"microbatches": tuple(swapped)}))
+
+
+def test_removing_noops_breaks_the_lemma() -> None:
+    p = plan([make_job("solo", [300] * 6, gbs=2)], PlanOptions(capacity=1024, pipeline_stages=3, use_milp=False))
+    compact = tuple(mb for mb in p.microbatches if not mb.noop)
+    violations = verify(p.model_copy(update={"microbatches": compact}))
+    assert {v.kind for v in violations} == {"bubble_lemma"}
+    assert "needs 3" in violations[0].message
+
+
+def test_step_after_noop_and_replica_consistency(good: Plan) -> None:
+    i = first_with(good, "a")
+    assert "step_after" in kinds(replace_mb(good, i, step_after=("nobody",)))
+    assert "noop" in kinds(replace_mb(good, i, noop=True))
+    assert "replica" in kinds(replace_mb(good, i, replica=1))
+
+
+def test_wrong_global_batch_and_unknown_adapter(good: Plan) -> None:
+    i = first_with(good, "a")
+    seg = good.microbatches[i].segments[0]
+    wrong = seg.model_copy(update={"global_batch": seg.global_batch + 1})
+    assert "sample_wrong_batch" in kinds(replace_mb(good, i, segments=(wrong,)))
+    ghost = Segment(adapter="ghost", global_batch=0, samples=(0,), tokens=1, padded_tokens=64)
+    extra = good.model_copy(update={"microbatches": (*good.microbatches, Microbatch(segments=(ghost,)))})
+    assert "schema" in kinds(extra)
+
+
+def test_violation_message_names_the_microbatch(good: Plan) -> None:
+    i = first_with(good, "a")
+    text = str(verify(replace_mb(good, i, step_after=("nobody",)))[0])
+    assert text.startswith(f"[step_after] microbatch {i}:")
