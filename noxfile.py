@@ -56,6 +56,17 @@ class Package(enum.StrEnum):
                 assert_never(self)
 
     @property
+    def editable_spec(self) -> str:
+        """Editable install spec for the together venv, with optional extras whose code is tested there."""
+        match self:
+            case Package.SCHED:
+                return f"{self.path}[plot]"
+            case Package.KERNELS | Package.MEGATRON:
+                return str(self.path)
+            case _:
+                assert_never(self)
+
+    @property
     def test_env(self) -> dict[str, str]:
         """Environment for this package's test run."""
         match self:
@@ -108,7 +119,7 @@ def tests(session: nox.Session, package: Package) -> None:
 def tests_together(session: nox.Session) -> None:
     """All three packages in one venv: every package's tests, then ``integration-tests/``."""
     session.install(*CPU_CONSTRAINTS, *nox.project.dependency_groups(PYPROJECT, "test"))
-    session.install(*CPU_CONSTRAINTS, *[arg for p in Package for arg in ("-e", str(p.path))])
+    session.install(*CPU_CONSTRAINTS, *[arg for p in Package for arg in ("-e", p.editable_spec)])
     for package in Package:
         _pytest(session, package, "-m", "not slow")
     session.run("pytest", str(ROOT / "integration-tests"), "-m", "not slow", *session.posargs)

@@ -6,5 +6,22 @@ Importing this package does no work: no CUDA query, no allocation, no autotuning
 from __future__ import annotations
 
 from lorafusion_kernels.__about__ import __version__
+from lorafusion_kernels.errors import LoRAFusionKernelsError, LoRAFusionKernelsWarning
+from lorafusion_kernels.lora import FusedLoRALinear, fused_lora_linear
+from lorafusion_kernels.metadata import MultiLoRABatch
+from lorafusion_kernels.multi_lora import fused_multi_lora_linear, multi_lora_batch, multi_lora_checkpoint_contexts
+from lorafusion_kernels.peft_integration import patch_peft_model, unpatch_peft_model
 
-__all__ = ["__version__"]
+__all__ = [
+    "FusedLoRALinear",
+    "LoRAFusionKernelsError",
+    "LoRAFusionKernelsWarning",
+    "MultiLoRABatch",
+    "__version__",
+    "fused_lora_linear",
+    "fused_multi_lora_linear",
+    "multi_lora_batch",
+    "multi_lora_checkpoint_contexts",
+    "patch_peft_model",
+    "unpatch_peft_model",
+]

@@ -1,0 +1,321 @@
+"""Benchmark one LoRA linear layer on a packed microbatch of several adapters (FusedMultiLoRA).
+
+Run on a GPU (from the repository root)::
+
+    PYTHONPATH=packages/lorafusion-kernels/src python packages/lorafusion-kernels/benchmarks/bench_multi_lora.py \
+        --out packages/lorafusion-kernels/benchmarks/results/
+
+Same layer shapes, M, rank (16), p (0.1) and dtype (bf16) as ``bench_lora.py``; the M tokens are split
+among 1, 2, 4 or 8 adapters, ``even`` (equal segments) or ``skewed`` (segment ``i`` gets a share
+proportional to ``2**-i``). Providers: ``frozen`` (``x W^T`` alone, the floor), ``eager`` (one frozen
+GEMM plus a PEFT-style LoRA branch per segment, :func:`lorafusion_kernels.reference.per_segment_lora_linear`),
+``fused_single`` (FusedLoRA on each segment, outputs concatenated) and ``fused_multi``
+(:func:`lorafusion_kernels.fused_multi_lora_linear` with the batch metadata built once, outside the
+timing, as a trainer does per microbatch). ``fused_multi_tma`` forces the sm_90 TMA variants of the
+two GEMMs (``--tma``). Times are medians of ``triton.testing.do_bench`` (eager launches, CPU overhead
+included). Results go to ``<out>/<gpu-key>-multi.json`` (rows with ``op = "multi_lora_linear"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import platform
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+from bench_lora import LAYERS, M_VALUES, saved_bytes
+from triton.testing import do_bench
+
+import lorafusion_kernels
+from lorafusion_kernels import MultiLoRABatch, fused_lora_linear, fused_multi_lora_linear
+from lorafusion_kernels.reference import per_segment_lora_linear
+from lorafusion_kernels.tuning.config import KernelConfig, ShapeKey, lookup_config, override_configs
+from lorafusion_kernels.tuning.device import capability, device_name, gpu_key
+
+ADAPTER_COUNTS = [1, 2, 4, 8]
+DISTRIBUTIONS = ["even", "skewed"]
+PROVIDERS = ["frozen", "eager", "fused_single", "fused_multi"]
+
+
+def segment_lengths(m: int, adapters: int, distribution: str) -> list[int]:
+    """Tokens per adapter (one segment each), summing to ``m``."""
+    weights = [1.0] * adapters if distribution == "even" else [2.0**-i for i in range(adapters)]
+    lengths = [int(m * w / sum(weights)) for w in weights]
+    lengths[0] += m - sum(lengths)
+    return lengths
+
+
+def make_provider(
+    name: str, m: int, n: int, k: int, r: int, p: float, lengths: list[int], dtype: torch.dtype
+) -> dict[str, object]:
+    """Tensors and closures ``fwd()`` / ``fwd_bwd()`` for one provider and problem."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    count = len(lengths)
+    x = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) / math.sqrt(k)
+
+    def rand(*shape: int, scale: float) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda", dtype=dtype, generator=gen) * scale).requires_grad_()
+
+    lora_a = [rand(r, k, scale=k**-0.5) for _ in range(count)]
+    lora_b = [rand(n, r, scale=r**-0.5) for _ in range(count)]
+    dy = torch.randn(m, n, device="cuda", dtype=dtype, generator=gen)
+    adapters = list(range(count))
+    scaling = [2.0] * count
+    ps = [p] * count
+    starts = [sum(lengths[:i]) for i in range(count)]
+    inputs = [x, *lora_a, *lora_b]
+    if name == "frozen":
+        inputs = [x]
+
+        def fwd() -> torch.Tensor:
+            return torch.nn.functional.linear(x, w)
+    elif name == "eager":
+
+        def fwd() -> torch.Tensor:
+            return per_segment_lora_linear(
+                x, w, lora_a, lora_b, segment_lengths=lengths, segment_adapters=adapters, scaling=scaling, dropout_p=ps
+            )
+    elif name == "fused_single":
+
+        def fwd() -> torch.Tensor:
+            return torch.cat(
+                [
+                    fused_lora_linear(x[s : s + length], w, lora_a[i], lora_b[i], scaling=scaling[i], dropout_p=p)
+                    for i, (s, length) in enumerate(zip(starts, lengths, strict=True))
+                ]
+            )
+    else:
+        batch = MultiLoRABatch.from_segments(lengths, adapters, device="cuda")
+
+        def fwd() -> torch.Tensor:
+            return fused_multi_lora_linear(x, w, lora_a, lora_b, scaling=scaling, dropout_p=ps, batch=batch)
+
+    def fwd_bwd() -> None:
+        torch.autograd.grad(fwd(), inputs, dy)
+
+    return {"fwd": fwd, "fwd_bwd": fwd_bwd, "params": [w, *lora_a, *lora_b]}
+
+
+def tma_overrides(m: int, n: int, k: int, r: int) -> dict[str, KernelConfig]:
+    """The looked-up configs of the two GEMMs (FusedLoRA's, shared by FusedMultiLoRA) with ``tma=True``."""
+    index = torch.cuda.current_device()
+    out = {}
+    for kernel in ("xw_sb", "dyw_dsa"):
+        key = ShapeKey(m=m, n=n, k=k, r=r, dtype="bfloat16")
+        cfg = lookup_config(kernel, key, device_name=device_name(index), capability=capability(index))
+        out[kernel] = dataclasses.replace(cfg, tma=True)
+    return out
+
+
+def time_row(bench: dict[str, object], rep: int) -> tuple[float, float]:
+    fwd, fwd_bwd = bench["fwd"], bench["fwd_bwd"]
+    assert callable(fwd)
+    assert callable(fwd_bwd)
+    fwd_bwd()
+    torch.cuda.synchronize()
+    return (
+        float(do_bench(fwd, warmup=25, rep=rep, return_mode="median")),
+        float(do_bench(fwd_bwd, warmup=25, rep=rep, return_mode="median")),
+    )
+
+
+def measure(
+    provider: str, m: int, n: int, k: int, r: int, p: float, lengths: list[int], dtype: torch.dtype, rep: int
+) -> tuple[float, float, int]:
+    """``(fwd_ms, fwd_bwd_ms, saved_bytes)`` of one row; NaN times (reported) if the provider fails."""
+    try:
+        bench = make_provider(provider.removesuffix("_tma"), m, n, k, r, p, lengths, dtype)
+        overrides = tma_overrides(m, n, k, r) if provider.endswith("_tma") else {}
+        with override_configs(overrides):
+            fwd_ms, fwd_bwd_ms = time_row(bench, rep)
+            fwd = bench["fwd"]
+            params = bench["params"]
+            assert callable(fwd)
+            assert isinstance(params, list)
+            return fwd_ms, fwd_bwd_ms, saved_bytes(fwd, params)
+    except Exception as exc:  # report and go on: the other rows still stand
+        print(f"  {provider} failed: {type(exc).__name__}: {exc}", flush=True)
+        return math.nan, math.nan, -1
+
+
+def run(
+    layers: list[tuple[str, int, int]],
+    ms: list[int],
+    counts: list[int],
+    distributions: list[str],
+    providers: list[str],
+    r: int,
+    p: float,
+    rep: int,
+) -> list[dict[str, object]]:
+    """Time every (layer, m, adapters, distribution, provider); print one line per row."""
+    rows: list[dict[str, object]] = []
+    dtype = torch.bfloat16
+    for layer, n, k in layers:
+        for m in ms:
+            frozen: tuple[float, float, int] | None = None
+            for count in counts:
+                for distribution in distributions if count > 1 else distributions[:1]:
+                    lengths = segment_lengths(m, count, distribution)
+                    for provider in providers:
+                        base = provider.removesuffix("_tma")
+                        if base == "frozen" and frozen is not None:
+                            fwd_ms, fwd_bwd_ms, saved = frozen
+                        else:
+                            fwd_ms, fwd_bwd_ms, saved = measure(provider, m, n, k, r, p, lengths, dtype, rep)
+                            if base == "frozen":
+                                frozen = (fwd_ms, fwd_bwd_ms, saved)
+                        rows.append(
+                            {
+                                "op": "multi_lora_linear",
+                                "layer": layer,
+                                "m": m,
+                                "n": n,
+                                "k": k,
+                                "r": r,
+                                "p": p,
+                                "dtype": "bfloat16",
+                                "adapters": count,
+                                "distribution": distribution,
+                                "segments": lengths,
+                                "provider": provider,
+                                "fwd_ms": round(fwd_ms, 5),
+                                "fwd_bwd_ms": round(fwd_bwd_ms, 5),
+                                "saved_bytes": saved,
+                            }
+                        )
+                        print(f"{layer:22s} m={m:6d} a={count} {distribution:6s} {provider:15s} fwd {fwd_ms:8.4f} ms  "
+                              f"fwd+bwd {fwd_bwd_ms:8.4f} ms  saved {saved / 2**20:8.1f} MiB", flush=True)  # fmt: skip
+            torch.cuda.empty_cache()
+    return rows
+
+
+def summarize(rows: list[dict[str, object]], field: str = "fwd_bwd_ms") -> dict[str, dict[str, float]]:
+    """Per adapter count, geometric means of time ratios: fused_multi/frozen, eager/fused_multi, ..."""
+    by_key: dict[tuple[object, ...], dict[str, float]] = {}
+    for row in rows:
+        value = row[field]
+        assert isinstance(value, float)
+        key = (row["adapters"], row["distribution"], row["n"], row["k"], row["m"])
+        by_key.setdefault(key, {})[str(row["provider"])] = value
+
+    def geomean(count: int, a: str, b: str) -> float:
+        ratios = [v[a] / v[b] for key, v in by_key.items() if key[0] == count and a in v and v.get(b, 0.0) > 0.0]
+        ratios = [x for x in ratios if math.isfinite(x)]
+        return math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else math.nan
+
+    counts = sorted({int(str(row["adapters"])) for row in rows})
+    return {
+        f"adapters={count}": {
+            "fused_multi_over_frozen": geomean(count, "fused_multi", "frozen"),
+            "eager_over_fused_multi": geomean(count, "eager", "fused_multi"),
+            "fused_single_over_fused_multi": geomean(count, "fused_single", "fused_multi"),
+            "eager_over_frozen": geomean(count, "eager", "frozen"),
+            "fused_multi_tma_over_frozen": geomean(count, "fused_multi_tma", "frozen"),
+        }
+        for count in counts
+    }
+
+
+def breakdown(m: int, n: int, k: int, r: int, p: float, lengths: list[int], rep: int) -> dict[str, float]:
+    """Median ms of each FusedMultiLoRA kernel alone (and the frozen GEMMs), for one problem."""
+    from lorafusion_kernels._kernels import multi_lora_bwd, multi_lora_fwd
+    from lorafusion_kernels.multi_lora import _AdapterParams, _device_params
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dtype = torch.bfloat16
+    x = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
+    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) / math.sqrt(k)
+    dy = torch.randn(m, n, device="cuda", dtype=dtype, generator=gen)
+    count = len(lengths)
+    a_cat = torch.randn(r * count, k, device="cuda", dtype=dtype, generator=gen) / math.sqrt(k)
+    b_cat = torch.randn(n, r * count, device="cuda", dtype=dtype, generator=gen) / math.sqrt(r)
+    batch = MultiLoRABatch.from_segments(lengths, list(range(count)), device="cuda")
+    params = _AdapterParams(ranks=(r,) * count, scaling=(2.0,) * count, dropout_p=(p,) * count)
+    dev = _device_params(params, x.device)
+    seed = torch.zeros(1, dtype=torch.int64, device="cuda")
+    drop = {"ranks": dev.ranks, "thresholds": dev.thresholds, "seed": seed, "has_dropout": p > 0.0}
+    common = {"block_r": params.block_r, "max_rank": r}
+    s = multi_lora_fwd.multi_lora_shrink(x, a_cat, batch, s_scale=dev.s_scale, **common, **drop)
+    ds, _ = multi_lora_bwd.multi_lora_dys_dyb(dy, b_cat, s, batch, ranks=dev.ranks, scaling=dev.scaling, max_rank=r)
+    kernels: dict[str, Callable[[], object]] = {
+        "frozen_fwd": lambda: torch.nn.functional.linear(x, w),
+        "frozen_dx": lambda: dy @ w,
+        "shrink": lambda: multi_lora_fwd.multi_lora_shrink(x, a_cat, batch, s_scale=dev.s_scale, **common, **drop),
+        "xw_sb": lambda: multi_lora_fwd.multi_lora_linear(x, w, None, s, b_cat, batch, ranks=dev.ranks, max_rank=r),
+        "dys_dyb": lambda: multi_lora_bwd.multi_lora_dys_dyb(
+            dy, b_cat, s, batch, ranks=dev.ranks, scaling=dev.scaling, max_rank=r
+        ),
+        "dsx": lambda: multi_lora_bwd.multi_lora_dsx(
+            ds, x, batch, r_tot=r * count, max_rank=r, inv_keep=dev.inv_keep, **drop
+        ),
+        "dyw_dsa": lambda: multi_lora_bwd.multi_lora_dyw_dsa(
+            dy, w, ds, a_cat, batch, max_rank=r, inv_keep=dev.inv_keep, **drop
+        ),
+    }
+    out = {}
+    for name, fn in kernels.items():
+        fn()
+        out[name] = round(float(do_bench(fn, warmup=25, rep=rep, return_mode="median")), 5)
+        print(f"breakdown m={m} n={n} k={k} adapters={count} {name:10s} {out[name]:8.4f} ms", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments, run the grid, write ``<out>/<gpu-key>-multi.json``."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--m", type=int, nargs="*", default=M_VALUES)
+    parser.add_argument("--layers", nargs="*", default=None, help="substrings of layer names to keep")
+    parser.add_argument("--adapters", type=int, nargs="*", default=ADAPTER_COUNTS)
+    parser.add_argument("--distributions", nargs="*", default=DISTRIBUTIONS, choices=DISTRIBUTIONS)
+    parser.add_argument("--providers", nargs="*", default=PROVIDERS)
+    parser.add_argument("--tma", action="store_true", help="also time fused_multi with the TMA GEMMs forced on")
+    parser.add_argument("--r", type=int, default=16)
+    parser.add_argument("--p", type=float, default=0.1)
+    parser.add_argument("--rep", type=int, default=100, help="do_bench repetition budget in ms")
+    parser.add_argument("--breakdown", action="store_true", help="also time each kernel alone (first layer and m)")
+    args = parser.parse_args(argv)
+    layers = [lay for lay in LAYERS if args.layers is None or any(s in lay[0] for s in args.layers)]
+    providers = [*args.providers, *(["fused_multi_tma"] if args.tma else [])]
+    kernel_times = {}
+    if args.breakdown:
+        _, n, k = layers[0]
+        for count in [c for c in args.adapters if c > 1]:
+            lengths = segment_lengths(args.m[0], count, "even")
+            kernel_times[f"adapters={count}"] = breakdown(args.m[0], n, k, args.r, args.p, lengths, args.rep)
+    rows = run(layers, args.m, args.adapters, args.distributions, providers, args.r, args.p, args.rep)
+    name = torch.cuda.get_device_name()
+    result = {
+        "device": name,
+        "gpu_key": gpu_key(name),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "cuda": torch.version.cuda,
+            "lorafusion_kernels": lorafusion_kernels.__version__,
+        },
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+        "command": " ".join(["bench_multi_lora.py", *(argv if argv is not None else sys.argv[1:])]),
+        "summary": {"fwd_bwd": summarize(rows), "fwd": summarize(rows, "fwd_ms")},
+        "kernel_breakdown_ms": kernel_times,
+        "rows": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{gpu_key(name)}-multi.json"
+    path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    print(json.dumps(result["summary"], indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

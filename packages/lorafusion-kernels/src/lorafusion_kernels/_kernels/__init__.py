@@ -1,0 +1,1 @@
+"""Triton kernels and their typed launchers, one kernel family per module; no autograd here."""

@@ -1,0 +1,160 @@
+"""Backward, skinny pass: ``dA = dS^T x_hat = dS^T (keep * x) / (1 - p)``, the mask regenerated.
+
+Shapes: ``dS [M, R]``, ``x [M, K]``, ``dA [R, K]``. Program ``(j, s)`` owns columns
+``[j * BLOCK_N, ...)`` of dA and the ``s``-th slice of the rows; slices are summed in a fixed
+order (an fp32 workspace ``[split, R, K]`` reduced by torch), so the result is deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lorafusion_kernels._kernels._common import dot_precision, launch_config, rank_block, resolve_split
+from lorafusion_kernels._kernels.dropout import dropout_keep_tile, load_seed
+from lorafusion_kernels.tuning.config import KernelConfig, ShapeKey, register_heuristic
+
+KERNEL = "dsx"
+
+
+@triton.jit
+def _lora_dsx_kernel(
+    ds_ptr,
+    x_ptr,
+    out_ptr,
+    seed_ptr,
+    M,
+    K,
+    R,
+    m_per_split,
+    stride_dsm,
+    stride_dsr,
+    stride_xm,
+    stride_xk,
+    stride_os,
+    stride_or,
+    stride_ok,
+    inv_keep,
+    keep_threshold,
+    HAS_DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Grid ``(cdiv(K, BLOCK_N), split)``; the loop runs over the program's rows in ``BLOCK_M`` steps."""
+    pid_k = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_c = pid_k * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_c = offs_c < K
+    mask_r = offs_r < R
+    m_begin = pid_s * m_per_split
+    m_end = tl.minimum(m_begin + m_per_split, M)
+    if HAS_DROPOUT:
+        seed_lo, seed_hi = load_seed(seed_ptr)
+    acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    for m in range(m_begin, m_end, BLOCK_M):
+        offs_m = m + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < m_end
+        ds = tl.load(
+            ds_ptr + offs_m[:, None] * stride_dsm + offs_r[None, :] * stride_dsr,
+            mask=mask_m[:, None] & mask_r[None, :],
+            other=0.0,
+        )
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + offs_c[None, :] * stride_xk,
+            mask=mask_m[:, None] & mask_c[None, :],
+            other=0.0,
+        )
+        if HAS_DROPOUT:
+            keep = dropout_keep_tile(seed_lo, seed_hi, offs_m, pid_k * BLOCK_N, keep_threshold, BLOCK_N)
+            x = tl.where(keep, x, 0.0)
+        acc = tl.dot(tl.trans(ds), x, acc, input_precision=DOT_PRECISION)
+    if HAS_DROPOUT:
+        acc = acc * inv_keep
+    tl.store(
+        out_ptr + pid_s * stride_os + offs_r[:, None] * stride_or + offs_c[None, :] * stride_ok,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=mask_r[:, None] & mask_c[None, :],
+    )
+
+
+def _heuristic(key: ShapeKey, capability: tuple[int, int]) -> KernelConfig:
+    if capability == (0, 0):
+        return KernelConfig(block_m=32, block_n=32, block_k=16, split=1, num_warps=4, num_stages=1)
+    return KernelConfig(block_m=64, block_n=128, block_k=16, split=0, num_warps=4, num_stages=3)
+
+
+register_heuristic(KERNEL, _heuristic)
+
+
+def lora_dsx(
+    ds: torch.Tensor,
+    x: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    inv_keep: float,
+    keep_threshold: int,
+    seed: torch.Tensor,
+    has_dropout: bool,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """``dA = dS^T (keep * x) * inv_keep``.
+
+    Args:
+        ds: ``[M, R]``.
+        x: ``[M, K]`` the saved (undropped) input.
+        out_dtype: dtype of ``dA`` (that of ``A``).
+        inv_keep: ``1 / (1 - p)``.
+        keep_threshold: ``ceil(p * 2**24)``.
+        seed: The forward's ``[1]`` int64 seed tensor.
+        has_dropout: Whether ``p > 0``.
+        config: Launch config; looked up by shape when None.
+
+    Returns:
+        ``[R, K]`` in ``out_dtype``.
+    """
+    m, k = x.shape
+    r = ds.shape[1]
+    cfg = config or launch_config(KERNEL, x, m=m, n=r, k=k, r=r)
+    tiles = triton.cdiv(k, cfg.block_n)
+    split = resolve_split(cfg.split, x, tiles=tiles, steps=triton.cdiv(m, cfg.block_m))
+    m_per_split = triton.cdiv(triton.cdiv(m, split), cfg.block_m) * cfg.block_m
+    split = triton.cdiv(m, m_per_split)
+    if split == 1:
+        out = torch.empty((r, k), dtype=out_dtype, device=x.device)
+        stride_os = 0
+    else:
+        out = torch.empty((split, r, k), dtype=torch.float32, device=x.device)
+        stride_os = out.stride(0)
+    _lora_dsx_kernel[(tiles, split)](
+        ds,
+        x,
+        out,
+        seed,
+        m,
+        k,
+        r,
+        m_per_split,
+        ds.stride(0),
+        ds.stride(1),
+        x.stride(0),
+        x.stride(1),
+        stride_os,
+        out.stride(-2),
+        out.stride(-1),
+        inv_keep,
+        keep_threshold,
+        HAS_DROPOUT=has_dropout,
+        DOT_PRECISION=dot_precision(x.dtype),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_R=rank_block(r),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if split == 1:
+        return out
+    return out.sum(dim=0).to(out_dtype)

@@ -1,0 +1,571 @@
+"""FusedMultiLoRA backward kernels: ``dS``/``dB`` from one read of ``dy``, per-adapter ``dA``, fused ``dx``.
+
+Notation as in ``multi_lora_fwd``; ``dy [T, N]``, token ``t`` of adapter ``a = a(t)``,
+``x_hat[t] = keep_a(t, :) * x[t] / (1 - p_a)`` (the mask regenerated from the seed, never stored),
+``S = x_hat A_a^T`` and the saved ``S' = scaling_a * S``. Chain rule of ``y = x W^T + bias + S' B_a^T``:
+
+    dS[t, :r_a] = scaling_a * dy[t] B_a                  (dy kernel, one adapter per tile)
+    dB_a        = sum_{t in a} dy[t]^T S'[t, :r_a]       (same kernel, same dy tile)
+    dA_a        = sum_{t in a} dS[t, :r_a]^T x_hat[t]    (per adapter, fixed-order partial sums)
+    dx[t]       = dy[t] W + keep_a(t, :) * (dS[t, :r_a] A_a) / (1 - p_a)   (one GEMM)
+
+Only the tiles of adapter ``a`` ever touch ``dA_a``/``dB_a`` (the columns/rows ``roff_a .. roff_a + r_a``
+of the stacked buffers), so nothing leaks between adapters. Configs are FusedLoRA's for the same
+layer shape ("dys_dyb", "dsx", "dyw_dsa").
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lorafusion_kernels._kernels._common import dot_precision, grouped_tile, launch_config, resolve_split, tma_ok
+from lorafusion_kernels._kernels.dropout import dropout_keep_tile, load_seed
+from lorafusion_kernels.metadata import MultiLoRABatch
+from lorafusion_kernels.tuning.config import KernelConfig
+
+DY_KERNEL = "dys_dyb"
+DA_KERNEL = "dsx"
+DX_KERNEL = "dyw_dsa"
+
+
+@triton.jit
+def _multi_lora_dy_kernel(
+    dy_ptr,
+    b_ptr,
+    s_ptr,
+    ds_ptr,
+    db_ptr,
+    tiles_ptr,
+    rank_ptr,
+    scaling_ptr,
+    N,
+    stride_dym,
+    stride_bn,
+    stride_sm,
+    stride_dsm,
+    stride_dbn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SPLIT_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_split = tl.program_id(1)
+    row0 = tl.load(tiles_ptr + pid * 3)
+    row1 = tl.load(tiles_ptr + pid * 3 + 1)
+    adapter = tl.load(tiles_ptr + pid * 3 + 2)
+    r = tl.load(rank_ptr + adapter * 2)
+    roff = tl.load(rank_ptr + adapter * 2 + 1)
+    scale = tl.load(scaling_ptr + adapter)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < row1
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < r
+    st = tl.load(
+        s_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + offs_r[None, :],
+        mask=m_mask[:, None] & r_mask[None, :],
+        other=0.0,
+    )
+    dy_rows = dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym
+    ds_acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for n0 in range(pid_split * BLOCK_N, N, SPLIT_N * BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        dyt = tl.load(dy_rows + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+        bt = tl.load(
+            b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + (roff + offs_r)[None, :],
+            mask=n_mask[:, None] & r_mask[None, :],
+            other=0.0,
+        )
+        ds_acc = tl.dot(dyt, bt, ds_acc, input_precision=DOT_PRECISION)
+        db = tl.dot(tl.trans(dyt), st, input_precision=DOT_PRECISION)
+        db_ptrs = db_ptr + offs_n.to(tl.int64)[:, None] * stride_dbn + (roff + offs_r)[None, :]
+        tl.atomic_add(db_ptrs, db, mask=n_mask[:, None] & r_mask[None, :], sem="relaxed")
+    ds_ptrs = ds_ptr + offs_m.to(tl.int64)[:, None] * stride_dsm + offs_r[None, :]
+    ds_mask = m_mask[:, None] & r_mask[None, :]
+    if SPLIT_N == 1:
+        tl.store(ds_ptrs, ds_acc * scale, mask=ds_mask)
+    else:
+        tl.atomic_add(ds_ptrs, ds_acc * scale, mask=ds_mask, sem="relaxed")
+
+
+@triton.jit
+def _multi_lora_da_kernel(
+    ds_ptr,
+    x_ptr,
+    out_ptr,
+    tiles_ptr,
+    adapter_ptr,
+    rank_ptr,
+    thr_ptr,
+    inv_keep_ptr,
+    seed_ptr,
+    K,
+    stride_dsm,
+    stride_xm,
+    stride_os,
+    stride_om,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(adapters, cdiv(K, BLOCK_K), SPLIT)``: program ``(a, j, s)`` sums every ``SPLIT``-th tile.
+
+    The tiles are adapter ``a``'s own; the sum goes to column block ``j`` of its rows in the partial
+    ``out[s]`` (the partials are summed later in a fixed order).
+    """
+    adapter = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    t0 = tl.load(adapter_ptr + adapter)
+    t1 = tl.load(adapter_ptr + adapter + 1)
+    r = tl.load(rank_ptr + adapter * 2)
+    roff = tl.load(rank_ptr + adapter * 2 + 1)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < r
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    if HAS_DROPOUT:
+        seed_lo, seed_hi = load_seed(seed_ptr)
+        thr = tl.load(thr_ptr + adapter)
+    acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+    for t in range(t0 + pid_s, t1, SPLIT):
+        row0 = tl.load(tiles_ptr + t * 3)
+        row1 = tl.load(tiles_ptr + t * 3 + 1)
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < row1
+        dst = tl.load(
+            ds_ptr + offs_m.to(tl.int64)[:, None] * stride_dsm + offs_r[None, :],
+            mask=m_mask[:, None] & r_mask[None, :],
+            other=0.0,
+        )
+        xt = tl.load(
+            x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        if HAS_DROPOUT:
+            keep = dropout_keep_tile(seed_lo, seed_hi, offs_m, pid_k * BLOCK_K, thr, BLOCK_K)
+            xt = tl.where(keep, xt, tl.zeros_like(xt))
+        acc = tl.dot(tl.trans(dst.to(xt.dtype)), xt, acc, input_precision=DOT_PRECISION)
+    if HAS_DROPOUT:
+        acc = acc * tl.load(inv_keep_ptr + adapter)
+    out_ptrs = out_ptr + pid_s * stride_os + (roff + offs_r).to(tl.int64)[:, None] * stride_om + offs_k[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & k_mask[None, :])
+
+
+@triton.jit
+def _routed_dsa(
+    ds_ptr,
+    a_ptr,
+    seg_ptr,
+    seg_range_ptr,
+    rank_ptr,
+    thr_ptr,
+    inv_keep_ptr,
+    seed_ptr,
+    pid_m,
+    offs_m,
+    k_start,
+    K,
+    stride_dsm,
+    stride_am,
+    HAS_DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``keep_a * (dS A_a) / (1 - p_a)`` on row tile ``pid_m`` (fp32 ``[BLOCK_M, BLOCK_K]``), routed per segment.
+
+    The dropout mask is drawn once for the whole tile with per-row thresholds (rows of different
+    segments may have different p). The caller starts its GEMM accumulator from this tile, so only
+    one ``[BLOCK_M, BLOCK_K]`` fp32 tile is ever live (see ``multi_lora_fwd._routed_sb``).
+    """
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    ds_rows = ds_ptr + offs_m.to(tl.int64)[:, None] * stride_dsm + offs_r[None, :]
+    seg_lo = tl.load(seg_range_ptr + pid_m * 2)
+    seg_hi = tl.load(seg_range_ptr + pid_m * 2 + 1)
+    lora = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    row_thr = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    row_inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for j in range(seg_lo, seg_hi):
+        start = tl.load(seg_ptr + j * 3)
+        length = tl.load(seg_ptr + j * 3 + 1)
+        adapter = tl.load(seg_ptr + j * 3 + 2)
+        r = tl.load(rank_ptr + adapter * 2)
+        roff = tl.load(rank_ptr + adapter * 2 + 1)
+        rows_in = (offs_m >= start) & (offs_m < start + length)
+        r_mask = offs_r < r
+        dst = tl.load(ds_rows, mask=rows_in[:, None] & r_mask[None, :], other=0.0)
+        at = tl.load(
+            a_ptr + (roff + offs_r).to(tl.int64)[:, None] * stride_am + offs_k[None, :],
+            mask=r_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        lora = tl.dot(dst.to(at.dtype), at, lora, input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:
+            row_thr = tl.where(rows_in, tl.load(thr_ptr + adapter), row_thr)
+            row_inv = tl.where(rows_in, tl.load(inv_keep_ptr + adapter), row_inv)
+    if HAS_DROPOUT:
+        seed_lo, seed_hi = load_seed(seed_ptr)
+        keep = dropout_keep_tile(seed_lo, seed_hi, offs_m, k_start, row_thr[:, None], BLOCK_K)
+        lora = tl.where(keep, lora * row_inv[:, None], 0.0)
+    return lora
+
+
+@triton.jit
+def _multi_lora_dx_kernel(
+    dy_ptr,
+    w_ptr,
+    ds_ptr,
+    a_ptr,
+    dx_ptr,
+    seg_ptr,
+    seg_range_ptr,
+    rank_ptr,
+    thr_ptr,
+    inv_keep_ptr,
+    seed_ptr,
+    T,
+    N,
+    K,
+    stride_dym,
+    stride_wn,
+    stride_dsm,
+    stride_am,
+    stride_dxm,
+    HAS_DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """1-D grid over ``[T, K]`` tiles of dx in grouped order; pointer loads (any GPU)."""
+    pid_m, pid_k = grouped_tile(tl.program_id(0), tl.cdiv(T, BLOCK_M), tl.cdiv(K, BLOCK_K), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    # Wrapped rows/columns: the GEMM loads need no T/K masks (see multi_lora_fwd).
+    rows = tl.max_contiguous(tl.multiple_of(offs_m % T, BLOCK_M), BLOCK_M)
+    cols = tl.max_contiguous(tl.multiple_of(offs_k % K, BLOCK_K), BLOCK_K)
+    offs_n = tl.arange(0, BLOCK_N)
+    dy_ptrs = dy_ptr + rows.to(tl.int64)[:, None] * stride_dym + offs_n[None, :]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + cols[None, :]
+    acc = _routed_dsa(
+        ds_ptr, a_ptr, seg_ptr, seg_range_ptr, rank_ptr, thr_ptr, inv_keep_ptr, seed_ptr, pid_m, offs_m,
+        pid_k * BLOCK_K, K, stride_dsm, stride_am, HAS_DROPOUT, BLOCK_M, BLOCK_K, BLOCK_R, DOT_PRECISION,
+    )  # fmt: skip
+    for n in range(tl.cdiv(N, BLOCK_N)):
+        n_left = N - n * BLOCK_N
+        dyt = tl.load(dy_ptrs, mask=offs_n[None, :] < n_left, other=0.0)
+        wt = tl.load(w_ptrs, mask=offs_n[:, None] < n_left, other=0.0)
+        acc = tl.dot(dyt, wt, acc, input_precision=DOT_PRECISION)
+        dy_ptrs += BLOCK_N
+        w_ptrs += BLOCK_N * stride_wn
+    dx_ptrs = dx_ptr + offs_m.to(tl.int64)[:, None] * stride_dxm + offs_k[None, :]
+    tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=(offs_m[:, None] < T) & (offs_k[None, :] < K))
+
+
+@triton.jit
+def _multi_lora_dx_tma_kernel(
+    dy_desc,
+    w_desc,
+    dx_desc,
+    ds_ptr,
+    a_ptr,
+    seg_ptr,
+    seg_range_ptr,
+    rank_ptr,
+    thr_ptr,
+    inv_keep_ptr,
+    seed_ptr,
+    T,
+    N,
+    K,
+    stride_dsm,
+    stride_am,
+    HAS_DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """As :func:`_multi_lora_dx_kernel`, with dy, W and dx moved by TMA (sm_90+)."""
+    pid_m, pid_k = grouped_tile(tl.program_id(0), tl.cdiv(T, BLOCK_M), tl.cdiv(K, BLOCK_K), GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_k = pid_k * BLOCK_K
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    acc = _routed_dsa(
+        ds_ptr, a_ptr, seg_ptr, seg_range_ptr, rank_ptr, thr_ptr, inv_keep_ptr, seed_ptr, pid_m, offs_m,
+        off_k, K, stride_dsm, stride_am, HAS_DROPOUT, BLOCK_M, BLOCK_K, BLOCK_R, DOT_PRECISION,
+    )  # fmt: skip
+    for n in range(tl.cdiv(N, BLOCK_N)):
+        dyt = dy_desc.load([off_m, n * BLOCK_N])
+        wt = w_desc.load([n * BLOCK_N, off_k])
+        acc = tl.dot(dyt, wt, acc, input_precision=DOT_PRECISION)
+    dx_desc.store([off_m, off_k], acc.to(a_ptr.dtype.element_ty))
+
+
+def multi_lora_dys_dyb(
+    dy: torch.Tensor,
+    b_cat: torch.Tensor,
+    s: torch.Tensor,
+    batch: MultiLoRABatch,
+    *,
+    ranks: torch.Tensor,
+    scaling: torch.Tensor,
+    max_rank: int,
+    config: KernelConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dS`` and ``dB_cat`` from one read of ``dy``; each program owns one segment tile (one adapter).
+
+    ``dB_cat`` is summed over row tiles with fp32 atomics (and ``dS`` too when N is split), so the
+    summation order varies from run to run; the public op offers a deterministic alternative.
+
+    Args:
+        dy: ``[T, N]`` upstream gradient, unit stride along N.
+        b_cat: ``[N, R_tot]`` stacked B in ``dy.dtype``.
+        s: ``S' [T, BLOCK_R]`` saved from the forward.
+        batch: Routing metadata of this microbatch.
+        ranks: int32 ``[n, 2]``: ``(r_a, roff_a)``.
+        scaling: fp32 ``[n]``.
+        max_rank: Largest ``r_a`` (the config lookup key).
+        config: Launch config; looked up by shape when None.
+
+    Returns:
+        ``(dS fp32 [T, BLOCK_R], dB_cat fp32 [N, R_tot])``; ``dS`` is zero beyond each token's rank.
+    """
+    T, N = dy.shape
+    block_r = s.shape[1]
+    r_tot = b_cat.shape[1]
+    db = torch.zeros((N, r_tot), dtype=torch.float32, device=dy.device)
+    cfg = config or launch_config(DY_KERNEL, dy, m=T, n=N, k=N, r=max_rank)
+    tiles = batch.segment_tiles(cfg.block_m)
+    split = resolve_split(cfg.split, dy, tiles=tiles.num_tiles, steps=triton.cdiv(N, cfg.block_n))
+    alloc = torch.zeros if split > 1 else torch.empty
+    ds = alloc((T, block_r), dtype=torch.float32, device=dy.device)
+    if tiles.num_tiles > 0:
+        _multi_lora_dy_kernel[(tiles.num_tiles, split)](
+            dy,
+            b_cat,
+            s,
+            ds,
+            db,
+            tiles.tiles,
+            ranks,
+            scaling,
+            N,
+            dy.stride(0),
+            b_cat.stride(0),
+            s.stride(0),
+            ds.stride(0),
+            db.stride(0),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_R=block_r,
+            SPLIT_N=split,
+            DOT_PRECISION=dot_precision(dy.dtype),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+    return ds, db
+
+
+def multi_lora_dsx(
+    ds: torch.Tensor,
+    x: torch.Tensor,
+    batch: MultiLoRABatch,
+    *,
+    r_tot: int,
+    max_rank: int,
+    ranks: torch.Tensor,
+    thresholds: torch.Tensor,
+    inv_keep: torch.Tensor,
+    seed: torch.Tensor,
+    has_dropout: bool,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """``dA_cat [R_tot, K]``: adapter ``a``'s rows summed over its own segment tiles only (no atomics).
+
+    Config fields as FusedLoRA's ``dsx``: ``block_m`` rows per step, ``block_n`` columns of ``dA`` per
+    program, ``split`` programs sharing an adapter's tiles (fp32 partials summed in a fixed order).
+
+    Args:
+        ds: fp32 ``[T, BLOCK_R]`` from :func:`multi_lora_dys_dyb`.
+        x: ``[T, K]`` the forward input (the dropout mask is regenerated from ``seed``).
+        batch: Routing metadata of this microbatch.
+        r_tot: Rows of ``dA_cat`` (sum of ranks).
+        max_rank: Largest ``r_a`` (the config lookup key).
+        ranks: int32 ``[n, 2]``: ``(r_a, roff_a)``.
+        thresholds: int32 ``[n]``.
+        inv_keep: fp32 ``[n]``.
+        seed: int64 ``[1]``.
+        has_dropout: Whether any adapter has ``p > 0``.
+        config: Launch config; looked up by shape when None.
+
+    Returns:
+        ``dA_cat`` in ``x.dtype``; an adapter without tokens gets zeros.
+    """
+    T, K = x.shape
+    block_r = ds.shape[1]
+    if r_tot == 0:
+        return torch.empty((0, K), dtype=x.dtype, device=x.device)
+    cfg = config or launch_config(DA_KERNEL, x, m=T, n=max_rank, k=K, r=max_rank)
+    tiles = batch.segment_tiles(cfg.block_m)
+    col_tiles = triton.cdiv(K, cfg.block_n)
+    busiest = max(-(-n // cfg.block_m) for n in batch.adapter_tokens)
+    split = resolve_split(cfg.split, x, tiles=batch.num_adapters * col_tiles, steps=max(busiest, 1))
+    if split == 1:
+        out = torch.empty((r_tot, K), dtype=x.dtype, device=x.device)
+    else:
+        out = torch.empty((split, r_tot, K), dtype=torch.float32, device=x.device)
+    _multi_lora_da_kernel[(batch.num_adapters, col_tiles, split)](
+        ds,
+        x,
+        out,
+        tiles.tiles,
+        tiles.adapter_ptr,
+        ranks,
+        thresholds,
+        inv_keep,
+        seed,
+        K,
+        ds.stride(0),
+        x.stride(0),
+        out.stride(0) if split > 1 else 0,
+        out.stride(-2),
+        SPLIT=split,
+        BLOCK_M=cfg.block_m,
+        BLOCK_K=cfg.block_n,
+        BLOCK_R=block_r,
+        HAS_DROPOUT=has_dropout,
+        DOT_PRECISION=dot_precision(x.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if split == 1:
+        return out
+    return out.sum(dim=0).to(x.dtype)
+
+
+def multi_lora_dyw_dsa(
+    dy: torch.Tensor,
+    weight: torch.Tensor,
+    ds: torch.Tensor,
+    a_cat: torch.Tensor,
+    batch: MultiLoRABatch,
+    *,
+    max_rank: int,
+    ranks: torch.Tensor,
+    thresholds: torch.Tensor,
+    inv_keep: torch.Tensor,
+    seed: torch.Tensor,
+    has_dropout: bool,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """``dx [T, K] = dy W + keep_a * (dS A_a) / (1 - p_a)`` in one GEMM, the LoRA term routed per segment.
+
+    Config fields as FusedLoRA's ``dyw_dsa``: ``block_n`` columns of dx per tile, ``block_k`` the
+    reduction step over N.
+
+    Args:
+        dy: ``[T, N]``, unit stride along N.
+        weight: ``[N, K]`` frozen weight, unit stride along K.
+        ds: fp32 ``[T, BLOCK_R]``.
+        a_cat: ``[R_tot, K]`` stacked A in ``dy.dtype``.
+        batch: Routing metadata of this microbatch.
+        max_rank: Largest ``r_a`` (the config lookup key).
+        ranks: int32 ``[n, 2]``.
+        thresholds: int32 ``[n]``.
+        inv_keep: fp32 ``[n]``.
+        seed: int64 ``[1]``.
+        has_dropout: Whether any adapter has ``p > 0``.
+        config: Launch config; looked up by shape when None.
+
+    Returns:
+        ``dx`` in ``dy.dtype``.
+    """
+    T, N = dy.shape
+    K = weight.shape[1]
+    block_r = ds.shape[1]
+    dx = torch.empty((T, K), dtype=dy.dtype, device=dy.device)
+    if T == 0:
+        return dx
+    cfg = config or launch_config(DX_KERNEL, dy, m=T, n=N, k=K, r=max_rank)
+    block_cols, block_red = cfg.block_n, cfg.block_k
+    rows = batch.row_tiles(cfg.block_m)
+    grid = (rows.num_tiles * triton.cdiv(K, block_cols),)
+    if cfg.tma and a_cat.dtype == dy.dtype and tma_ok(dy, weight, dx):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        _multi_lora_dx_tma_kernel[grid](
+            TensorDescriptor.from_tensor(dy, [cfg.block_m, block_red]),
+            TensorDescriptor.from_tensor(weight, [block_red, block_cols]),
+            TensorDescriptor.from_tensor(dx, [cfg.block_m, block_cols]),
+            ds,
+            a_cat,
+            batch.segments,
+            rows.seg_range,
+            ranks,
+            thresholds,
+            inv_keep,
+            seed,
+            T,
+            N,
+            K,
+            ds.stride(0),
+            a_cat.stride(0),
+            HAS_DROPOUT=has_dropout,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=block_red,
+            BLOCK_K=block_cols,
+            BLOCK_R=block_r,
+            GROUP_M=cfg.group_m,
+            DOT_PRECISION=dot_precision(dy.dtype),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        return dx
+    _multi_lora_dx_kernel[grid](
+        dy,
+        weight,
+        ds,
+        a_cat,
+        dx,
+        batch.segments,
+        rows.seg_range,
+        ranks,
+        thresholds,
+        inv_keep,
+        seed,
+        T,
+        N,
+        K,
+        dy.stride(0),
+        weight.stride(0),
+        ds.stride(0),
+        a_cat.stride(0),
+        dx.stride(0),
+        HAS_DROPOUT=has_dropout,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=block_red,
+        BLOCK_K=block_cols,
+        BLOCK_R=block_r,
+        GROUP_M=cfg.group_m,
+        DOT_PRECISION=dot_precision(dy.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return dx

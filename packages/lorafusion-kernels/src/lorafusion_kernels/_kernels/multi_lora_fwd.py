@@ -1,0 +1,401 @@
+"""FusedMultiLoRA forward kernels: per-adapter dropout + shrink, and the shared GEMM with routed LoRA.
+
+Shapes: ``x [T, K]`` packed tokens, ``W [N, K]``, stacked adapters ``A_cat [R_tot, K]`` (adapter ``a``
+owns rows ``roff_a .. roff_a + r_a``) and ``B_cat [N, R_tot]`` (columns likewise), ``S' [T, BLOCK_R]``.
+Token ``t`` of adapter ``a = a(t)``:
+
+    S'[t, :r_a] = scaling_a / (1 - p_a) * (keep_a(t, :) * x[t, :]) A_a^T   (shrink, one adapter per tile)
+    y[t, :]     = x[t, :] W^T + bias + S'[t, :r_a] B_a^T                     (one GEMM, one accumulator)
+
+``S'`` is FusedLoRA's split point, scaled once in fp32 before its single rounding. Routing tables come
+from :class:`lorafusion_kernels.metadata.MultiLoRABatch`; per-adapter ``(r_a, roff_a)`` come as an
+int32 ``[n, 2]`` table, ``scaling_a / (1 - p_a)`` (fp32) and ``ceil(p_a * 2**24)`` (int32) as ``[n]``
+vectors, so no value is rounded to the activation dtype and none is a constexpr.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lorafusion_kernels._kernels._common import dot_precision, grouped_tile, launch_config, resolve_split, tma_ok
+from lorafusion_kernels._kernels.dropout import dropout_keep_tile, load_seed
+from lorafusion_kernels.metadata import MultiLoRABatch
+from lorafusion_kernels.tuning.config import KernelConfig
+
+# The multi-adapter kernels launch with FusedLoRA's configs for the same layer shape (the GEMM and the
+# skinny passes have the same tiling; only the LoRA term is routed): "xa" for the shrink, "xw_sb" for
+# the GEMM.
+SHRINK_KERNEL = "xa"
+LINEAR_KERNEL = "xw_sb"
+
+
+@triton.jit
+def _multi_lora_shrink_kernel(
+    x_ptr,
+    a_ptr,
+    s_ptr,
+    tiles_ptr,
+    rank_ptr,
+    thr_ptr,
+    s_scale_ptr,
+    seed_ptr,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_am,
+    stride_ss,
+    stride_sm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid ``(num_segment_tiles, split)``: program ``(i, s)`` reduces columns ``[s * k_per_split, ...)``."""
+    pid = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    row0 = tl.load(tiles_ptr + pid * 3)
+    row1 = tl.load(tiles_ptr + pid * 3 + 1)
+    adapter = tl.load(tiles_ptr + pid * 3 + 2)
+    r = tl.load(rank_ptr + adapter * 2)
+    roff = tl.load(rank_ptr + adapter * 2 + 1)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < row1
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < r
+    offs_k0 = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    a_rows = a_ptr + (roff + offs_r).to(tl.int64)[None, :] * stride_am
+    if HAS_DROPOUT:
+        seed_lo, seed_hi = load_seed(seed_ptr)
+        thr = tl.load(thr_ptr + adapter)
+    k_begin = pid_s * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        offs_k = k0 + offs_k0
+        k_mask = offs_k < k_end
+        xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if HAS_DROPOUT:
+            keep = dropout_keep_tile(seed_lo, seed_hi, offs_m, k0, thr, BLOCK_K)
+            xt = tl.where(keep, xt, tl.zeros_like(xt))
+        at = tl.load(a_rows + offs_k[:, None], mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        acc = tl.dot(xt, at, acc, input_precision=DOT_PRECISION)
+    acc = acc * tl.load(s_scale_ptr + adapter)
+    s_ptrs = s_ptr + pid_s * stride_ss + offs_m.to(tl.int64)[:, None] * stride_sm + offs_r[None, :]
+    tl.store(s_ptrs, acc.to(s_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+@triton.jit
+def _routed_sb(
+    acc,
+    s_ptr,
+    b_ptr,
+    seg_ptr,
+    seg_range_ptr,
+    rank_ptr,
+    pid_m,
+    offs_m,
+    cols,
+    stride_sm,
+    stride_bn,
+    BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``acc += S'[rows of a] B_a^T`` for each segment overlapping row tile ``pid_m``.
+
+    One small dot per segment (usually exactly one per tile), accumulated in place (no second
+    ``[BLOCK_M, BLOCK_N]`` accumulator: on H100 a separate fp32 tile spilled registers and made the
+    forward 7x slower); rows outside the segment load zeros. ``cols`` are valid (wrapped) columns.
+    """
+    offs_r = tl.arange(0, BLOCK_R)
+    s_rows = s_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + offs_r[None, :]
+    b_cols = b_ptr + cols.to(tl.int64)[None, :] * stride_bn + offs_r[:, None]
+    seg_lo = tl.load(seg_range_ptr + pid_m * 2)
+    seg_hi = tl.load(seg_range_ptr + pid_m * 2 + 1)
+    for j in range(seg_lo, seg_hi):
+        start = tl.load(seg_ptr + j * 3)
+        length = tl.load(seg_ptr + j * 3 + 1)
+        adapter = tl.load(seg_ptr + j * 3 + 2)
+        r = tl.load(rank_ptr + adapter * 2)
+        roff = tl.load(rank_ptr + adapter * 2 + 1)
+        rows_in = (offs_m >= start) & (offs_m < start + length)
+        r_mask = offs_r < r
+        st = tl.load(s_rows, mask=rows_in[:, None] & r_mask[None, :], other=0.0)
+        bt = tl.load(b_cols + roff, mask=r_mask[:, None], other=0.0)
+        acc = tl.dot(st, bt, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _multi_lora_linear_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    s_ptr,
+    b_ptr,
+    y_ptr,
+    seg_ptr,
+    seg_range_ptr,
+    rank_ptr,
+    T,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sm,
+    stride_bn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """1-D grid over ``[T, N]`` output tiles in grouped order; pointer loads (any GPU)."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(T, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Out-of-range rows/columns wrap onto valid ones: the GEMM loads need no M/N masks (their results
+    # are never stored), which keeps the inner loop free of predicates.
+    rows = tl.max_contiguous(tl.multiple_of(offs_m % T, BLOCK_M), BLOCK_M)
+    cols = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _routed_sb(
+        acc, s_ptr, b_ptr, seg_ptr, seg_range_ptr, rank_ptr, pid_m, offs_m, cols, stride_sm, stride_bn, BLOCK_R,
+        DOT_PRECISION,
+    )  # fmt: skip
+    for k in range(tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        xt = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        wt = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = tl.dot(xt, wt, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < T) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _multi_lora_linear_tma_kernel(
+    x_desc,
+    w_desc,
+    y_desc,
+    bias_ptr,
+    s_ptr,
+    b_ptr,
+    seg_ptr,
+    seg_range_ptr,
+    rank_ptr,
+    T,
+    N,
+    K,
+    stride_sm,
+    stride_bn,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """As :func:`_multi_lora_linear_kernel`, with x, W and y moved by TMA (sm_90+).
+
+    Out-of-bounds boxes are zero-filled on load and clipped on store, so the GEMM needs no masks.
+    """
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(T, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    cols = (off_n + tl.arange(0, BLOCK_N)) % N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _routed_sb(
+        acc, s_ptr, b_ptr, seg_ptr, seg_range_ptr, rank_ptr, pid_m, offs_m, cols, stride_sm, stride_bn, BLOCK_R,
+        DOT_PRECISION,
+    )  # fmt: skip
+    for k in range(tl.cdiv(K, BLOCK_K)):
+        xt = x_desc.load([off_m, k * BLOCK_K])
+        wt = w_desc.load([off_n, k * BLOCK_K])
+        acc = tl.dot(xt, wt.T, acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+    y_desc.store([off_m, off_n], acc.to(s_ptr.dtype.element_ty))
+
+
+def multi_lora_shrink(
+    x: torch.Tensor,
+    a_cat: torch.Tensor,
+    batch: MultiLoRABatch,
+    *,
+    block_r: int,
+    max_rank: int,
+    ranks: torch.Tensor,
+    thresholds: torch.Tensor,
+    s_scale: torch.Tensor,
+    seed: torch.Tensor,
+    has_dropout: bool,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """``S'[t, :r_a] = scaling_a / (1 - p_a) * (keep_a * x[t]) A_a^T`` for every token, one adapter per tile.
+
+    Args:
+        x: ``[T, K]`` packed activations, unit stride along K.
+        a_cat: ``[R_tot, K]`` stacked adapter A matrices in ``x.dtype``, unit stride along K.
+        batch: Routing metadata of this microbatch (tables on ``x``'s device).
+        block_r: Rank tile (power of two >= every ``r_a``, at least 16): the width of ``S'``.
+        max_rank: Largest ``r_a`` (the config lookup key).
+        ranks: int32 ``[n, 2]``: ``(r_a, roff_a)``.
+        thresholds: int32 ``[n]``: ``ceil(p_a * 2**24)``.
+        s_scale: fp32 ``[n]``: ``scaling_a / (1 - p_a)``.
+        seed: int64 ``[1]`` dropout seed (read only with dropout).
+        has_dropout: Whether any adapter has ``p > 0`` (otherwise no RNG is compiled in).
+        config: Launch config; looked up by shape when None.
+
+    Returns:
+        ``S' [T, block_r]`` in ``x.dtype``; columns ``>= r_a`` of adapter ``a``'s rows are zero. A split
+        of K writes fp32 partials that are summed in a fixed order (deterministic).
+    """
+    T, K = x.shape
+    cfg = config or launch_config(SHRINK_KERNEL, x, m=T, n=max_rank, k=K, r=max_rank)
+    tiles = batch.segment_tiles(cfg.block_m)
+    split = resolve_split(cfg.split, x, tiles=tiles.num_tiles, steps=triton.cdiv(K, cfg.block_k))
+    k_per_split = triton.cdiv(triton.cdiv(K, split), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(K, k_per_split)
+    if split == 1:
+        s = torch.empty((T, block_r), dtype=x.dtype, device=x.device)
+    else:
+        s = torch.empty((split, T, block_r), dtype=torch.float32, device=x.device)
+    if tiles.num_tiles > 0:
+        _multi_lora_shrink_kernel[(tiles.num_tiles, split)](
+            x,
+            a_cat,
+            s,
+            tiles.tiles,
+            ranks,
+            thresholds,
+            s_scale,
+            seed,
+            K,
+            k_per_split,
+            x.stride(0),
+            a_cat.stride(0),
+            s.stride(0) if split > 1 else 0,
+            s.stride(-2),
+            BLOCK_M=cfg.block_m,
+            BLOCK_K=cfg.block_k,
+            BLOCK_R=block_r,
+            HAS_DROPOUT=has_dropout,
+            DOT_PRECISION=dot_precision(x.dtype),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+    if split == 1:
+        return s
+    return s.sum(dim=0).to(x.dtype)
+
+
+def multi_lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    s: torch.Tensor,
+    b_cat: torch.Tensor,
+    batch: MultiLoRABatch,
+    *,
+    ranks: torch.Tensor,
+    max_rank: int,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """``y [T, N] = x W^T + bias + S' B_a^T``, the LoRA term routed per segment.
+
+    Args:
+        x: ``[T, K]``, unit stride along K.
+        weight: ``[N, K]`` frozen weight, unit stride along K.
+        bias: ``[N]`` or None.
+        s: ``S' [T, BLOCK_R]`` (scaled) from :func:`multi_lora_shrink`.
+        b_cat: ``[N, R_tot]`` stacked adapter B matrices in ``x.dtype``, unit stride along R.
+        batch: Routing metadata of this microbatch.
+        ranks: int32 ``[n, 2]``: ``(r_a, roff_a)``.
+        max_rank: Largest ``r_a`` (the config lookup key).
+        config: Launch config; looked up by shape when None.
+
+    Returns:
+        ``y [T, N]`` in ``x.dtype``.
+    """
+    T, K = x.shape
+    N = weight.shape[0]
+    block_r = s.shape[1]
+    cfg = config or launch_config(LINEAR_KERNEL, x, m=T, n=N, k=K, r=max_rank)
+    y = torch.empty((T, N), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return y
+    rows = batch.row_tiles(cfg.block_m)
+    grid = (rows.num_tiles * triton.cdiv(N, cfg.block_n),)
+    if cfg.tma and tma_ok(x, weight, y):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        _multi_lora_linear_tma_kernel[grid](
+            TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]),
+            TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]),
+            TensorDescriptor.from_tensor(y, [cfg.block_m, cfg.block_n]),
+            bias if bias is not None else y,
+            s,
+            b_cat,
+            batch.segments,
+            rows.seg_range,
+            ranks,
+            T,
+            N,
+            K,
+            s.stride(0),
+            b_cat.stride(0),
+            HAS_BIAS=bias is not None,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            BLOCK_R=block_r,
+            GROUP_M=cfg.group_m,
+            DOT_PRECISION=dot_precision(x.dtype),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        return y
+    _multi_lora_linear_kernel[grid](
+        x,
+        weight,
+        bias if bias is not None else y,
+        s,
+        b_cat,
+        y,
+        batch.segments,
+        rows.seg_range,
+        ranks,
+        T,
+        N,
+        K,
+        x.stride(0),
+        weight.stride(0),
+        s.stride(0),
+        b_cat.stride(0),
+        y.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        BLOCK_R=block_r,
+        GROUP_M=cfg.group_m,
+        DOT_PRECISION=dot_precision(x.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return y

@@ -1,0 +1,483 @@
+"""FusedLoRA: the single-adapter LoRA linear layer as two fused Triton GEMMs and two skinny passes.
+
+Maths (shapes ``x [M, K]``, ``W [N, K]``, ``A [r, K]``, ``B [N, r]``, ``bias [N]``)::
+
+    keep ~ Bernoulli(1 - p) per element of x, regenerated from (seed, row, col)
+    x_hat = keep * x / (1 - p)
+    S     = x_hat A^T                                  [M, r]
+    y     = x W^T + bias + scaling * S B^T             [M, N]
+
+Chain rule, with ``dy = dL/dy [M, N]`` (W is frozen and gets no gradient)::
+
+    dB    = scaling * dy^T S = dy^T S'                 [N, r]    (S' = scaling * S is what we save)
+    dS    = scaling * dy B                             [M, r]
+    dA    = dS^T x_hat                                 [r, K]
+    dx    = dy W + keep * (dS A) / (1 - p)             [M, K]
+    dbias = sum_rows dy                                [N]       (only if bias requires grad)
+
+Kernels: forward ``lora_xa`` (dropout and ``x_hat A^T`` in one read of x), then ``lora_xw_sb``
+(``x W^T + S' B^T + bias`` in one GEMM); backward ``lora_dys_dyb`` (``dS`` and ``dB`` from one read
+of dy), ``lora_dsx`` (``dA``) and ``lora_dyw_dsa`` (``dx`` in one GEMM). Saved for backward: x, S'
+and the 8-byte seed; neither the mask nor ``x_hat`` is stored.
+
+Both halves are ``torch.library`` custom ops (``lorafusion::fused_lora_forward`` and
+``lorafusion::fused_lora_backward``), so ``torch.compile`` traces through them. CUDA tensors run the
+Triton kernels; so do CPU tensors when ``TRITON_INTERPRET=1``; other CPU tensors take a plain torch
+path with the same dropout mask.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from lorafusion_kernels._kernels._common import MAX_RANK, runs_triton
+from lorafusion_kernels._kernels.lora_dsx import lora_dsx
+from lorafusion_kernels._kernels.lora_dys_dyb import lora_dys_dyb
+from lorafusion_kernels._kernels.lora_dyw_dsa import lora_dyw_dsa
+from lorafusion_kernels._kernels.lora_xa import lora_xa
+from lorafusion_kernels._kernels.lora_xw_sb import lora_xw_sb
+from lorafusion_kernels.dropout import draw_seed, dropout_keep_mask, keep_threshold, seed_tensor
+from lorafusion_kernels.errors import LoRAFusionKernelsError
+
+__all__ = ["FusedLoRAFunction", "FusedLoRALinear", "fused_lora_linear"]
+
+DETERMINISTIC_ENV = "LORAFUSION_DETERMINISTIC"
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def deterministic_mode() -> bool:
+    """Whether backward avoids atomics.
+
+    True under ``torch.use_deterministic_algorithms(True)`` or with ``LORAFUSION_DETERMINISTIC=1``.
+    """
+    return torch.are_deterministic_algorithms_enabled() or os.environ.get(DETERMINISTIC_ENV, "0") == "1"
+
+
+def _torch_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    seed: torch.Tensor,
+    scaling: float,
+    dropout_p: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch version of the forward op (CPU without the interpreter), accumulating in fp32."""
+    x32 = x.float()
+    if dropout_p > 0.0:
+        keep = dropout_keep_mask(int(seed.item()), x.shape[0], x.shape[1], dropout_p, device=x.device)
+        x32 = x32 * keep
+    s = (x32 @ lora_a.float().T * (scaling / (1.0 - dropout_p))).to(x.dtype)
+    y = x.float() @ weight.float().T + s.float() @ lora_b.float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype), s
+
+
+def _torch_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    s: torch.Tensor,
+    seed: torch.Tensor,
+    scaling: float,
+    dropout_p: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain torch version of the backward op, accumulating in fp32."""
+    dy32 = dy.float()
+    inv_keep = 1.0 / (1.0 - dropout_p)
+    x32 = x.float()
+    ds = dy32 @ lora_b.float() * scaling
+    ds_a = ds @ lora_a.float() * inv_keep
+    if dropout_p > 0.0:
+        keep = dropout_keep_mask(int(seed.item()), x.shape[0], x.shape[1], dropout_p, device=x.device)
+        x32 = x32 * keep
+        ds_a = ds_a * keep
+    dx = dy32 @ weight.float() + ds_a
+    da = ds.T @ x32 * inv_keep
+    db = dy32.T @ s.float()
+    return dx.to(dy.dtype), da.to(lora_a.dtype), db.to(lora_b.dtype)
+
+
+def _forward_impl(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    seed: torch.Tensor,
+    scaling: float,
+    dropout_p: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, S')`` for 2-D ``x [M, K]``: ``y [M, N]``, ``S' = scaling * x_hat A^T [M, r]``."""
+    if not runs_triton(x) or x.shape[0] == 0:
+        return _torch_forward(x, weight, lora_a, lora_b, bias, seed, scaling, dropout_p)
+    s = lora_xa(
+        x,
+        lora_a,
+        scale=scaling / (1.0 - dropout_p),
+        keep_threshold=keep_threshold(dropout_p),
+        seed=seed,
+        has_dropout=dropout_p > 0.0,
+    )
+    y = lora_xw_sb(x, weight, s, lora_b, bias)
+    return y, s
+
+
+def _backward_impl(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    s: torch.Tensor,
+    seed: torch.Tensor,
+    scaling: float,
+    dropout_p: float,
+    need_dx: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dA, dB)``; ``dx`` is an empty ``[0]`` tensor when ``need_dx`` is False."""
+    dy = dy.contiguous() if dy.stride(-1) != 1 else dy
+    if not runs_triton(dy) or dy.shape[0] == 0:
+        dx, da, db = _torch_backward(dy, x, weight, lora_a, lora_b, s, seed, scaling, dropout_p)
+        return (dx if need_dx else dx.new_empty(0)), da, db
+    threshold = keep_threshold(dropout_p)
+    inv_keep = 1.0 / (1.0 - dropout_p)
+    has_dropout = dropout_p > 0.0
+    ds, db = lora_dys_dyb(dy, lora_b, s, scaling=scaling, deterministic=deterministic)
+    da = lora_dsx(
+        ds,
+        x,
+        out_dtype=lora_a.dtype,
+        inv_keep=inv_keep,
+        keep_threshold=threshold,
+        seed=seed,
+        has_dropout=has_dropout,
+    )
+    if need_dx:
+        dx = lora_dyw_dsa(
+            dy, weight, ds, lora_a, inv_keep=inv_keep, keep_threshold=threshold, seed=seed, has_dropout=has_dropout
+        )
+    else:
+        dx = dy.new_empty(0)
+    return dx, da, db
+
+
+_forward_op = torch.library.custom_op(
+    "lorafusion::fused_lora_forward",
+    _forward_impl,
+    mutates_args=(),
+    schema="(Tensor x, Tensor weight, Tensor lora_a, Tensor lora_b, Tensor? bias, Tensor seed, "
+    "float scaling, float dropout_p) -> (Tensor, Tensor)",
+)
+
+
+@_forward_op.register_fake
+def _forward_fake(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    seed: torch.Tensor,
+    scaling: float,
+    dropout_p: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty((x.shape[0], weight.shape[0])), x.new_empty((x.shape[0], lora_a.shape[0]))
+
+
+_backward_op = torch.library.custom_op(
+    "lorafusion::fused_lora_backward",
+    _backward_impl,
+    mutates_args=(),
+    schema="(Tensor dy, Tensor x, Tensor weight, Tensor lora_a, Tensor lora_b, Tensor s, Tensor seed, "
+    "float scaling, float dropout_p, bool need_dx, bool deterministic) -> (Tensor, Tensor, Tensor)",
+)
+
+
+@_backward_op.register_fake
+def _backward_fake(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    s: torch.Tensor,
+    seed: torch.Tensor,
+    scaling: float,
+    dropout_p: float,
+    need_dx: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx = dy.new_empty((dy.shape[0], weight.shape[1])) if need_dx else dy.new_empty(0)
+    return dx, torch.empty_like(lora_a), torch.empty_like(lora_b)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    x, weight, lora_a, lora_b, bias, seed, scaling, dropout_p = inputs
+    ctx.save_for_backward(x, weight, lora_a, lora_b, output[1], seed)
+    ctx.scaling = scaling
+    ctx.dropout_p = dropout_p
+    ctx.has_bias = bias is not None
+    ctx.deterministic = deterministic_mode()
+
+
+def _backward(ctx: Any, dy: torch.Tensor, *_unused: Any, opaque: bool = True) -> tuple[torch.Tensor | None, ...]:
+    """Shared backward; ``opaque`` routes through the custom op (always, when AOTAutograd traces it)."""
+    x, weight, lora_a, lora_b, s, seed = ctx.saved_tensors
+    need_dx = bool(ctx.needs_input_grad[0])
+    args = (dy, x, weight, lora_a, lora_b, s, seed, ctx.scaling, ctx.dropout_p, need_dx, ctx.deterministic)
+    if opaque:
+        dx, da, db = torch.ops.lorafusion.fused_lora_backward(*args)
+    else:
+        dx, da, db = _backward_impl(*args)
+    dbias = dy.sum(dim=0, dtype=torch.float32).to(dy.dtype) if ctx.has_bias and ctx.needs_input_grad[4] else None
+    return (dx if need_dx else None), None, da, db, dbias, None, None, None
+
+
+class FusedLoRAFunction(torch.autograd.Function):
+    """Autograd for ``y = x W^T + bias + scaling * x_hat A^T B^T`` (2-D ``x``); see the module docstring.
+
+    Eager calls use this Function directly: a ``torch.library`` custom op costs a few hundred
+    microseconds more per call in Python dispatch (a tiny CPU forward: 288 us as a custom op, 101 us as
+    this Function, measured on the 2-core CI host),
+    which would starve the GPU on small layers. Under ``torch.compile`` the same forward and
+    backward run as the custom ops ``lorafusion::fused_lora_forward`` / ``fused_lora_backward``.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        bias: torch.Tensor | None,
+        seed: torch.Tensor,
+        scaling: float,
+        dropout_p: float,
+    ) -> torch.Tensor:
+        """``y [M, N]``; saves x, S' and the seed (plus references to the parameters)."""
+        y, s = _forward_impl(x, weight, lora_a, lora_b, bias, seed, scaling, dropout_p)
+        _setup_context(ctx, (x, weight, lora_a, lora_b, bias, seed, scaling, dropout_p), (y, s))
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """``(dx, None, dA, dB, dbias, None, None, None)`` by the chain rule of the module docstring."""
+        return _backward(ctx, dy, opaque=False)
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_inputs(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    dropout_p: float,
+) -> None:
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise LoRAFusionKernelsError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    if weight.dtype != x.dtype:
+        raise LoRAFusionKernelsError(f"weight dtype {weight.dtype} must match x dtype {x.dtype}")
+    if weight.dim() != 2 or lora_a.dim() != 2 or lora_b.dim() != 2:
+        raise LoRAFusionKernelsError("weight, lora_a and lora_b must be 2-D: [N, K], [r, K], [N, r]")
+    n, k = weight.shape
+    r = lora_a.shape[0]
+    if x.shape[-1] != k or lora_a.shape[1] != k:
+        raise LoRAFusionKernelsError(
+            f"in_features mismatch: x [..., {x.shape[-1]}], weight [{n}, {k}], lora_a {list(lora_a.shape)}"
+        )
+    if tuple(lora_b.shape) != (n, r):
+        raise LoRAFusionKernelsError(f"lora_b must be [{n}, {r}] (out_features, rank), got {list(lora_b.shape)}")
+    if not 1 <= r <= MAX_RANK:
+        raise LoRAFusionKernelsError(f"LoRA rank must be in [1, {MAX_RANK}], got {r}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise LoRAFusionKernelsError(f"bias must be [{n}], got {list(bias.shape)}")
+    if not lora_a.dtype.is_floating_point or not lora_b.dtype.is_floating_point:
+        raise LoRAFusionKernelsError("lora_a and lora_b must be floating point")
+    devices = {t.device for t in (x, weight, lora_a, lora_b) + ((bias,) if bias is not None else ())}
+    if len(devices) != 1:
+        raise LoRAFusionKernelsError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise LoRAFusionKernelsError(f"dropout_p must be in [0, 1), got {dropout_p}")
+
+
+_NO_SEED: dict[torch.device, torch.Tensor] = {}
+
+
+def _seed_for(x: torch.Tensor, dropout_p: float, seed: int | None) -> torch.Tensor:
+    if dropout_p == 0.0:
+        # Never read by the kernels (no RNG at p = 0); one cached tensor per device, no allocation per call.
+        if x.device not in _NO_SEED:
+            _NO_SEED[x.device] = torch.zeros(1, dtype=torch.int64, device=x.device)
+        return _NO_SEED[x.device]
+    if seed is None:
+        return draw_seed(x.device)
+    return seed_tensor(seed, x.device)
+
+
+def fused_lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    *,
+    scaling: float,
+    dropout_p: float = 0.0,
+    bias: torch.Tensor | None = None,
+    seed: int | None = None,
+) -> torch.Tensor:
+    """``y = x W^T + bias + scaling * dropout_p(x) A^T B^T``, fused; gradients for x, A, B and bias.
+
+    Args:
+        x: ``[..., K]`` input, float16, bfloat16 or float32 (any leading dims).
+        weight: ``[N, K]`` frozen base weight, ``x.dtype``.
+        lora_a: ``[r, K]`` LoRA A, ``1 <= r <= 128``, any float dtype (its gradient comes back in it).
+        lora_b: ``[N, r]`` LoRA B.
+        scaling: ``lora_alpha / r`` (PEFT) or ``lora_alpha / sqrt(r)`` (rsLoRA); a runtime fp32 value.
+        dropout_p: Dropout probability on the LoRA branch only, in ``[0, 1)``; 0 draws no random numbers.
+        bias: ``[N]`` base bias or None; gets a gradient if it requires one.
+        seed: Dropout seed; None draws one from torch's generator of ``x``'s device
+            (so ``torch.manual_seed`` reproduces it). The same seed gives the same mask
+            (see :func:`lorafusion_kernels.dropout.dropout_keep_mask`).
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``.
+
+    Raises:
+        LoRAFusionKernelsError: on mismatched shapes, dtypes or devices, a rank outside
+            ``[1, 128]`` or ``dropout_p`` outside ``[0, 1)``.
+
+    Example:
+        >>> y = fused_lora_linear(x, layer.weight, lora_a, lora_b, scaling=2.0, dropout_p=0.1)
+    """
+    _check_inputs(x, weight, lora_a, lora_b, bias, dropout_p)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    seed_t = _seed_for(x, float(dropout_p), seed)
+    if torch.compiler.is_compiling():
+        y, _ = torch.ops.lorafusion.fused_lora_forward(
+            x2, weight, lora_a, lora_b, bias, seed_t, float(scaling), float(dropout_p)
+        )
+    else:
+        y = FusedLoRAFunction.apply(  # type: ignore[no-untyped-call]
+            x2, weight, lora_a, lora_b, bias, seed_t, float(scaling), float(dropout_p)
+        )
+    return cast(torch.Tensor, y).reshape(*lead, weight.shape[0])
+
+
+class FusedLoRALinear(nn.Module):
+    """A frozen linear layer with a trainable LoRA adapter, computed by :func:`fused_lora_linear`.
+
+    ``y = x W^T + bias + scaling * dropout(x) A^T B^T`` with ``scaling = lora_alpha / r`` (or
+    ``lora_alpha / sqrt(r)`` with ``use_rslora``). A is initialised like PEFT's default
+    (Kaiming-uniform) and B with zeros, so a fresh layer equals the frozen one.
+
+    Args:
+        in_features: ``K``.
+        out_features: ``N``.
+        r: LoRA rank, in ``[1, 128]``.
+        lora_alpha: LoRA alpha (default ``r``: scaling 1).
+        dropout_p: Dropout on the LoRA branch (applied in training mode only).
+        bias: Whether the frozen base layer has a bias.
+        use_rslora: Scale by ``lora_alpha / sqrt(r)``.
+        device: Where to allocate.
+        dtype: Dtype of the base weight (the adapter is created in the same dtype).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        r: int,
+        *,
+        lora_alpha: float | None = None,
+        dropout_p: float = 0.0,
+        bias: bool = True,
+        use_rslora: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if not 1 <= r <= MAX_RANK:
+            raise LoRAFusionKernelsError(f"LoRA rank must be in [1, {MAX_RANK}], got {r}")
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.in_features = in_features
+        self.out_features = out_features
+        self.r = r
+        alpha = float(r if lora_alpha is None else lora_alpha)
+        self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
+        self.dropout_p = float(dropout_p)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, **factory), requires_grad=False) if bias else None
+        self.lora_a = nn.Parameter(torch.empty(r, in_features, **factory))
+        self.lora_b = nn.Parameter(torch.empty(out_features, r, **factory))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Base layer like ``nn.Linear``, A Kaiming-uniform, B zero (the adapter starts as a no-op)."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1.0 / math.sqrt(self.in_features)
+            nn.init.uniform_(self.bias, -bound, bound)
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_b)
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        r: int,
+        *,
+        lora_alpha: float | None = None,
+        dropout_p: float = 0.0,
+        use_rslora: bool = False,
+    ) -> FusedLoRALinear:
+        """Wrap an existing ``nn.Linear`` (its weight and bias are shared, frozen) with a fresh adapter."""
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            r,
+            lora_alpha=lora_alpha,
+            dropout_p=dropout_p,
+            bias=linear.bias is not None,
+            use_rslora=use_rslora,
+            device=linear.weight.device,
+            dtype=linear.weight.dtype,
+        )
+        layer.weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., in_features] -> [..., out_features]``; dropout only in training mode."""
+        return fused_lora_linear(
+            x,
+            self.weight,
+            self.lora_a,
+            self.lora_b,
+            scaling=self.scaling,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            bias=self.bias,
+        )
+
+    def extra_repr(self) -> str:
+        """Shapes, rank, scaling, dropout and bias, for ``repr``."""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, r={self.r}, "
+            f"scaling={self.scaling:g}, dropout_p={self.dropout_p:g}, bias={self.bias is not None}"
+        )

@@ -1,0 +1,306 @@
+"""Per-microbatch routing metadata for FusedMultiLoRA (Contract 2: runtime -> kernels).
+
+A multi-adapter microbatch is one packed token sequence ``x [T, K]`` made of consecutive segments;
+segment ``j`` holds ``segment_lengths[j]`` tokens of adapter ``segment_adapters[j]``. An adapter may
+own several segments and some adapters none. :class:`MultiLoRABatch` is built once per microbatch
+(from the host-side lengths the scheduler already has) and reused by every LoRA layer of the model:
+all its tables are copied to the device once, and the per-tile tables each kernel needs are derived
+from the host lists (no device read-back, so no host synchronisation inside a layer).
+
+Per-adapter rank, scaling and dropout p differ from layer to layer (PEFT's ``rank_pattern`` /
+``alpha_pattern``), so they come with each call of the op, never with the batch.
+
+Two tilings of the token dimension are used by the kernels, both without padding and both sized to
+the microbatch (no fixed caps, nothing truncated):
+
+* **row tiles** (``cdiv(T, BLOCK_M)`` tiles of consecutive rows, as the frozen GEMM tiles ``x``):
+  for each tile the half-open range of segments it overlaps, so the base GEMM is tiled exactly as
+  the frozen layer and only the LoRA term of a tile that straddles a boundary loops over segments;
+* **segment tiles** (each segment cut into ``cdiv(length, BLOCK_M)`` tiles that never cross a
+  segment boundary), ordered by adapter, with a CSR pointer per adapter: every such tile has one
+  adapter, which is what the rank-``r`` shrink, the ``dB``/``dS`` kernel and the per-adapter ``dA``
+  reduction need.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lorafusion_kernels.errors import LoRAFusionKernelsError
+
+__all__ = ["MultiLoRABatch", "RowTiles", "SegmentTiles"]
+
+
+@dataclass(frozen=True, eq=False)
+class RowTiles:
+    """Row tiling of ``[T, *]`` (tile ``i`` = rows ``[i*block_m, min((i+1)*block_m, T))``).
+
+    Attributes:
+        block_m: Rows per tile.
+        num_tiles: ``cdiv(T, block_m)``.
+        seg_range: int32 ``[num_tiles, 2]`` on the batch's device: the half-open range
+            ``[lo, hi)`` of (non-empty) segment indices overlapping each tile.
+    """
+
+    block_m: int
+    num_tiles: int
+    seg_range: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class SegmentTiles:
+    """Tiles that never cross a segment boundary, ordered by adapter then by position.
+
+    Attributes:
+        block_m: Rows per tile (the last tile of a segment may be shorter).
+        num_tiles: Total tiles, ``sum_j cdiv(len_j, block_m)``.
+        tiles: int32 ``[num_tiles, 3]`` on the batch's device: ``(row_start, row_end, adapter)``.
+        adapter_ptr: int32 ``[num_adapters + 1]``: the tiles of adapter ``a`` are
+            ``tiles[adapter_ptr[a]:adapter_ptr[a + 1]]`` (empty for an adapter without tokens).
+    """
+
+    block_m: int
+    num_tiles: int
+    tiles: torch.Tensor
+    adapter_ptr: torch.Tensor
+
+
+def _as_int_list(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1:
+            raise LoRAFusionKernelsError(f"{name} must be one-dimensional, got shape {tuple(values.shape)}")
+        if values.is_floating_point() or values.is_complex():
+            raise LoRAFusionKernelsError(f"{name} must hold integers, got dtype {values.dtype}")
+        # A device tensor costs one read-back here, once per microbatch, never inside a layer.
+        return [int(v) for v in values.tolist()]
+    out = []
+    for v in values:
+        if isinstance(v, bool) or int(v) != v:
+            raise LoRAFusionKernelsError(f"{name} must hold integers, got {v!r}")
+        out.append(int(v))
+    return out
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small host table to ``device`` without blocking the host (pinned staging on CUDA)."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+class MultiLoRABatch:
+    """Segments of one packed multi-adapter microbatch, with device-side routing tables.
+
+    Build it once per microbatch with :meth:`from_segments` and pass it to every layer (directly to
+    :func:`lorafusion_kernels.fused_multi_lora_linear` or through
+    :func:`lorafusion_kernels.multi_lora_batch`). Empty segments are accepted and ignored.
+
+    Attributes:
+        segment_lengths: Host tuple, tokens per segment as given (empty segments included).
+        segment_adapters: Host tuple, adapter index per segment as given.
+        num_adapters: Number of adapters the op's weight lists must hold (at least
+            ``max(segment_adapters) + 1``).
+        total_tokens: ``T = sum(segment_lengths)``.
+        device: Where the routing tables live (the device of ``x``).
+        segments: int32 ``[S, 3]`` on ``device``: ``(start, length, adapter)`` of the ``S``
+            non-empty segments, in token order.
+    """
+
+    __slots__ = (
+        "_row_tiles",
+        "_seg_tiles",
+        "_starts",
+        "adapter_tokens",
+        "device",
+        "num_adapters",
+        "segment_adapters",
+        "segment_lengths",
+        "segments",
+        "total_tokens",
+    )
+
+    def __init__(
+        self,
+        segment_lengths: tuple[int, ...],
+        segment_adapters: tuple[int, ...],
+        num_adapters: int,
+        device: torch.device,
+    ) -> None:
+        self.segment_lengths = segment_lengths
+        self.segment_adapters = segment_adapters
+        self.num_adapters = num_adapters
+        self.device = device
+        starts = [0, *itertools.accumulate(segment_lengths)]
+        self.total_tokens = starts[-1]
+        self._starts = tuple(starts[:-1])
+        tokens = [0] * num_adapters
+        for length, adapter in zip(segment_lengths, segment_adapters, strict=True):
+            tokens[adapter] += length
+        self.adapter_tokens: tuple[int, ...] = tuple(tokens)
+        rows = [
+            (start, length, adapter)
+            for start, length, adapter in zip(self._starts, segment_lengths, segment_adapters, strict=True)
+            if length > 0
+        ]
+        host = torch.tensor(rows, dtype=torch.int32).reshape(len(rows), 3)
+        self.segments = _to_device(host, device)
+        self._row_tiles: dict[int, RowTiles] = {}
+        self._seg_tiles: dict[int, SegmentTiles] = {}
+
+    @classmethod
+    def from_segments(
+        cls,
+        segment_lengths: Sequence[int] | torch.Tensor,
+        segment_adapters: Sequence[int] | torch.Tensor,
+        *,
+        num_adapters: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> MultiLoRABatch:
+        """Build the metadata of one microbatch.
+
+        Args:
+            segment_lengths: Tokens per segment, ``>= 0`` (host ints or a 1-D integer tensor).
+            segment_adapters: Adapter index per segment, ``>= 0``; an adapter may appear in
+                several segments.
+            num_adapters: Number of adapters of the op (default ``max(segment_adapters) + 1``);
+                adapters without segments are allowed.
+            device: Device of the activations (default CPU).
+
+        Returns:
+            The batch metadata, with its segment table already on ``device``.
+
+        Raises:
+            LoRAFusionKernelsError: Mismatched lengths, negative lengths, an adapter index out of range, or no
+                segments at all.
+        """
+        lengths = _as_int_list(segment_lengths, "segment_lengths")
+        adapters = _as_int_list(segment_adapters, "segment_adapters")
+        if len(lengths) != len(adapters):
+            raise LoRAFusionKernelsError(
+                f"segment_lengths has {len(lengths)} entries but segment_adapters has {len(adapters)}; "
+                "give one adapter index per segment"
+            )
+        if not lengths:
+            raise LoRAFusionKernelsError("a multi-LoRA batch needs at least one segment")
+        if any(n < 0 for n in lengths):
+            raise LoRAFusionKernelsError(f"segment lengths must be >= 0, got {lengths}")
+        if any(a < 0 for a in adapters):
+            raise LoRAFusionKernelsError(f"adapter indices must be >= 0, got {adapters}")
+        needed = max(adapters) + 1
+        if num_adapters is None:
+            num_adapters = needed
+        elif num_adapters < needed:
+            raise LoRAFusionKernelsError(
+                f"segment_adapters refers to adapter {needed - 1} but num_adapters={num_adapters}; "
+                f"pass num_adapters >= {needed}"
+            )
+        dev = torch.device("cpu") if device is None else torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return cls(tuple(lengths), tuple(adapters), num_adapters, dev)
+
+    @property
+    def num_segments(self) -> int:
+        """Number of segments as given (empty ones included)."""
+        return len(self.segment_lengths)
+
+    @property
+    def segment_starts(self) -> tuple[int, ...]:
+        """Host tuple: first token of each segment."""
+        return self._starts
+
+    @property
+    def active_adapters(self) -> tuple[int, ...]:
+        """Sorted indices of the adapters that own at least one token."""
+        return tuple(a for a, n in enumerate(self.adapter_tokens) if n > 0)
+
+    def single_adapter(self) -> int | None:
+        """The adapter index if exactly one adapter owns tokens (the FusedLoRA path), else ``None``."""
+        active = self.active_adapters
+        return active[0] if len(active) == 1 else None
+
+    def nonempty_segments(self) -> list[tuple[int, int, int]]:
+        """Host list of ``(start, length, adapter)`` for the non-empty segments, in token order."""
+        return [
+            (s, n, a)
+            for s, n, a in zip(self._starts, self.segment_lengths, self.segment_adapters, strict=True)
+            if n > 0
+        ]
+
+    def to(self, device: torch.device | str) -> MultiLoRABatch:
+        """The same segments with tables on ``device`` (``self`` if already there)."""
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev == self.device:
+            return self
+        return MultiLoRABatch(self.segment_lengths, self.segment_adapters, self.num_adapters, dev)
+
+    def row_tiles(self, block_m: int) -> RowTiles:
+        """Row tiling with ``block_m`` rows per tile (computed on the host once, then cached).
+
+        Args:
+            block_m: Rows per tile of the kernel that asks.
+
+        Returns:
+            The :class:`RowTiles` for this block size.
+        """
+        cached = self._row_tiles.get(block_m)
+        if cached is not None:
+            return cached
+        segs = self.nonempty_segments()
+        num_tiles = -(-self.total_tokens // block_m)
+        ranges = []
+        lo = 0
+        for i in range(num_tiles):
+            row0, row1 = i * block_m, min((i + 1) * block_m, self.total_tokens)
+            while segs[lo][0] + segs[lo][1] <= row0:
+                lo += 1
+            hi = lo
+            while hi < len(segs) and segs[hi][0] < row1:
+                hi += 1
+            ranges.append((lo, hi))
+        host = torch.tensor(ranges, dtype=torch.int32).reshape(num_tiles, 2)
+        tiles = RowTiles(block_m=block_m, num_tiles=num_tiles, seg_range=_to_device(host, self.device))
+        self._row_tiles[block_m] = tiles
+        return tiles
+
+    def segment_tiles(self, block_m: int) -> SegmentTiles:
+        """Segment-aligned tiling with at most ``block_m`` rows per tile, ordered by adapter.
+
+        Args:
+            block_m: Rows per tile of the kernel that asks.
+
+        Returns:
+            The :class:`SegmentTiles` for this block size.
+        """
+        cached = self._seg_tiles.get(block_m)
+        if cached is not None:
+            return cached
+        per_adapter: list[list[tuple[int, int, int]]] = [[] for _ in range(self.num_adapters)]
+        for start, length, adapter in self.nonempty_segments():
+            per_adapter[adapter].extend(
+                (row, min(row + block_m, start + length), adapter) for row in range(start, start + length, block_m)
+            )
+        rows = [t for tiles in per_adapter for t in tiles]
+        ptr = [0, *itertools.accumulate(len(tiles) for tiles in per_adapter)]
+        host_tiles = torch.tensor(rows, dtype=torch.int32).reshape(len(rows), 3)
+        host_ptr = torch.tensor(ptr, dtype=torch.int32)
+        tiles = SegmentTiles(
+            block_m=block_m,
+            num_tiles=len(rows),
+            tiles=_to_device(host_tiles, self.device),
+            adapter_ptr=_to_device(host_ptr, self.device),
+        )
+        self._seg_tiles[block_m] = tiles
+        return tiles
+
+    def __repr__(self) -> str:
+        return (
+            f"MultiLoRABatch(total_tokens={self.total_tokens}, num_segments={self.num_segments}, "
+            f"num_adapters={self.num_adapters}, device={self.device})"
+        )

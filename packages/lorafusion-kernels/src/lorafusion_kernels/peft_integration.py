@@ -1,0 +1,205 @@
+"""Drop-in for HF transformers + PEFT training scripts: route PEFT's ``lora.Linear`` through the fused op.
+
+Two lines in a training script::
+
+    import lorafusion_kernels
+
+    lorafusion_kernels.patch_peft_model(model)
+
+Each PEFT ``lora.Linear`` gets an instance-level ``forward`` that asks the routers (first answer
+wins) whether this call can run fused: CUDA tensors (or CPU under ``TRITON_INTERPRET=1``), fp16,
+bf16 or fp32 activations matching the base weight, one active adapter, no DoRA or other LoRA
+variant, no ``lora_bias``, an unquantized ``nn.Linear`` base layer, no autocast. Anything else
+runs PEFT's own forward, with one warning per reason and per ``patch_peft_model`` call.
+Nothing in the state dict changes, so ``save_pretrained`` still writes plain PEFT adapter files;
+:func:`unpatch_peft_model` removes the instance attribute again.
+
+Why not ``LoraConfig._register_custom_module``: PEFT does not persist that mapping (every load
+must re-register it and pass ``config=``), it replaces the layer class at creation time only, and
+it cannot be undone on a live model. The instance-level patch leaves classes, names and files alone.
+
+PEFT is imported lazily: ``lorafusion_kernels`` itself depends on torch and triton only.
+Multi-adapter batches extend this through :func:`register_router`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lorafusion_kernels._kernels._common import runs_triton
+from lorafusion_kernels.errors import LoRAFusionKernelsWarning
+from lorafusion_kernels.lora import SUPPORTED_DTYPES, fused_lora_linear
+from lorafusion_kernels.multi_lora import install_peft_mixed_batches, uninstall_peft_mixed_batches
+
+__all__ = ["Route", "patch_peft_model", "register_router", "unpatch_peft_model"]
+
+_PATCHED = "_lorafusion_patched"
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """How one call of a patched layer runs.
+
+    Attributes:
+        forward: ``(layer, x) -> y`` computing the layer fused, or None for PEFT's own forward.
+        reason: Why PEFT's path is taken (warned once); None for a silent fallback (adapters
+            disabled or merged, where PEFT's path is already the plain base layer).
+    """
+
+    forward: Callable[[Any, torch.Tensor], torch.Tensor] | None
+    reason: str | None = None
+
+
+Router = Callable[[Any, torch.Tensor, dict[str, Any]], Route | None]
+"""``(layer, x, forward kwargs) -> Route``, or None to let the next router decide."""
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"lorafusion: PEFT's own LoRA path is used for {reason}", LoRAFusionKernelsWarning, stacklevel=4)
+
+
+def _fused_single_adapter(layer: Any, x: torch.Tensor) -> torch.Tensor:
+    """The one active adapter of a PEFT ``lora.Linear`` through :func:`fused_lora_linear`."""
+    name = layer.active_adapters[0]
+    base = layer.get_base_layer()
+    dropout = layer.lora_dropout[name]
+    p = float(dropout.p) if isinstance(dropout, nn.Dropout) and dropout.training else 0.0
+    return fused_lora_linear(
+        x,
+        base.weight,
+        layer.lora_A[name].weight,
+        layer.lora_B[name].weight,
+        scaling=float(layer.scaling[name]),
+        dropout_p=p,
+        bias=base.bias,
+    )
+
+
+def _unsupported_structure(layer: Any) -> str | None:
+    """Why this layer can never run fused (checked at patch time too), or None."""
+    base = layer.get_base_layer()
+    if type(base) is not nn.Linear:
+        return f"base layers of type {type(base).__name__} (quantized or not nn.Linear)"
+    if getattr(layer, "fan_in_fan_out", False):
+        return "fan_in_fan_out=True layers (Conv1D-style weights)"
+    return None
+
+
+def single_adapter_router(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -> Route:
+    """The default router: one active plain-LoRA adapter on a supported tensor runs fused."""
+    if kwargs.get("adapter_names") is not None:
+        return Route(None, "mixed-adapter batches (adapter_names=...)")
+    if layer.disable_adapters or layer.merged:
+        return Route(None)
+    active = [a for a in layer.active_adapters if a in layer.lora_A]
+    if len(active) != 1:
+        return Route(None, "layers with several active adapters")
+    name = active[0]
+    if layer.use_dora.get(name, False) or name in getattr(layer, "lora_variant", {}):
+        return Route(None, "DoRA and other LoRA variants")
+    if getattr(layer, "lora_bias", {}).get(name, False):
+        return Route(None, "adapters with lora_bias=True")
+    structural = _unsupported_structure(layer)
+    if structural is not None:
+        return Route(None, structural)
+    if not isinstance(layer.lora_dropout[name], nn.Dropout | nn.Identity):
+        return Route(None, f"dropout modules of type {type(layer.lora_dropout[name]).__name__}")
+    if not runs_triton(x):
+        return Route(None, f"{x.device.type} tensors of {x.dtype} (the fused kernels need CUDA fp16/bf16)")
+    weight = layer.get_base_layer().weight
+    if x.dtype not in SUPPORTED_DTYPES or x.dtype != weight.dtype:
+        return Route(None, f"{x.dtype} inputs with {weight.dtype} base weights")
+    if torch.is_autocast_enabled(x.device.type):
+        return Route(None, "calls under torch.autocast")
+    return Route(_fused_single_adapter)
+
+
+_ROUTERS: list[Router] = [single_adapter_router]
+
+
+def register_router(router: Router) -> None:
+    """Ask ``router`` before the existing ones (e.g. a multi-adapter router handling ``adapter_names``)."""
+    if router not in _ROUTERS:
+        _ROUTERS.insert(0, router)
+
+
+def _patched_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    route = None
+    for router in _ROUTERS:
+        route = router(self, x, kwargs)
+        if route is not None:
+            break
+    if route is None or route.forward is None or args:
+        if route is not None and route.reason is not None:
+            _warn_once(route.reason)
+        peft_forward: Callable[..., torch.Tensor] = type(self).forward
+        return peft_forward(self, x, *args, **kwargs)
+    return route.forward(self, x)
+
+
+def _lora_linear_class() -> type[nn.Module]:
+    from peft.tuners.lora.layer import Linear
+
+    return Linear
+
+
+def patch_peft_model(model: nn.Module) -> int:
+    """Route every PEFT ``lora.Linear`` in ``model`` through the fused op; returns how many were patched.
+
+    Layers that can never run fused (quantized base, ``fan_in_fan_out``, other LoRA layer types,
+    a ``forward`` already overridden on the instance by hooks) are left alone with one warning
+    per reason. Patching twice is harmless.
+
+    Raises:
+        ImportError: if ``peft`` is not installed.
+    """
+    from peft.tuners.lora.layer import LoraLayer
+
+    linear_cls = _lora_linear_class()
+    _WARNED.clear()
+    patched = 0
+    for module in model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        if type(module) is not linear_cls:
+            _warn_once(f"{type(module).__name__} layers (only lora.Linear is fused)")
+            continue
+        if getattr(module, _PATCHED, False):
+            patched += 1
+            continue
+        structural = _unsupported_structure(module)
+        if structural is not None:
+            _warn_once(structural)
+            continue
+        if "forward" in vars(module):
+            _warn_once("layers whose forward is already wrapped by hooks (e.g. accelerate offloading)")
+            continue
+        module.forward = types.MethodType(_patched_forward, module)
+        setattr(module, _PATCHED, True)
+        patched += 1
+    # Mixed-adapter batches (multi_lora_batch, adapter_names=): see lorafusion_kernels.multi_lora.
+    install_peft_mixed_batches(model)
+    return patched
+
+
+def unpatch_peft_model(model: nn.Module) -> int:
+    """Undo :func:`patch_peft_model`; returns how many layers were restored."""
+    restored = 0
+    uninstall_peft_mixed_batches(model)
+    for module in model.modules():
+        if getattr(module, _PATCHED, False):
+            del module.forward
+            delattr(module, _PATCHED)
+            restored += 1
+    return restored

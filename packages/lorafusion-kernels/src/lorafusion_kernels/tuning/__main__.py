@@ -1,0 +1,9 @@
+"""``python -m lorafusion_kernels.tuning`` is ``lorafusion-tune``."""
+
+from __future__ import annotations
+
+import sys
+
+from lorafusion_kernels.tuning.tune import main
+
+sys.exit(main())

@@ -1,0 +1,352 @@
+"""Launch configs as data: one JSON file per GPU, shape-keyed entries, nearest-shape fallback.
+
+File ``configs/<gpu-key>.json`` (or under ``LORAFUSION_KERNELS_CONFIG_DIR``)::
+
+    {
+        "schema_version": 1,
+        "device": {"name": "NVIDIA H100 80GB HBM3", "key": "nvidia_h100_80gb_hbm3", "capability": [9, 0]},
+        "provenance": {
+            "date": "...",
+            "torch": "...",
+            "triton": "...",
+            "lorafusion_kernels": "...",
+            "search_space": "...",
+        },
+        "kernels": {
+            "xw_sb": {
+                "default": {
+                    "block_m": 128,
+                    "block_n": 256,
+                    "block_k": 64,
+                    "group_m": 8,
+                    "split": 1,
+                    "num_warps": 8,
+                    "num_stages": 3,
+                },
+                "entries": [
+                    {"m": 4096, "n": 4096, "k": 4096, "r": 16, "dtype": "bfloat16", "ms": 0.21, "config": {...}}
+                ],
+            }
+        },
+    }
+
+Lookup for ``(kernel, m, n, k, r, dtype)``: the exact entry; else the entry with the same
+``(n, k, r, dtype)`` and the nearest ``m`` in log distance; else the kernel's default in the file;
+else the built-in heuristic, with one warning. An unknown GPU never raises.
+Tests and the tuner force configs with :func:`override_configs`.
+
+This module does not import torch: configs validate anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib.resources
+import json
+import math
+import os
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from lorafusion_kernels.errors import LoRAFusionKernelsError, LoRAFusionKernelsWarning
+
+SCHEMA_VERSION = 1
+CONFIG_DIR_ENV = "LORAFUSION_KERNELS_CONFIG_DIR"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelConfig:
+    """How one kernel is launched. Field meanings follow each kernel's docstring."""
+
+    block_m: int
+    """Rows of the output tile (or of the row block a skinny kernel reduces over)."""
+    block_n: int
+    """Columns of the output tile."""
+    block_k: int
+    """Extent of the reduction step of the inner loop."""
+    group_m: int = 8
+    """Row-block group size of the L2-friendly tile order (GEMM kernels)."""
+    split: int = 1
+    """Programs sharing one reduction (skinny kernels); 0 picks enough to fill the GPU."""
+    num_warps: int = 4
+    """Warps per program."""
+    num_stages: int = 3
+    """Software-pipelining depth of the inner loop."""
+    tma: bool = False
+    """GEMM kernels: load and store the big operands through tensor descriptors (TMA, sm_90+)."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k", "group_m", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise LoRAFusionKernelsError(f"KernelConfig.{name} must be a positive power of two, got {value}")
+        for name in ("block_m", "block_n", "block_k"):
+            if getattr(self, name) < 16:
+                raise LoRAFusionKernelsError(f"KernelConfig.{name} must be >= 16 (tl.dot), got {getattr(self, name)}")
+        if self.split < 0:
+            raise LoRAFusionKernelsError(f"KernelConfig.split must be >= 0, got {self.split}")
+        if self.num_stages < 1:
+            raise LoRAFusionKernelsError(f"KernelConfig.num_stages must be >= 1, got {self.num_stages}")
+
+    def to_dict(self) -> dict[str, int | bool]:
+        """Plain dict with every field, for JSON."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "config") -> KernelConfig:
+        """Build from a JSON object; unknown or missing fields raise with their path in ``where``."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise LoRAFusionKernelsError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(names)}")
+        for key, value in data.items():
+            if key == "tma":
+                if not isinstance(value, bool):
+                    raise LoRAFusionKernelsError(f"{where}.tma must be true or false, got {value!r}")
+            elif not isinstance(value, int) or isinstance(value, bool):
+                raise LoRAFusionKernelsError(f"{where}.{key} must be an integer, got {value!r}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise LoRAFusionKernelsError(f"{where}: {exc}") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShapeKey:
+    """The problem a config was tuned for: ``x [m, k]``, ``W [n, k]``, rank ``r``, operand dtype."""
+
+    m: int
+    n: int
+    k: int
+    r: int
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TunedEntry:
+    """One measured winner: the shape, its config and the median time in milliseconds."""
+
+    key: ShapeKey
+    config: KernelConfig
+    ms: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelTable:
+    """Configs of one kernel on one GPU."""
+
+    default: KernelConfig
+    entries: tuple[TunedEntry, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConfigFile:
+    """A parsed ``configs/<gpu-key>.json``."""
+
+    device_name: str
+    device_key: str
+    capability: tuple[int, int]
+    provenance: Mapping[str, str]
+    kernels: Mapping[str, KernelTable]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], where: str = "<config>") -> ConfigFile:
+        """Validate and parse; every error names the offending field.
+
+        Raises:
+            LoRAFusionKernelsError: on any schema violation.
+        """
+
+        def need(obj: Mapping[str, Any], key: str, kind: type | tuple[type, ...], path: str) -> Any:
+            if key not in obj:
+                raise LoRAFusionKernelsError(f"{where}: missing {path}.{key}")
+            value = obj[key]
+            if not isinstance(value, kind):
+                raise LoRAFusionKernelsError(f"{where}: {path}.{key} has wrong type {type(value).__name__}")
+            return value
+
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise LoRAFusionKernelsError(
+                f"{where}: schema_version must be {SCHEMA_VERSION}, got {data.get('schema_version')!r}"
+            )
+        device = need(data, "device", dict, "")
+        capability = need(device, "capability", list, "device")
+        if len(capability) != 2 or not all(isinstance(c, int) for c in capability):
+            raise LoRAFusionKernelsError(f"{where}: device.capability must be two integers, got {capability!r}")
+        provenance = need(data, "provenance", dict, "")
+        for field in ("date", "torch", "triton", "lorafusion_kernels", "search_space"):
+            need(provenance, field, str, "provenance")
+        kernels: dict[str, KernelTable] = {}
+        for name, table in need(data, "kernels", dict, "").items():
+            path = f"kernels.{name}"
+            default = KernelConfig.from_dict(need(table, "default", dict, path), f"{where}: {path}.default")
+            entries = []
+            for i, raw in enumerate(need(table, "entries", list, path)):
+                entry_path = f"{path}.entries[{i}]"
+                key = ShapeKey(
+                    m=need(raw, "m", int, entry_path),
+                    n=need(raw, "n", int, entry_path),
+                    k=need(raw, "k", int, entry_path),
+                    r=need(raw, "r", int, entry_path),
+                    dtype=need(raw, "dtype", str, entry_path),
+                )
+                config = KernelConfig.from_dict(need(raw, "config", dict, entry_path), f"{where}: {entry_path}.config")
+                ms = need(raw, "ms", (int, float), entry_path)
+                entries.append(TunedEntry(key=key, config=config, ms=float(ms)))
+            kernels[name] = KernelTable(default=default, entries=tuple(entries))
+        return cls(
+            device_name=need(device, "name", str, "device"),
+            device_key=need(device, "key", str, "device"),
+            capability=(capability[0], capability[1]),
+            provenance=dict(provenance),
+            kernels=kernels,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object, with entries sorted by ``(n, k, r, dtype, m)`` for reviewable diffs."""
+        kernels: dict[str, Any] = {}
+        for name in sorted(self.kernels):
+            table = self.kernels[name]
+            entries = sorted(table.entries, key=lambda e: (e.key.n, e.key.k, e.key.r, e.key.dtype, e.key.m))
+            kernels[name] = {
+                "default": table.default.to_dict(),
+                "entries": [
+                    {**dataclasses.asdict(e.key), "config": e.config.to_dict(), "ms": round(e.ms, 5)} for e in entries
+                ],
+            }
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "device": {"name": self.device_name, "key": self.device_key, "capability": list(self.capability)},
+            "provenance": dict(sorted(self.provenance.items())),
+            "kernels": kernels,
+        }
+
+    def lookup(self, kernel: str, key: ShapeKey) -> KernelConfig | None:
+        """Exact entry, else nearest ``m`` (log distance) with the other fields equal, else the default."""
+        table = self.kernels.get(kernel)
+        if table is None:
+            return None
+        same = [
+            e for e in table.entries if (e.key.n, e.key.k, e.key.r, e.key.dtype) == (key.n, key.k, key.r, key.dtype)
+        ]
+        if same:
+            log_m = math.log(max(key.m, 1))
+            return min(same, key=lambda e: (abs(math.log(e.key.m) - log_m), e.key.m)).config
+        return table.default
+
+
+def dumps(config_file: ConfigFile) -> str:
+    """Serialise deterministically: sorted keys, two-space indent, trailing newline."""
+    return json.dumps(config_file.to_json(), indent=2, sort_keys=True) + "\n"
+
+
+def config_dir() -> Path:
+    """Where config files are read from: ``LORAFUSION_KERNELS_CONFIG_DIR`` or the shipped ``configs/``."""
+    override = os.environ.get(CONFIG_DIR_ENV)
+    if override:
+        return Path(override)
+    return Path(str(importlib.resources.files("lorafusion_kernels") / "configs"))
+
+
+@functools.cache
+def load_config_file(path: Path) -> ConfigFile | None:
+    """Parse one config file (cached); None if it does not exist."""
+    if not path.is_file():
+        return None
+    return ConfigFile.from_json(json.loads(path.read_text()), where=str(path))
+
+
+Heuristic = Callable[[ShapeKey, tuple[int, int]], KernelConfig]
+_HEURISTICS: dict[str, Heuristic] = {}
+_OVERRIDES: dict[str, KernelConfig] = {}
+_WARNED: set[str] = set()
+
+
+def register_heuristic(kernel: str, heuristic: Heuristic) -> None:
+    """Register the built-in fallback for ``kernel``: ``(shape, capability) -> KernelConfig``.
+
+    Kernel modules call this for their own names (multi-adapter kernels too).
+    """
+    _HEURISTICS[kernel] = heuristic
+
+
+@contextlib.contextmanager
+def override_configs(configs: Mapping[str, KernelConfig]) -> Iterator[None]:
+    """Force the config of some kernels inside the block (tests, the tuner)."""
+    saved = dict(_OVERRIDES)
+    _OVERRIDES.update(configs)
+    try:
+        yield
+    finally:
+        _OVERRIDES.clear()
+        _OVERRIDES.update(saved)
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(reason, LoRAFusionKernelsWarning, stacklevel=3)
+
+
+def clear_caches() -> None:
+    """Forget parsed files, lookups and emitted warnings (after changing the environment overrides)."""
+    load_config_file.cache_clear()
+    _lookup_cached.cache_clear()
+    _WARNED.clear()
+
+
+def dtype_name(dtype: object) -> str:
+    """``torch.bfloat16`` or ``"bfloat16"`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def lookup_config(
+    kernel: str,
+    key: ShapeKey,
+    *,
+    device_name: str | None,
+    capability: tuple[int, int] = (0, 0),
+) -> KernelConfig:
+    """The launch config of ``kernel`` for ``key`` on the named device; never raises for an unknown GPU.
+
+    Args:
+        kernel: Kernel name (``"xw_sb"``, ``"dyw_dsa"``, ...).
+        key: The problem shape.
+        device_name: GPU name (None: no GPU, e.g. under the interpreter: the heuristic, silently).
+        capability: Compute capability, passed to the heuristic.
+
+    Raises:
+        LoRAFusionKernelsError: if no heuristic is registered for ``kernel`` (a programming error).
+    """
+    if kernel in _OVERRIDES:
+        return _OVERRIDES[kernel]
+    # Cached per call signature and environment: this runs once per kernel launch.
+    return _lookup_cached(kernel, key, device_name, capability, os.environ.get(CONFIG_DIR_ENV))
+
+
+@functools.lru_cache(maxsize=4096)
+def _lookup_cached(
+    kernel: str, key: ShapeKey, device_name: str | None, capability: tuple[int, int], _config_dir_env: str | None
+) -> KernelConfig:
+    if device_name is not None:
+        from lorafusion_kernels.tuning.device import gpu_key
+
+        gpu = gpu_key(device_name)
+        found = load_config_file(config_dir() / f"{gpu}.json")
+        config = found.lookup(kernel, key) if found is not None else None
+        if config is not None:
+            return config
+        if found is None:
+            _warn_once(
+                f"lorafusion-kernels has no launch configs for GPU {device_name!r} (looked for {gpu}.json in "
+                f"{config_dir()}); using built-in heuristics. Run `lorafusion-tune` to write one."
+            )
+        else:
+            _warn_once(f"{gpu}.json has no configs for kernel {kernel!r}; using the built-in heuristic")
+    if kernel not in _HEURISTICS:
+        raise LoRAFusionKernelsError(f"no heuristic registered for kernel {kernel!r}")
+    return _HEURISTICS[kernel](key, capability)

@@ -1,0 +1,57 @@
+"""What ``lorafusion-tune`` sweeps: the real layer shapes and the candidate configs per kernel."""
+
+from __future__ import annotations
+
+from lorafusion_kernels.tuning.config import KernelConfig
+
+SEARCH_SPACE_ID = "v1"
+"""Recorded in each file's provenance; bump it when the candidates below change."""
+
+MODEL_LAYERS: dict[str, list[tuple[str, int, int]]] = {
+    # (layer, n = out_features, k = in_features); q/k/v fused into one qkv projection as LoRAFusion does.
+    "llama-3.1-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 14336, 4096), ("down", 4096, 14336)],
+    "qwen2.5-32b": [("qkv", 7168, 5120), ("o", 5120, 5120), ("gate_up", 27648, 5120), ("down", 5120, 27648)],
+    "llama-3.1-70b": [("qkv", 10240, 8192), ("o", 8192, 8192), ("gate_up", 28672, 8192), ("down", 8192, 28672)],
+}
+M_VALUES = [1024, 2048, 4096, 8192, 16384]
+RANKS = [16, 32, 64]
+
+
+def _gemm(bm: int, bn: int, bk: int, warps: int, stages: int, tma: bool) -> KernelConfig:
+    return KernelConfig(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_warps=warps, num_stages=stages, tma=tma)
+
+
+_GEMM = [
+    _gemm(bm, bn, bk, warps, stages, tma)
+    for tma in (False, True)
+    for bm, bn, bk, warps, stages in [
+        (128, 256, 64, 8, 3),
+        (128, 256, 64, 8, 4),
+        (256, 128, 64, 8, 3),
+        (128, 128, 64, 4, 4),
+        (128, 128, 64, 8, 5),
+        (64, 256, 64, 4, 4),
+    ]
+]
+
+CANDIDATES: dict[str, list[KernelConfig]] = {
+    "xw_sb": _GEMM,
+    "dyw_dsa": _GEMM,
+    "xa": [
+        KernelConfig(block_m=bm, block_n=16, block_k=bk, split=0, num_warps=w, num_stages=4)
+        for bm in (32, 64, 128)
+        for bk in (64, 128, 256)
+        for w in (4,)
+    ],
+    "dys_dyb": [
+        KernelConfig(block_m=bm, block_n=bn, block_k=16, split=0, num_warps=4, num_stages=3)
+        for bm in (32, 64, 128)
+        for bn in (64, 128, 256)
+    ],
+    "dsx": [
+        KernelConfig(block_m=bm, block_n=bn, block_k=16, split=0, num_warps=4, num_stages=3)
+        for bm in (32, 64, 128)
+        for bn in (64, 128, 256)
+    ],
+}
+"""Candidates per kernel; ``split=0`` lets the launcher size the split to the GPU."""

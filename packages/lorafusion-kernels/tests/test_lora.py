@@ -1,0 +1,273 @@
+"""FusedLoRA on CPU: under TRITON_INTERPRET=1 these run the Triton kernels themselves, otherwise the torch path.
+
+Every output and gradient is compared with the float64 reference (``lorafusion_kernels.reference``)
+under the flash-attention rule (at most 2x / 3x the error of eager torch in the same dtype, plus a
+relative-RMS floor). Shapes are small and odd (the interpreter runs a 1024x512x512 GEMM in ~2 s).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import lorafusion_kernels.lora as lora_module
+from lorafusion_kernels import FusedLoRALinear, LoRAFusionKernelsError, fused_lora_linear
+from lorafusion_kernels._kernels._common import interpreting
+from lorafusion_kernels.reference import lora_linear_reference_seeded
+from lorafusion_kernels.testing import assert_close_to_reference, case_id, make_lora_inputs
+from lorafusion_kernels.tuning import KernelConfig, override_configs
+
+pytestmark = pytest.mark.interpret
+
+
+@pytest.fixture(autouse=True)
+def nan_poison(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``torch.empty`` the op allocates starts as NaN: an element the kernels forget to write fails."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.dtype.is_floating_point:
+            t.fill_(math.nan)
+        return t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def run_fused(inputs, *, scaling, p, seed, dy):
+    y = fused_lora_linear(
+        inputs.x, inputs.weight, inputs.lora_a, inputs.lora_b, scaling=scaling, dropout_p=p, bias=inputs.bias, seed=seed
+    )
+    leaves = inputs.leaves()
+    return y, dict(zip(leaves, torch.autograd.grad(y, list(leaves.values()), dy), strict=True))
+
+
+def run_reference(inputs, *, scaling, p, seed, dy):
+    y = lora_linear_reference_seeded(
+        inputs.x, inputs.weight, inputs.lora_a, inputs.lora_b, scaling=scaling, dropout_p=p, bias=inputs.bias, seed=seed
+    )
+    leaves = inputs.leaves()
+    return y, dict(zip(leaves, torch.autograd.grad(y, list(leaves.values()), dy.to(y.dtype)), strict=True))
+
+
+def check_against_reference(inputs, *, scaling=1.7, p=0.0, seed=5):
+    n = inputs.weight.shape[0]
+    dy = torch.randn((*inputs.x.shape[:-1], n), generator=torch.Generator().manual_seed(99)).to(inputs.x.dtype)
+    y, grads = run_fused(inputs, scaling=scaling, p=p, seed=seed, dy=dy)
+    ref_y, ref_grads = run_reference(inputs.to(torch.float64), scaling=scaling, p=p, seed=seed, dy=dy)
+    eager_y, eager_grads = run_reference(inputs, scaling=scaling, p=p, seed=seed, dy=dy)
+    assert set(grads) == set(ref_grads)
+    assert_close_to_reference("y", y, ref_y, eager_y)
+    for name in grads:
+        assert_close_to_reference(f"d{name}", grads[name], ref_grads[name], eager_grads[name], factor=3.0)
+
+
+# (m, n, k, r, lead): M, N, K are multiples of no block size; ranks 1/8/16/64; 2-D and 3-D.
+SHAPES = [
+    (37, 45, 29, 8, None),
+    (70, 33, 90, 1, None),
+    (19, 64, 48, 16, None),
+    (33, 40, 72, 64, None),
+    (None, 37, 52, 16, (2, 19)),
+]
+SHAPE_IDS = [case_id(s[0] or "x".join(map(str, s[4])), *s[1:4], torch.float32).removesuffix("-fp32") for s in SHAPES]
+
+
+@pytest.mark.parametrize("p", [0.0, 0.25], ids=["p0", "p0.25"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(("m", "n", "k", "r", "lead"), SHAPES, ids=SHAPE_IDS)
+def test_matches_float64_reference(m, n, k, r, lead, dtype, p):
+    inputs = make_lora_inputs(m or 0, n, k, r, dtype=dtype, lead=lead, seed=m or 3)
+    check_against_reference(inputs, p=p)
+
+
+@pytest.mark.parametrize("bias_grad", [False, True], ids=["bias-frozen", "bias-grad"])
+@pytest.mark.parametrize("p", [0.0, 0.3], ids=["p0", "p0.3"])
+def test_bias_with_and_without_grad(p, bias_grad):
+    inputs = make_lora_inputs(29, 35, 41, 8, dtype=torch.float32, bias=True, bias_grad=bias_grad)
+    check_against_reference(inputs, p=p)
+
+
+def test_x_without_grad_skips_dx():
+    inputs = make_lora_inputs(21, 30, 40, 4, dtype=torch.float32)
+    inputs.x.requires_grad_(False)
+    check_against_reference(inputs, p=0.1)
+
+
+@pytest.mark.parametrize(
+    "configs",
+    [
+        {
+            "xa": KernelConfig(block_m=16, block_n=16, block_k=16, split=3, num_stages=1),
+            "dys_dyb": KernelConfig(block_m=16, block_n=16, block_k=16, split=2, num_stages=1),
+            "dsx": KernelConfig(block_m=16, block_n=16, block_k=16, split=3, num_stages=1),
+        },
+        {
+            "xw_sb": KernelConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_stages=1, tma=True),
+            "dyw_dsa": KernelConfig(block_m=32, block_n=16, block_k=16, group_m=2, num_stages=1, tma=True),
+        },
+    ],
+    ids=["split-reductions", "tma-descriptors"],
+)
+def test_other_kernel_paths(configs):
+    inputs = make_lora_inputs(45, 48, 56, 16, dtype=torch.float32, bias=True, bias_grad=True)
+    with override_configs(configs):
+        check_against_reference(inputs, p=0.2)
+
+
+def test_deterministic_mode_is_reproducible_and_matches(monkeypatch):
+    inputs = make_lora_inputs(45, 40, 56, 8, dtype=torch.float32)
+    dy = torch.randn(45, 40, generator=torch.Generator().manual_seed(1))
+    split = {"dys_dyb": KernelConfig(block_m=16, block_n=16, block_k=16, split=2, num_stages=1)}
+    with override_configs(split):
+        _, atomic = run_fused(inputs, scaling=2.0, p=0.2, seed=3, dy=dy)
+        monkeypatch.setenv("LORAFUSION_DETERMINISTIC", "1")
+        _, first = run_fused(inputs, scaling=2.0, p=0.2, seed=3, dy=dy)
+        _, second = run_fused(inputs, scaling=2.0, p=0.2, seed=3, dy=dy)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+        torch.testing.assert_close(first[name], atomic[name], rtol=1e-4, atol=1e-5)
+
+
+def test_same_seed_same_output_and_different_seed_differs():
+    inputs = make_lora_inputs(24, 20, 36, 8, dtype=torch.float32)
+    args = (inputs.x, inputs.weight, inputs.lora_a, inputs.lora_b)
+    a = fused_lora_linear(*args, scaling=1.0, dropout_p=0.5, seed=42)
+    b = fused_lora_linear(*args, scaling=1.0, dropout_p=0.5, seed=42)
+    c = fused_lora_linear(*args, scaling=1.0, dropout_p=0.5, seed=43)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    torch.manual_seed(7)
+    d = fused_lora_linear(*args, scaling=1.0, dropout_p=0.5)
+    torch.manual_seed(7)
+    e = fused_lora_linear(*args, scaling=1.0, dropout_p=0.5)
+    assert torch.equal(d, e), "an unseeded call must follow torch.manual_seed"
+
+
+def test_finite_differences_agree_with_backward():
+    """The loss is linear in each of x, A and B alone, so a central difference is exact up to rounding."""
+    inputs = make_lora_inputs(23, 31, 27, 8, dtype=torch.float32)
+    w = torch.randn(23, 31, generator=torch.Generator().manual_seed(5))
+    gen = torch.Generator().manual_seed(6)
+
+    def loss(x, a, b):
+        return (fused_lora_linear(x, inputs.weight, a, b, scaling=1.5, dropout_p=0.3, seed=11) * w).sum()
+
+    x, a, b = inputs.x, inputs.lora_a, inputs.lora_b
+    grads = torch.autograd.grad(loss(x, a, b), [x, a, b])
+    with torch.no_grad():
+        for i, (g, base) in enumerate(zip(grads, (x, a, b), strict=True)):
+            v = torch.randn(base.shape, generator=gen)
+            plus = [t.detach().clone() for t in (x, a, b)]
+            minus = [t.detach().clone() for t in (x, a, b)]
+            plus[i] += v
+            minus[i] -= v
+            fd = (loss(*plus) - loss(*minus)).double() / 2
+            analytic = (g.double() * v).sum()
+            assert abs(fd - analytic) <= 1e-4 * max(1.0, abs(float(analytic))), (i, float(fd), float(analytic))
+
+
+def test_zero_b_gives_exactly_the_frozen_layer():
+    """Dropout acts on the LoRA branch only: with B = 0, any p gives the same bits as p = 0."""
+    inputs = make_lora_inputs(37, 45, 29, 8, dtype=torch.float16, bias=True, zero_b=True)
+    args = (inputs.x, inputs.weight, inputs.lora_a, inputs.lora_b)
+    dy = torch.randn(37, 45, generator=torch.Generator().manual_seed(2)).half()
+    ys, dxs = [], []
+    for p in (0.0, 0.5, 0.9):
+        y = fused_lora_linear(*args, scaling=4.0, dropout_p=p, bias=inputs.bias, seed=1)
+        (dx,) = torch.autograd.grad(y, [inputs.x], dy)
+        ys.append(y)
+        dxs.append(dx)
+    frozen = torch.nn.functional.linear(inputs.x.float(), inputs.weight.float(), inputs.bias.float())
+    for y, dx in zip(ys, dxs, strict=True):
+        assert torch.equal(y, ys[0])
+        assert torch.equal(dx, dxs[0])
+    torch.testing.assert_close(ys[0].float(), frozen, rtol=2e-3, atol=2e-3)
+
+
+def test_torch_path_matches_reference(monkeypatch):
+    """The plain torch path (CPU without the interpreter) is exercised even when interpreting."""
+    monkeypatch.setattr(lora_module, "runs_triton", lambda t: False)
+    inputs = make_lora_inputs(31, 26, 34, 8, dtype=torch.float32, bias=True, bias_grad=True)
+    check_against_reference(inputs, p=0.2)
+
+
+@pytest.mark.skipif(not interpreting(), reason="checks that the interpreter path runs the Triton kernels")
+def test_interpreter_runs_the_triton_kernels(monkeypatch):
+    calls = []
+    real = lora_module.lora_xw_sb
+    monkeypatch.setattr(lora_module, "lora_xw_sb", lambda *a, **k: calls.append(1) or real(*a, **k))
+    inputs = make_lora_inputs(17, 18, 19, 4, dtype=torch.float32)
+    fused_lora_linear(inputs.x, inputs.weight, inputs.lora_a, inputs.lora_b, scaling=1.0)
+    assert calls == [1]
+
+
+def test_torch_compile_traces_the_custom_ops():
+    inputs = make_lora_inputs(20, 24, 28, 8, dtype=torch.float32)
+
+    def fn(x, a, b):
+        return fused_lora_linear(x, inputs.weight, a, b, scaling=2.0, dropout_p=0.2, seed=3).sin()
+
+    eager = fn(inputs.x, inputs.lora_a, inputs.lora_b)
+    compiled_fn = torch.compile(fn, backend="aot_eager", fullgraph=False)
+    compiled = compiled_fn(inputs.x, inputs.lora_a, inputs.lora_b)
+    torch.testing.assert_close(compiled, eager)
+    g_eager = torch.autograd.grad(eager.sum(), [inputs.lora_a, inputs.lora_b])
+    g_comp = torch.autograd.grad(compiled.sum(), [inputs.lora_a, inputs.lora_b])
+    for got, want in zip(g_comp, g_eager, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_custom_ops_are_registered():
+    assert hasattr(torch.ops.lorafusion, "fused_lora_forward")
+    assert hasattr(torch.ops.lorafusion, "fused_lora_backward")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"lora_a": torch.zeros(129, 16), "lora_b": torch.zeros(8, 129)}, "rank"),
+        ({"lora_b": torch.zeros(9, 4)}, "lora_b must be"),
+        ({"weight": torch.zeros(8, 16, dtype=torch.float16)}, "dtype"),
+        ({"x": torch.zeros(3, 15)}, "in_features"),
+        ({"bias": torch.zeros(7)}, "bias must be"),
+        ({"dropout_p": 1.0}, "dropout_p"),
+        ({"x": torch.zeros(3, 16, dtype=torch.int32), "weight": torch.zeros(8, 16, dtype=torch.int32)}, "float16"),
+    ],
+    ids=["rank-129", "b-shape", "weight-dtype", "in-features", "bias-shape", "p-1", "int-input"],
+)
+def test_bad_inputs_raise_one_error_type(change, message):
+    args = {
+        "x": torch.zeros(3, 16),
+        "weight": torch.zeros(8, 16),
+        "lora_a": torch.zeros(4, 16),
+        "lora_b": torch.zeros(8, 4),
+        "bias": None,
+        "dropout_p": 0.0,
+    }
+    args.update(change)
+    with pytest.raises(LoRAFusionKernelsError, match=message):
+        fused_lora_linear(
+            args["x"], args["weight"], args["lora_a"], args["lora_b"], scaling=1.0, dropout_p=args["dropout_p"],
+            bias=args["bias"],
+        )  # fmt: skip
+
+
+def test_module_starts_as_the_frozen_layer_and_trains():
+    base = torch.nn.Linear(24, 20)
+    layer = FusedLoRALinear.from_linear(base, 8, lora_alpha=16, dropout_p=0.1)
+    assert layer.scaling == 2.0
+    assert "r=8" in repr(layer)
+    x = torch.randn(3, 5, 24)
+    layer.eval()
+    torch.testing.assert_close(layer(x), base(x), rtol=1e-6, atol=1e-6)
+    layer.train()
+    layer(x).square().mean().backward()
+    assert layer.lora_b.grad is not None
+    assert layer.lora_b.grad.abs().sum() > 0
+    assert layer.weight.grad is None
+    assert FusedLoRALinear(4, 4, 16, lora_alpha=8, use_rslora=True).scaling == pytest.approx(2.0)
+    with pytest.raises(LoRAFusionKernelsError):
+        FusedLoRALinear(4, 4, 0)

@@ -1,0 +1,486 @@
+"""FusedMultiLoRA against its float64 per-segment reference (Triton kernels under TRITON_INTERPRET=1).
+
+Under the interpreter the kernels run on CPU, so shapes are tiny and configs are the interpreter
+heuristics (no autotuning). The same cases run through the plain-torch path by switching the
+interpreter off for the call. GPU cases (bf16, real shapes) are marked ``gpu``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import lorafusion_kernels.multi_lora as multi_lora_module
+from lorafusion_kernels._kernels._common import interpreting
+from lorafusion_kernels.errors import LoRAFusionKernelsError
+from lorafusion_kernels.metadata import MultiLoRABatch
+from lorafusion_kernels.multi_lora import fused_multi_lora_linear
+from lorafusion_kernels.reference import multi_lora_linear_reference
+from lorafusion_kernels.testing import assert_close_to_reference, rel_rms
+from lorafusion_kernels.tuning.config import KernelConfig, override_configs
+
+INTERPRET = pytest.mark.interpret
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One multi-adapter microbatch: segments, per-adapter ranks, scaling and dropout p."""
+
+    name: str
+    lengths: tuple[int, ...]
+    adapters: tuple[int, ...]
+    ranks: tuple[int, ...]
+    scaling: tuple[float, ...]
+    dropout_p: tuple[float, ...]
+    n: int = 45
+    k: int = 37
+    bias: bool = False
+
+    @property
+    def t(self) -> int:
+        return sum(self.lengths)
+
+
+# Odd lengths, a segment of length 1, adapter 0 owns two segments, adapter 3 owns none, an empty
+# segment, mixed ranks 8/16/64, mixed p (0 included) and a scaling that bf16 cannot represent.
+MIXED = Case(
+    name="mixed",
+    lengths=(7, 1, 19, 0, 11, 5),
+    adapters=(0, 2, 1, 3, 0, 2),
+    ranks=(8, 16, 64, 4),
+    scaling=(2.0, 1.0 / 3.0, 0.7, 1.5),
+    dropout_p=(0.1, 0.0, 0.3, 0.2),
+    bias=True,
+)
+NO_DROPOUT = Case(
+    name="p0",
+    lengths=(3, 30, 10),
+    adapters=(1, 0, 1),
+    ranks=(16, 8),
+    scaling=(0.5, 2.0),
+    dropout_p=(0.0, 0.0),
+    n=33,
+    k=48,
+)
+
+
+def make_inputs(case: Case, dtype: torch.dtype, *, seed: int = 0) -> dict[str, object]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, scale: float = 1.0, grad: bool = True) -> torch.Tensor:
+        t = (torch.randn(*shape, generator=gen) * scale).to(dtype)
+        return t.requires_grad_(grad)
+
+    return {
+        "x": rand(case.t, case.k),
+        "weight": rand(case.n, case.k, scale=case.k**-0.5, grad=False),
+        "lora_a": [rand(r, case.k, scale=case.k**-0.5) for r in case.ranks],
+        "lora_b": [rand(case.n, r, scale=r**-0.5) for r in case.ranks],
+        "bias": rand(case.n, scale=0.1) if case.bias else None,
+    }
+
+
+def detached(inputs: dict[str, object], dtype: torch.dtype) -> dict[str, object]:
+    def conv(t: object) -> object:
+        if isinstance(t, torch.Tensor):
+            return t.detach().to(dtype).requires_grad_(t.requires_grad)
+        if isinstance(t, list):
+            return [conv(v) for v in t]
+        return t
+
+    return {k: conv(v) for k, v in inputs.items()}
+
+
+def grads(inputs: dict[str, object]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for key, value in inputs.items():
+        tensors = value if isinstance(value, list) else [value]
+        for i, t in enumerate(tensors):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                g = t.grad if t.grad is not None else torch.zeros_like(t)
+                out[f"d{key}[{i}]" if isinstance(value, list) else f"d{key}"] = g
+    return out
+
+
+def run_fused(case: Case, inputs: dict[str, object], dy: torch.Tensor, seed: int, **kw: object) -> torch.Tensor:
+    y = fused_multi_lora_linear(
+        inputs["x"],
+        inputs["weight"],
+        inputs["lora_a"],
+        inputs["lora_b"],
+        segment_lengths=case.lengths,
+        segment_adapters=case.adapters,
+        scaling=case.scaling,
+        dropout_p=case.dropout_p,
+        bias=inputs["bias"],
+        seed=seed,
+        **kw,
+    )
+    y.backward(dy)
+    return y.detach()
+
+
+def run_reference(case: Case, inputs: dict[str, object], dy: torch.Tensor, seed: int) -> torch.Tensor:
+    y = multi_lora_linear_reference(
+        inputs["x"],
+        inputs["weight"],
+        inputs["lora_a"],
+        inputs["lora_b"],
+        segment_lengths=case.lengths,
+        segment_adapters=case.adapters,
+        scaling=case.scaling,
+        dropout_p=case.dropout_p,
+        bias=inputs["bias"],
+        seed=seed,
+    )
+    y.backward(dy.to(y.dtype))
+    return y.detach()
+
+
+def check_against_reference(case: Case, dtype: torch.dtype, seed: int = 1234, **kw: object) -> None:
+    inputs = make_inputs(case, dtype)
+    ref_in = detached(inputs, torch.float64)
+    eager_in = detached(inputs, dtype)
+    dy = torch.randn(case.t, case.n, generator=torch.Generator().manual_seed(7)).to(dtype)
+    y = run_fused(case, inputs, dy, seed, **kw)
+    y_ref = run_reference(case, ref_in, dy, seed)
+    y_eager = run_reference(case, eager_in, dy, seed)
+    assert_close_to_reference("y", y, y_ref, y_eager)
+    ref_grads, eager_grads = grads(ref_in), grads(eager_in)
+    for name, g in grads(inputs).items():
+        assert_close_to_reference(name, g, ref_grads[name], eager_grads[name], factor=3.0)
+
+
+@pytest.fixture
+def nan_poison(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.empty`` returns NaN-filled float tensors, so an element the kernels never write fails."""
+    real_empty = torch.empty
+
+    def poisoned(*args: object, **kwargs: object) -> torch.Tensor:
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(math.nan)
+        return t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+@pytest.fixture
+def interpreter() -> None:
+    """The Triton kernels on CPU: ``TRITON_INTERPRET=1`` must be set before pytest starts.
+
+    Triton reads it when the kernels are defined (at import), not when they are launched.
+    """
+    if not interpreting():
+        pytest.skip("set TRITON_INTERPRET=1 before starting pytest to run the kernels on CPU")
+
+
+@pytest.fixture
+def torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")]
+CASES = [pytest.param(MIXED, id="mixed-T43-N45-K37-r8.16.64.4"), pytest.param(NO_DROPOUT, id="p0-T43-N33-K48-r16.8")]
+
+
+@INTERPRET
+@pytest.mark.usefixtures("interpreter", "nan_poison")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_kernels_match_reference(case: Case, dtype: torch.dtype) -> None:
+    check_against_reference(case, dtype)
+
+
+@INTERPRET
+@pytest.mark.usefixtures("interpreter", "nan_poison")
+def test_tma_kernels_match_reference() -> None:
+    """The sm_90 variants of the two GEMMs (TMA descriptors), which the interpreter also runs."""
+    tma = KernelConfig(block_m=32, block_n=32, block_k=32, group_m=4, num_warps=4, num_stages=1, tma=True)
+    with override_configs({"xw_sb": tma, "dyw_dsa": tma}):
+        check_against_reference(dataclasses.replace(MIXED, k=40, n=48), torch.float32)
+
+
+@INTERPRET
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+def test_kernels_match_reference_both_reductions(deterministic: bool) -> None:
+    check_against_reference(MIXED, torch.float32, seed=99, deterministic=deterministic)
+
+
+@pytest.mark.usefixtures("torch_path")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_torch_path_matches_reference(case: Case, dtype: torch.dtype) -> None:
+    check_against_reference(case, dtype)
+
+
+@pytest.mark.parametrize("path", [pytest.param("interpreter", marks=INTERPRET), "torch_path"])
+def test_zero_output_gradient_gives_exactly_zero_adapter_gradients(path: str, request: pytest.FixtureRequest) -> None:
+    request.getfixturevalue(path)
+    case = MIXED
+    inputs = make_inputs(case, torch.float32)
+    dy = torch.randn(case.t, case.n)
+    start = 0
+    for length, adapter in zip(case.lengths, case.adapters, strict=True):
+        if adapter == 2:
+            dy[start : start + length] = 0.0
+        start += length
+    run_fused(case, inputs, dy, seed=5)
+    for t in (inputs["lora_a"][2], inputs["lora_b"][2], inputs["lora_a"][3], inputs["lora_b"][3]):
+        assert t.grad is None or torch.count_nonzero(t.grad) == 0
+    for t in (inputs["lora_a"][0], inputs["lora_b"][1]):
+        assert t.grad is not None
+        assert torch.count_nonzero(t.grad) > 0
+
+
+@INTERPRET
+@pytest.mark.usefixtures("interpreter")
+def test_zero_b_with_dropout_is_exactly_the_frozen_layer() -> None:
+    """Regression (authors' x / x_hat swap): dropout must touch only the LoRA branch."""
+    case = dataclasses.replace(MIXED, dropout_p=(0.5, 0.5, 0.5, 0.5))
+    inputs = make_inputs(case, torch.float32)
+    inputs["lora_b"] = [torch.zeros_like(b) for b in inputs["lora_b"]]
+    y = fused_multi_lora_linear(
+        inputs["x"],
+        inputs["weight"],
+        inputs["lora_a"],
+        inputs["lora_b"],
+        segment_lengths=case.lengths,
+        segment_adapters=case.adapters,
+        scaling=case.scaling,
+        dropout_p=case.dropout_p,
+        bias=inputs["bias"],
+        seed=3,
+    )
+    frozen = torch.nn.functional.linear(inputs["x"].double(), inputs["weight"].double(), inputs["bias"].double())
+    assert rel_rms(y, frozen) < 1e-6
+
+
+@INTERPRET
+@pytest.mark.usefixtures("interpreter")
+def test_deterministic_mode_is_bitwise_reproducible() -> None:
+    case = MIXED
+    results = []
+    for _ in range(2):
+        inputs = make_inputs(case, torch.float32)
+        dy = torch.ones(case.t, case.n)
+        y = run_fused(case, inputs, dy, seed=11, deterministic=True)
+        results.append([y, inputs["x"].grad, *[a.grad for a in inputs["lora_a"]], *[b.grad for b in inputs["lora_b"]]])
+    for first, second in zip(*results, strict=True):
+        assert torch.equal(first, second)
+
+
+@INTERPRET
+@pytest.mark.usefixtures("interpreter")
+def test_many_segments_and_tiles() -> None:
+    """60 segments, several per row tile and tiles of every adapter: every row is routed and written.
+
+    (Tables sized to the batch, far beyond the authors' 192-tile cap, are checked in test_multi_lora_metadata.)
+    """
+    gen = torch.Generator().manual_seed(0)
+    lengths = tuple(int(v) for v in torch.randint(1, 40, (60,), generator=gen))
+    adapters = tuple(int(v) for v in torch.randint(0, 5, (60,), generator=gen))
+    case = Case(
+        name="many",
+        lengths=lengths,
+        adapters=adapters,
+        ranks=(1, 2, 3, 5, 8),
+        scaling=(1.0, 0.5, 2.0, 0.25, 1.0),
+        dropout_p=(0.1, 0.0, 0.2, 0.05, 0.0),
+        n=16,
+        k=16,
+    )
+    check_against_reference(case, torch.float32)
+
+
+@pytest.mark.parametrize("path", [pytest.param("interpreter", marks=INTERPRET), "torch_path"])
+def test_one_batch_reused_by_layers_of_different_ranks(path: str, request: pytest.FixtureRequest) -> None:
+    request.getfixturevalue(path)
+    batch = MultiLoRABatch.from_segments(MIXED.lengths, MIXED.adapters, num_adapters=4)
+    for ranks in ((8, 16, 64, 4), (2, 2, 32, 1)):
+        case = dataclasses.replace(MIXED, ranks=ranks)
+        inputs = make_inputs(case, torch.float32)
+        with torch.no_grad():
+            y = fused_multi_lora_linear(
+                inputs["x"],
+                inputs["weight"],
+                inputs["lora_a"],
+                inputs["lora_b"],
+                scaling=case.scaling,
+                dropout_p=case.dropout_p,
+                bias=inputs["bias"],
+                seed=21,
+                batch=batch,
+            )
+            ref = multi_lora_linear_reference(
+                **detached(inputs, torch.float64),
+                segment_lengths=case.lengths,
+                segment_adapters=case.adapters,
+                scaling=case.scaling,
+                dropout_p=case.dropout_p,
+                seed=21,
+            )
+        assert rel_rms(y, ref) < 1e-5
+
+
+def test_single_adapter_batch_takes_the_fused_lora_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = multi_lora_module.fused_lora_linear
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(multi_lora_module, "fused_lora_linear", spy)
+    case = dataclasses.replace(MIXED, lengths=(4, 0, 9), adapters=(1, 0, 1))
+    inputs = make_inputs(case, torch.float32)
+    y = fused_multi_lora_linear(
+        inputs["x"],
+        inputs["weight"],
+        inputs["lora_a"],
+        inputs["lora_b"],
+        segment_lengths=case.lengths,
+        segment_adapters=case.adapters,
+        scaling=case.scaling,
+        dropout_p=case.dropout_p,
+        bias=inputs["bias"],
+        seed=8,
+    )
+    assert len(calls) == 1
+    assert calls[0]["scaling"] == case.scaling[1]
+    assert calls[0]["dropout_p"] == case.dropout_p[1]
+    ref = multi_lora_linear_reference(
+        **detached(inputs, torch.float64),
+        segment_lengths=case.lengths,
+        segment_adapters=case.adapters,
+        scaling=case.scaling,
+        dropout_p=case.dropout_p,
+        seed=8,
+    )
+    assert rel_rms(y, ref) < 1e-5
+
+
+def test_scaling_and_p_stay_fp32_values() -> None:
+    """Regression (authors' bf16 tables): 1/3 and p = 0.1 reach the kernels unrounded."""
+    params = multi_lora_module._AdapterParams(ranks=(8, 16), scaling=(1.0 / 3.0, 2.0), dropout_p=(0.1, 0.0))
+    dev = multi_lora_module._device_params(params, torch.device("cpu"))
+    assert dev.scaling.dtype == torch.float32
+    assert dev.scaling[0].item() == pytest.approx(1.0 / 3.0, rel=1e-7)
+    assert dev.inv_keep[0].item() == pytest.approx(1.0 / 0.9, rel=1e-7)
+    assert dev.thresholds.tolist() == [math.ceil(0.1 * 2**24), 0]
+    assert dev.ranks.tolist() == [[8, 0], [16, 8]]
+
+
+def test_errors_name_the_problem() -> None:
+    inputs = make_inputs(MIXED, torch.float32)
+    common = {"scaling": MIXED.scaling, "dropout_p": MIXED.dropout_p}
+    args = (inputs["x"], inputs["weight"], inputs["lora_a"], inputs["lora_b"])
+    with pytest.raises(LoRAFusionKernelsError, match="43 tokens but the segments add up to 42"):
+        fused_multi_lora_linear(*args, segment_lengths=(7, 1, 19, 0, 11, 4), segment_adapters=MIXED.adapters, **common)
+    with pytest.raises(LoRAFusionKernelsError, match="scaling has 2 entries for 4 adapters"):
+        fused_multi_lora_linear(
+            *args,
+            segment_lengths=MIXED.lengths,
+            segment_adapters=MIXED.adapters,
+            scaling=(1.0, 2.0),
+            dropout_p=0.0,
+        )
+    with pytest.raises(LoRAFusionKernelsError, match=r"\[0, 1\)"):
+        fused_multi_lora_linear(
+            *args, segment_lengths=MIXED.lengths, segment_adapters=MIXED.adapters, scaling=1.0, dropout_p=1.0
+        )
+    with pytest.raises(LoRAFusionKernelsError, match="refers to adapter 4"):
+        fused_multi_lora_linear(*args, segment_lengths=(43,), segment_adapters=(4,), scaling=1.0, dropout_p=0.0)
+    with pytest.raises(LoRAFusionKernelsError, match="batch= or both"):
+        fused_multi_lora_linear(*args, segment_lengths=MIXED.lengths, **common)
+    with pytest.raises(LoRAFusionKernelsError, match="weight dtype"):
+        fused_multi_lora_linear(
+            inputs["x"],
+            inputs["weight"].half(),
+            inputs["lora_a"],
+            inputs["lora_b"],
+            segment_lengths=MIXED.lengths,
+            segment_adapters=MIXED.adapters,
+            **common,
+        )
+
+
+@pytest.mark.parametrize("path", [pytest.param("interpreter", marks=INTERPRET), "torch_path"])
+def test_empty_batch_is_the_frozen_layer(path: str, request: pytest.FixtureRequest) -> None:
+    request.getfixturevalue(path)
+    inputs = make_inputs(dataclasses.replace(MIXED, lengths=(0, 0, 0, 0, 0, 0)), torch.float32)
+    y = fused_multi_lora_linear(
+        inputs["x"],
+        inputs["weight"],
+        inputs["lora_a"],
+        inputs["lora_b"],
+        segment_lengths=(0, 0),
+        segment_adapters=(0, 1),
+        scaling=MIXED.scaling,
+        bias=inputs["bias"],
+    )
+    assert y.shape == (0, MIXED.n)
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: bf16 at real shapes (run on the device with LORAFUSION_REQUIRE_GPU=1)
+# --------------------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    pytest.param(
+        Case(
+            name="llama8b-o",
+            lengths=(1500, 700, 1, 1895, 900, 1196),
+            adapters=(0, 1, 2, 3, 1, 2),
+            ranks=(8, 16, 64, 16),
+            scaling=(2.0, 2.0, 0.5, 1.0),
+            dropout_p=(0.1, 0.1, 0.05, 0.0),
+            n=4096,
+            k=4096,
+        ),
+        id="T6192-N4096-K4096-r8.16.64.16-bf16",
+    ),
+    pytest.param(
+        Case(
+            name="llama8b-qkv",
+            lengths=(4096, 2048, 2048),
+            adapters=(2, 0, 1),
+            ranks=(16, 16, 16),
+            scaling=(2.0, 2.0, 2.0),
+            dropout_p=(0.1, 0.1, 0.1),
+            n=6144,
+            k=4096,
+            bias=True,
+        ),
+        id="T8192-N6144-K4096-r16x3-bf16",
+    ),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::lorafusion_kernels.errors.LoRAFusionKernelsWarning")  # no config file for this GPU
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_gpu_bf16_real_shapes(case: Case) -> None:
+    inputs = make_inputs(case, torch.float32)
+    gpu = {
+        k: ([t.detach().cuda().to(torch.bfloat16).requires_grad_() for t in v] if isinstance(v, list) else v)
+        for k, v in inputs.items()
+    }
+    for key in ("x", "weight", "bias"):
+        if isinstance(inputs[key], torch.Tensor):
+            src = inputs[key]
+            gpu[key] = src.detach().cuda().to(torch.bfloat16).requires_grad_(src.requires_grad)
+    ref_in = detached(gpu, torch.float64)
+    eager_in = detached(gpu, torch.bfloat16)
+    dy = torch.randn(case.t, case.n, device="cuda").to(torch.bfloat16)
+    y = run_fused(case, gpu, dy, seed=77)
+    y_ref = run_reference(case, ref_in, dy, 77)
+    y_eager = run_reference(case, eager_in, dy, 77)
+    assert_close_to_reference("y", y, y_ref, y_eager)
+    ref_grads, eager_grads = grads(ref_in), grads(eager_in)
+    for name, g in grads(gpu).items():
+        assert_close_to_reference(name, g, ref_grads[name], eager_grads[name], factor=3.0)

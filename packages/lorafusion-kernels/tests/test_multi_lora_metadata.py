@@ -1,0 +1,106 @@
+"""MultiLoRABatch: validation and the routing tables (host-side, no kernels)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lorafusion_kernels.errors import LoRAFusionKernelsError
+from lorafusion_kernels.metadata import MultiLoRABatch
+
+
+def expected_row_ranges(lengths: list[int], block_m: int) -> list[tuple[int, int]]:
+    """Brute force: for each row tile, the non-empty segments holding at least one of its rows."""
+    starts, owner = [], []
+    for j, n in enumerate(x for x in lengths if x > 0):
+        starts.append(len(owner))
+        owner.extend([j] * n)
+    out = []
+    for row0 in range(0, len(owner), block_m):
+        rows = owner[row0 : row0 + block_m]
+        out.append((min(rows), max(rows) + 1))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    segments=st.lists(st.tuples(st.integers(0, 70), st.integers(0, 5)), min_size=1, max_size=12).filter(
+        lambda s: sum(n for n, _ in s) > 0
+    ),
+    block_m=st.sampled_from([16, 32, 64, 128]),
+)
+def test_tables_cover_every_row_exactly_once(segments: list[tuple[int, int]], block_m: int) -> None:
+    lengths = [n for n, _ in segments]
+    adapters = [a for _, a in segments]
+    batch = MultiLoRABatch.from_segments(lengths, adapters, num_adapters=6)
+    assert batch.total_tokens == sum(lengths)
+    assert [tuple(r) for r in batch.row_tiles(block_m).seg_range.tolist()] == expected_row_ranges(lengths, block_m)
+
+    tiles = batch.segment_tiles(block_m)
+    table = tiles.tiles.tolist()
+    ptr = tiles.adapter_ptr.tolist()
+    assert tiles.num_tiles == len(table) == ptr[-1]
+    owner = [a for n, a in zip(lengths, adapters, strict=True) for _ in range(n)]
+    seen = [0] * batch.total_tokens
+    for a in range(6):
+        for row0, row1, adapter in table[ptr[a] : ptr[a + 1]]:
+            assert adapter == a
+            assert 0 < row1 - row0 <= block_m
+            for t in range(row0, row1):
+                seen[t] += 1
+                assert owner[t] == a
+    assert seen == [1] * batch.total_tokens
+    assert batch.adapter_tokens == tuple(sum(n for n, a in segments if a == i) for i in range(6))
+
+
+def test_no_cap_on_tiles_or_tokens() -> None:
+    """The authors capped pointer tables at 192 tiles (24,576 tokens) and truncated silently."""
+    lengths = [40_000, 33_333, 1, 26_666]
+    batch = MultiLoRABatch.from_segments(lengths, [0, 1, 2, 1])
+    tiles = batch.segment_tiles(128)
+    assert tiles.num_tiles == sum(-(-n // 128) for n in lengths) > 192
+    assert batch.row_tiles(128).num_tiles == -(-100_000 // 128)
+    assert tiles.tiles[:, 1].max().item() == 100_000
+
+
+def test_single_adapter_and_empty_segments() -> None:
+    batch = MultiLoRABatch.from_segments([3, 0, 5], [1, 0, 1], num_adapters=3)
+    assert batch.single_adapter() == 1
+    assert batch.active_adapters == (1,)
+    assert batch.segments.tolist() == [[0, 3, 1], [3, 5, 1]]
+    assert batch.segment_starts == (0, 3, 3)
+    assert MultiLoRABatch.from_segments([3, 5], [1, 0]).single_adapter() is None
+
+
+def test_tables_are_cached_and_moved() -> None:
+    batch = MultiLoRABatch.from_segments(torch.tensor([4, 9]), torch.tensor([0, 1]))
+    assert batch.row_tiles(32) is batch.row_tiles(32)
+    assert batch.to("cpu") is batch
+    assert "total_tokens=13" in repr(batch)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "adapters", "kwargs", "message"),
+    [
+        ([1, 2], [0], {}, "2 entries but segment_adapters has 1"),
+        ([], [], {}, "at least one segment"),
+        ([1, -2], [0, 1], {}, "must be >= 0"),
+        ([1, 2], [0, -1], {}, "must be >= 0"),
+        ([1, 2], [0, 3], {"num_adapters": 2}, "refers to adapter 3"),
+        ([1.5], [0], {}, "must hold integers"),
+    ],
+)
+def test_invalid_segments_raise(lengths: list, adapters: list, kwargs: dict, message: str) -> None:
+    with pytest.raises(LoRAFusionKernelsError, match=message):
+        MultiLoRABatch.from_segments(lengths, adapters, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::lorafusion_kernels.errors.LoRAFusionKernelsWarning")  # no config file for this GPU
+def test_tables_live_on_the_device() -> None:
+    batch = MultiLoRABatch.from_segments([5, 7], [0, 1], device="cuda")
+    assert batch.segments.is_cuda
+    assert batch.row_tiles(64).seg_range.is_cuda
+    assert batch.segment_tiles(64).adapter_ptr.is_cuda

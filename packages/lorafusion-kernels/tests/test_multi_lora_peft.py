@@ -1,0 +1,311 @@
+"""Mixed-adapter batches through a patched PEFT model: ``multi_lora_batch`` and PEFT's ``adapter_names=``.
+
+A tiny random LLaMA with three LoRA adapters of different ranks and scalings (one rsLoRA). Every
+row of the batch is one segment, so the reference is PEFT itself run row by row with that row's
+adapter active (attention never crosses rows). CPU runs take the plain-torch path; the GPU case runs
+the Triton kernels in bf16.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+from lorafusion_kernels import (  # noqa: E402
+    LoRAFusionKernelsError,
+    MultiLoRABatch,
+    multi_lora_batch,
+    multi_lora_checkpoint_contexts,
+    patch_peft_model,
+    unpatch_peft_model,
+)
+
+# peft 0.21 calls a property that transformers 5 deprecates; nothing for us to act on.
+# The patched layers warn (once per reason) that CPU tensors take PEFT's own single-adapter path.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:lorafusion. PEFT's own LoRA path is used for cpu tensors"),
+]
+
+ADAPTERS = {
+    "alpha": {"r": 8, "lora_alpha": 16},
+    "beta": {"r": 16, "lora_alpha": 8, "use_rslora": True},
+    "gamma": {"r": 4, "lora_alpha": 4},
+}
+ROW_ADAPTERS = ["beta", "alpha", "alpha", "gamma", "__base__"]
+SEQ = 7
+
+
+def tiny_peft_model(dropout: float = 0.0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    base = transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = None
+    for name, kw in ADAPTERS.items():
+        cfg = peft.LoraConfig(target_modules=targets, lora_dropout=dropout, init_lora_weights=False, **kw)
+        if model is None:
+            model = peft.get_peft_model(base, cfg, adapter_name=name)
+        else:
+            model.add_adapter(name, cfg)
+    assert model is not None
+    model = model.to(device=device, dtype=dtype)
+    train_all_adapters(model)
+    return model
+
+
+def train_all_adapters(model: torch.nn.Module) -> None:
+    """PEFT makes only the active adapter trainable; a mixed-batch trainer trains all of them."""
+    for param in lora_params(model).values():
+        param.requires_grad_(True)
+
+
+def lora_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if "lora_" in n}
+
+
+def input_ids(device: str = "cpu") -> torch.Tensor:
+    return torch.randint(0, 97, (len(ROW_ADAPTERS), SEQ), generator=torch.Generator().manual_seed(1)).to(device)
+
+
+def per_row_reference(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PEFT, one row at a time with its adapter active; gradients of the summed per-row losses."""
+
+    model.zero_grad(set_to_none=True)
+    outs = []
+    for row, name in enumerate(ROW_ADAPTERS):
+        if name == "__base__":
+            with model.disable_adapter():
+                logits = model(input_ids=ids[row : row + 1]).logits
+        else:
+            model.set_adapter(name)
+            logits = model(input_ids=ids[row : row + 1]).logits
+        if logits.requires_grad:
+            logits.float().square().mean().backward()
+        outs.append(logits.detach())
+    model.set_adapter(next(iter(ADAPTERS)))
+    train_all_adapters(model)
+    return torch.cat(outs), {n: p.grad.clone() for n, p in lora_params(model).items() if p.grad is not None}
+
+
+def row_batch(device: str = "cpu") -> tuple[MultiLoRABatch, list[str]]:
+    names = list(dict.fromkeys(ROW_ADAPTERS))
+    index = {n: i for i, n in enumerate(names)}
+    batch = MultiLoRABatch.from_segments(
+        [SEQ] * len(ROW_ADAPTERS), [index[n] for n in ROW_ADAPTERS], num_adapters=len(names), device=device
+    )
+    return batch, names
+
+
+def summed_row_loss(logits: torch.Tensor) -> torch.Tensor:
+    return sum(logits[row : row + 1].float().square().mean() for row in range(logits.shape[0]))  # type: ignore[return-value]
+
+
+@pytest.fixture
+def patched_model() -> Iterator[torch.nn.Module]:
+    model = tiny_peft_model()
+    patch_peft_model(model)
+    yield model
+    unpatch_peft_model(model)
+
+
+def assert_grads_equal(model: torch.nn.Module, expected: dict[str, torch.Tensor]) -> None:
+    got = {n: p.grad for n, p in lora_params(model).items() if p.grad is not None and p.grad.abs().sum() > 0}
+    want = {n: g for n, g in expected.items() if g.abs().sum() > 0}
+    assert got.keys() == want.keys()
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_context_in_training_matches_per_row_peft(patched_model: torch.nn.Module) -> None:
+    model = patched_model
+    model.train()
+    ids = input_ids()
+    ref_logits, ref_grads = per_row_reference(model, ids)
+    model.zero_grad(set_to_none=True)
+    batch, names = row_batch()
+    with multi_lora_batch(batch, names):
+        logits = model(input_ids=ids).logits
+    summed_row_loss(logits).backward()
+    torch.testing.assert_close(logits.detach(), ref_logits, rtol=1e-4, atol=1e-5)
+    assert_grads_equal(model, ref_grads)
+
+
+def test_checkpointed_recompute_replays_the_segments(patched_model: torch.nn.Module) -> None:
+    """Activation checkpointing recomputes in the backward, after the context has exited."""
+    model = patched_model
+    model.train()
+    ids = input_ids()
+    ref_logits, ref_grads = per_row_reference(model, ids)
+    model.zero_grad(set_to_none=True)
+    batch, names = row_batch()
+    with multi_lora_batch(batch, names):
+        logits = torch.utils.checkpoint.checkpoint(
+            lambda t: model(input_ids=t).logits, ids, use_reentrant=False, context_fn=multi_lora_checkpoint_contexts
+        )
+    summed_row_loss(logits).backward()
+    torch.testing.assert_close(logits.detach(), ref_logits, rtol=1e-4, atol=1e-5)
+    assert_grads_equal(model, ref_grads)
+
+
+def test_adapter_names_in_training_matches_per_row_peft(patched_model: torch.nn.Module) -> None:
+    """PEFT itself refuses ``adapter_names=`` in training; the patched model routes it through segments."""
+    model = patched_model
+    model.train()
+    ids = input_ids()
+    ref_logits, ref_grads = per_row_reference(model, ids)
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, adapter_names=ROW_ADAPTERS).logits
+    summed_row_loss(logits).backward()
+    torch.testing.assert_close(logits.detach(), ref_logits, rtol=1e-4, atol=1e-5)
+    assert_grads_equal(model, ref_grads)
+
+
+def test_adapter_names_in_eval_matches_peft_mixed_batch() -> None:
+    model = tiny_peft_model()
+    model.eval()
+    ids = input_ids()
+    with torch.no_grad():
+        expected = model(input_ids=ids, adapter_names=ROW_ADAPTERS).logits
+        patch_peft_model(model)
+        got = model(input_ids=ids, adapter_names=ROW_ADAPTERS).logits
+        unpatch_peft_model(model)
+        again = model(input_ids=ids, adapter_names=ROW_ADAPTERS).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(again, expected, rtol=0, atol=0)
+
+
+def test_unpatched_model_still_refuses_adapter_names_in_training() -> None:
+    model = tiny_peft_model()
+    model.train()
+    with pytest.raises(ValueError, match="training mode"):
+        model(input_ids=input_ids(), adapter_names=ROW_ADAPTERS)
+
+
+def test_context_with_dropout_trains(patched_model: torch.nn.Module) -> None:
+    """p > 0 in training: finite gradients for every used adapter, and the seeded masks differ per layer call."""
+    model = patched_model
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleDict):
+            for name, sub in module.items():
+                if isinstance(sub, torch.nn.Identity) and name in ADAPTERS:
+                    module[name] = torch.nn.Dropout(0.3)
+    model.train()
+    batch, names = row_batch()
+    with multi_lora_batch(batch, names):
+        first = model(input_ids=input_ids()).logits
+        second = model(input_ids=input_ids()).logits
+    summed_row_loss(first).backward()
+    assert not torch.equal(first, second)
+    grads = {n: p.grad for n, p in lora_params(model).items()}
+    for adapter in ("alpha", "beta", "gamma"):
+        used = [g for n, g in grads.items() if f".{adapter}." in n]
+        assert used
+        assert all(g is not None and torch.isfinite(g).all() for g in used)
+
+
+def test_context_checks_the_token_count(patched_model: torch.nn.Module) -> None:
+    batch = MultiLoRABatch.from_segments([5, 6], [0, 1])
+    with multi_lora_batch(batch, ["alpha", "beta"]), pytest.raises(LoRAFusionKernelsError, match="holds 11"):
+        patched_model(input_ids=input_ids())
+
+
+def test_context_needs_a_name_per_adapter() -> None:
+    batch = MultiLoRABatch.from_segments([5, 6], [0, 2])
+    with pytest.raises(LoRAFusionKernelsError, match="3 needed"), multi_lora_batch(batch, ["alpha", "beta"]):
+        pass
+
+
+def test_outside_the_context_the_active_adapter_is_used(patched_model: torch.nn.Module) -> None:
+    model = patched_model
+    model.eval()
+    model.set_adapter("beta")
+    ids = input_ids()
+    with torch.no_grad():
+        patched = model(input_ids=ids).logits
+        unpatch_peft_model(model)
+        plain = model(input_ids=ids).logits
+    torch.testing.assert_close(patched, plain, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::lorafusion_kernels.errors.LoRAFusionKernelsWarning")  # no config file for this GPU
+def test_gpu_bf16_context_matches_per_row_peft() -> None:
+    model = tiny_peft_model(dtype=torch.bfloat16, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        patch_peft_model(model)
+    model.train()
+    ids = input_ids("cuda")
+    unpatch_peft_model(model)
+    ref_logits, _ = per_row_reference(model, ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        patch_peft_model(model)
+    batch, names = row_batch("cuda")
+    with multi_lora_batch(batch, names):
+        logits = model(input_ids=ids).logits
+    summed_row_loss(logits).backward()
+    err = (logits.float() - ref_logits.float()).norm() / ref_logits.float().norm()
+    assert err < 2e-2
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(12, 20)
+        self.down = torch.nn.Linear(20, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def two_layer_model(**first: object) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = peft.get_peft_model(
+        TwoLayers(), peft.LoraConfig(target_modules=["up", "down"], r=4, init_lora_weights=False, **first)
+    )
+    model.add_adapter("other", peft.LoraConfig(target_modules=["up", "down"], r=8, init_lora_weights=False))
+    train_all_adapters(model)
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:lorafusion. PEFT's own LoRA path is used for adapters with lora_bias")
+def test_unfusable_layers_route_per_segment_with_peft_modules() -> None:
+    """``lora_bias`` cannot be fused: those layers run PEFT's own modules one segment at a time."""
+    model = two_layer_model(lora_bias=True)
+    patch_peft_model(model)
+    model.train()
+    x = torch.randn(3, 5, 12, generator=torch.Generator().manual_seed(2))
+    rows = ["other", "default", "other"]
+    got = model(x, adapter_names=rows)
+    expected = []
+    for i, name in enumerate(rows):
+        model.set_adapter(name)
+        expected.append(model(x[i : i + 1]))
+    torch.testing.assert_close(got, torch.cat(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_dora_adapters_are_refused_in_mixed_batches() -> None:
+    model = two_layer_model(use_dora=True)
+    patch_peft_model(model)
+    batch = MultiLoRABatch.from_segments([5, 10], [0, 1])
+    with (
+        multi_lora_batch(batch, ["default", "other"]),
+        pytest.raises(LoRAFusionKernelsError, match="DoRA"),
+    ):
+        model(torch.randn(15, 12))

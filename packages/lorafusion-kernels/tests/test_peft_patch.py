@@ -1,0 +1,153 @@
+"""The PEFT drop-in on a tiny random LLaMA: same outputs and gradients, fallbacks warned once, files unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lorafusion_kernels
+import lorafusion_kernels.peft_integration as integration
+from lorafusion_kernels.errors import LoRAFusionKernelsWarning
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+pytestmark = [
+    pytest.mark.interpret,
+    # transformers/peft deprecations raised inside their own code are not ours to fix.
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
+
+TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
+
+
+def tiny_model(**lora_kwargs) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    options = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": TARGETS} | lora_kwargs
+    model = peft.get_peft_model(model, peft.LoraConfig(**options))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    return model
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad()
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), grads
+
+
+@pytest.fixture
+def force_fused(monkeypatch):
+    """Treat CPU tensors as fused-capable: Triton kernels under the interpreter, the torch path otherwise."""
+    monkeypatch.setattr(integration, "runs_triton", lambda t: True)
+
+
+def test_patched_model_matches_peft(force_fused):
+    model = tiny_model()
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    ref_logits, ref_grads = loss_and_grads(model, ids)
+    assert lorafusion_kernels.patch_peft_model(model) == 4
+    assert lorafusion_kernels.patch_peft_model(model) == 4, "patching twice is harmless"
+    logits, grads = loss_and_grads(model, ids)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-5)
+    assert set(grads) == set(ref_grads)
+    assert any("lora_A" in n for n in grads)
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert lorafusion_kernels.unpatch_peft_model(model) == 4
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_dropout_in_training_and_eval(force_fused):
+    model = tiny_model(lora_dropout=0.3)
+    lorafusion_kernels.patch_peft_model(model)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(2))
+    model.eval()
+    eval_logits = model(input_ids=ids).logits
+    lorafusion_kernels.unpatch_peft_model(model)
+    torch.testing.assert_close(eval_logits, model(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+    lorafusion_kernels.patch_peft_model(model)
+    model.train()
+    torch.manual_seed(5)
+    first = model(input_ids=ids).logits
+    torch.manual_seed(5)
+    second = model(input_ids=ids).logits
+    assert torch.equal(first, second), "dropout seeds follow torch.manual_seed"
+    assert not torch.allclose(first, eval_logits), "dropout is active in training mode"
+
+
+def test_unsupported_cases_fall_back_with_one_warning(monkeypatch):
+    model = tiny_model(use_dora=True)
+    ids = torch.randint(0, 64, (1, 5))
+    expected = model(input_ids=ids).logits
+    lorafusion_kernels.patch_peft_model(model)
+    monkeypatch.setattr(integration, "runs_triton", lambda t: True)
+    with pytest.warns(LoRAFusionKernelsWarning, match="DoRA") as record:
+        got = model(input_ids=ids).logits
+    assert sum("DoRA" in str(w.message) for w in record) == 1, "one warning per reason"
+    torch.testing.assert_close(got, expected)
+
+
+def test_cpu_without_interpreter_falls_back(monkeypatch):
+    monkeypatch.setattr(integration, "runs_triton", lambda t: False)
+    model = tiny_model()
+    ids = torch.randint(0, 64, (1, 5))
+    expected = model(input_ids=ids).logits
+    lorafusion_kernels.patch_peft_model(model)
+    with pytest.warns(LoRAFusionKernelsWarning, match="cpu tensors"):
+        got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, expected)
+
+
+def test_disabled_adapters_run_the_base_model_silently(force_fused):
+    model = tiny_model()
+    ids = torch.randint(0, 64, (1, 5))
+    lorafusion_kernels.patch_peft_model(model)
+    with model.disable_adapter():
+        patched = model(input_ids=ids).logits
+    lorafusion_kernels.unpatch_peft_model(model)
+    with model.disable_adapter():
+        torch.testing.assert_close(patched, model(input_ids=ids).logits)
+
+
+def test_saved_adapter_is_a_plain_peft_file(tmp_path, force_fused):
+    safetensors = pytest.importorskip("safetensors.torch")
+    plain, patched = tiny_model(), tiny_model()
+    lorafusion_kernels.patch_peft_model(patched)
+    plain.save_pretrained(tmp_path / "plain")
+    patched.save_pretrained(tmp_path / "patched")
+    a = safetensors.load_file(str(tmp_path / "plain" / "adapter_model.safetensors"))
+    b = safetensors.load_file(str(tmp_path / "patched" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    loaded = peft.PeftModel.from_pretrained(tiny_model_base(), tmp_path / "patched")
+    ids = torch.randint(0, 64, (1, 5))
+    torch.testing.assert_close(loaded(input_ids=ids).logits, plain(input_ids=ids).logits)
+
+
+def tiny_model_base() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return transformers.LlamaForCausalLM(config)

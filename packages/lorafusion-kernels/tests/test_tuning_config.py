@@ -1,0 +1,147 @@
+"""Launch configs as data: validation, deterministic files, lookup order, overrides (CPU only, no GPU)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+from lorafusion_kernels.errors import LoRAFusionKernelsError, LoRAFusionKernelsWarning
+from lorafusion_kernels.tuning import (
+    ConfigFile,
+    KernelConfig,
+    KernelTable,
+    ShapeKey,
+    TunedEntry,
+    clear_caches,
+    gpu_key,
+    lookup_config,
+    override_configs,
+)
+from lorafusion_kernels.tuning.config import dumps
+
+GEMM_A = KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
+GEMM_B = KernelConfig(block_m=64, block_n=128, block_k=32, num_warps=4, num_stages=4, tma=True)
+GEMM_C = KernelConfig(block_m=128, block_n=128, block_k=64)
+
+
+def key(m: int, n: int = 4096, k: int = 4096, r: int = 16) -> ShapeKey:
+    return ShapeKey(m=m, n=n, k=k, r=r, dtype="bfloat16")
+
+
+def sample_file() -> ConfigFile:
+    entries = (
+        TunedEntry(key=key(8192), config=GEMM_B, ms=0.4),
+        TunedEntry(key=key(1024), config=GEMM_C, ms=0.1),
+        TunedEntry(key=key(2048, n=14336), config=GEMM_C, ms=0.3),
+    )
+    return ConfigFile(
+        device_name="NVIDIA Test GPU",
+        device_key="nvidia_test_gpu",
+        capability=(9, 0),
+        provenance={
+            "date": "2026-11-22",
+            "torch": "2.11",
+            "triton": "3.6",
+            "lorafusion_kernels": "0.1.0",
+            "search_space": "v1",
+        },
+        kernels={"xw_sb": KernelTable(default=GEMM_A, entries=entries)},
+    )
+
+
+@pytest.fixture
+def config_dir(tmp_path, monkeypatch):
+    (tmp_path / "nvidia_test_gpu.json").write_text(dumps(sample_file()))
+    monkeypatch.setenv("LORAFUSION_KERNELS_CONFIG_DIR", str(tmp_path))
+    clear_caches()
+    yield tmp_path
+    clear_caches()
+
+
+def test_gpu_key_sanitises_device_names():
+    assert gpu_key("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
+    assert gpu_key("NVIDIA H200") == "nvidia_h200"
+    assert gpu_key("  NVIDIA A100-SXM4-80GB ") == "nvidia_a100_sxm4_80gb"
+
+
+def test_lookup_exact_then_nearest_m_then_default(config_dir):
+    def find(k: ShapeKey) -> KernelConfig:
+        return lookup_config("xw_sb", k, device_name="NVIDIA Test GPU")
+
+    assert find(key(8192)) == GEMM_B
+    assert find(key(1024)) == GEMM_C
+    assert find(key(5000)) == GEMM_B, "log distance: 5000 is nearer 8192 than 1024"
+    assert find(key(2000)) == GEMM_C
+    assert find(key(4096, n=14336)) == GEMM_C, "only the entry with the same n, k, r, dtype counts"
+    assert find(key(4096, r=64)) == GEMM_A, "no entry with r=64: the kernel default"
+
+
+def test_unknown_gpu_gets_the_heuristic_and_one_warning(config_dir):
+    import lorafusion_kernels._kernels.lora_xw_sb  # noqa: F401  (registers the heuristic)
+
+    with pytest.warns(LoRAFusionKernelsWarning, match="no launch configs for GPU 'Mystery GPU'"):
+        first = lookup_config("xw_sb", key(4096), device_name="Mystery GPU", capability=(9, 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = lookup_config("xw_sb", key(4096), device_name="Mystery GPU", capability=(9, 0))
+    assert first == second
+    assert first.block_m >= 16
+
+
+def test_kernel_missing_from_file_warns_and_uses_heuristic(config_dir):
+    import lorafusion_kernels._kernels.lora_xa  # noqa: F401
+
+    with pytest.warns(LoRAFusionKernelsWarning, match="no configs for kernel 'xa'"):
+        lookup_config("xa", key(4096), device_name="NVIDIA Test GPU", capability=(9, 0))
+
+
+def test_gpu_name_override(config_dir, monkeypatch):
+    from lorafusion_kernels.tuning.device import device_name
+
+    monkeypatch.setenv("LORAFUSION_GPU_NAME", "NVIDIA Test GPU")
+    assert device_name() == "NVIDIA Test GPU"
+
+
+def test_override_configs_wins_and_restores(config_dir):
+    with override_configs({"xw_sb": GEMM_C}):
+        assert lookup_config("xw_sb", key(8192), device_name="NVIDIA Test GPU") == GEMM_C
+    assert lookup_config("xw_sb", key(8192), device_name="NVIDIA Test GPU") == GEMM_B
+
+
+def test_written_file_is_deterministic_and_round_trips():
+    text = dumps(sample_file())
+    assert text == dumps(ConfigFile.from_json(json.loads(text)))
+    entries = json.loads(text)["kernels"]["xw_sb"]["entries"]
+    assert [(e["n"], e["m"]) for e in entries] == [(4096, 1024), (4096, 8192), (14336, 2048)]
+    assert text.endswith("\n")
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d.update(schema_version=2), "schema_version"),
+        (lambda d: d["provenance"].pop("triton"), "provenance.triton"),
+        (lambda d: d["kernels"]["xw_sb"]["default"].update(block_m=96), "power of two"),
+        (lambda d: d["kernels"]["xw_sb"]["default"].update(bogus=1), "unknown field"),
+        (lambda d: d["kernels"]["xw_sb"]["entries"][0].pop("m"), r"entries\[0\]\.m"),
+        (lambda d: d["kernels"]["xw_sb"]["default"].update(tma=1), "tma must be"),
+        (lambda d: d["device"].update(capability=[9]), "capability"),
+    ],
+    ids=["schema", "provenance", "block-pow2", "unknown-field", "entry-m", "tma-bool", "capability"],
+)
+def test_invalid_files_name_the_field(mutate, message):
+    data = json.loads(dumps(sample_file()))
+    mutate(data)
+    with pytest.raises(LoRAFusionKernelsError, match=message):
+        ConfigFile.from_json(data)
+
+
+def test_kernel_config_is_frozen_and_keyword_only():
+    with pytest.raises(TypeError):
+        KernelConfig(128, 128, 64)  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        GEMM_A.block_m = 64  # type: ignore[misc]
+    with pytest.raises(LoRAFusionKernelsError, match=">= 16"):
+        KernelConfig(block_m=8, block_n=16, block_k=16)
