@@ -1,0 +1,74 @@
+"""Write one job's adapter in PEFT's format, loadable with ``PeftModel.from_pretrained``.
+
+The folder holds ``adapter_config.json`` and ``adapter_model.safetensors`` exactly as PEFT's own
+``save_pretrained`` writes them (keys without the adapter name, e.g.
+``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lorafusion_megatron.errors import TrainerError
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+__all__ = ["check_writable", "replace_dir", "save_adapter"]
+
+
+def check_writable(directory: Path, what: str) -> None:
+    """Create ``directory`` if needed and make sure files can be written in it.
+
+    Raises:
+        TrainerError: The folder cannot be created or written.
+    """
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        raise TrainerError(f"{what} {directory} cannot be written ({exc.strerror}): choose another folder") from None
+
+
+def replace_dir(source: Path, target: Path) -> None:
+    """Move the finished folder ``source`` to ``target``, replacing an older ``target``.
+
+    ``source`` must sit next to ``target`` (same file system), so each rename is atomic: at every
+    moment ``target`` is either the old complete folder or the new complete one (or, between the
+    two renames, absent while the old one is kept as ``<target>.old``).
+    """
+    old = target.with_name(target.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if target.exists():
+        os.replace(target, old)
+    os.replace(source, target)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def save_adapter(model: PeftModel, adapter: str, directory: Path) -> None:
+    """Write ``adapter`` of ``model`` to ``directory`` in PEFT format (atomically replaced).
+
+    Args:
+        model: The multi-adapter PEFT model.
+        adapter: The adapter (job) name.
+        directory: Destination folder; its parent is created.
+    """
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory.parent, prefix=f".{directory.name}.tmp-") as tmp:
+        # Embeddings are frozen: no need for PEFT's "auto" check, which asks the Hub about the base.
+        model.save_pretrained(tmp, selected_adapters=[adapter], save_embedding_layers=False)
+        written = Path(tmp) / adapter
+        if adapter == "default":
+            # PEFT writes the adapter called "default" to the folder itself, any other to a sub-folder.
+            written.mkdir()
+            for item in Path(tmp).iterdir():
+                if item != written:
+                    os.replace(item, written / item.name)
+        replace_dir(written, directory)

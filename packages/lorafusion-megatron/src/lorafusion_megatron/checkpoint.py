@@ -1,0 +1,179 @@
+"""Checkpoints that resume to the same weights as an uninterrupted run.
+
+A checkpoint may be taken after any microbatch, also in the middle of a job's global batch, so it
+holds everything the next microbatch depends on: every adapter's weights *and* its accumulated
+gradient, each optimizer's moments and schedule position, the run's position in the plan, the plan
+itself (re-planning could differ: the MILP runs under a time limit), and the RNG state (dropout).
+
+Layout of ``<output_dir>/checkpoints/checkpoint-<total optimizer steps>/``::
+
+    trainer_state.json     position, per-job counters, config fingerprint
+    plan.json              the plan being executed
+    lora.safetensors       "param:<name>" and "grad:<name>" of every adapter tensor
+    optimizer.pt           per-job AdamW + schedule state (torch.save, loaded with weights_only)
+    rng.pt                 torch CPU (and CUDA) generator states
+    adapters/<job>/        each adapter in PEFT format, for use without resuming
+
+The folder is written under a temporary name and renamed when complete, so a crash while saving
+never leaves a checkpoint that looks complete but is not.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lorafusion_megatron.adapters_io import replace_dir, save_adapter
+from lorafusion_megatron.errors import TrainerError
+from lorafusion_megatron.state import RunState
+
+if TYPE_CHECKING:
+    import torch
+    from peft import PeftModel
+
+    from lorafusion_megatron.optim import AdapterOptimizer
+
+__all__ = ["LoadedCheckpoint", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """What a resume starts from (weights, gradients and optimizer states are already restored).
+
+    Attributes:
+        path: The checkpoint folder.
+        state: The run's position and counters.
+        plan_json: The plan being executed.
+    """
+
+    path: Path
+    state: RunState
+    plan_json: str
+
+
+def _checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    if not directory.is_dir():
+        return []
+    found = []
+    for child in directory.iterdir():
+        match = _NAME.match(child.name)
+        if match and (child / "trainer_state.json").is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    """The newest complete checkpoint in ``directory``, if any."""
+    found = _checkpoints(directory)
+    return found[-1][1] if found else None
+
+
+def save_checkpoint(
+    directory: Path,
+    *,
+    state: RunState,
+    plan_json: str,
+    fingerprint: str,
+    model: PeftModel,
+    adapter_parameters: Mapping[str, Mapping[str, torch.nn.Parameter]],
+    optimizers: Mapping[str, AdapterOptimizer],
+    keep: int | None,
+) -> Path:
+    """Write a checkpoint of the run atomically and prune old ones.
+
+    Args:
+        directory: The run's checkpoint folder.
+        state: Position and counters.
+        plan_json: The plan being executed.
+        fingerprint: :func:`lorafusion_megatron.config.config_fingerprint` of the config.
+        model: The PEFT model (for the PEFT-format copies).
+        adapter_parameters: Each adapter's trainable tensors by name.
+        optimizers: Each adapter's optimizer.
+        keep: Keep this many newest checkpoints (``None``: all).
+
+    Returns:
+        The checkpoint folder.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / f"checkpoint-{state.total_optimizer_steps}"
+    staging = Path(tempfile.mkdtemp(dir=directory, prefix=f".{target.name}.tmp-"))
+    try:
+        tensors: dict[str, torch.Tensor] = {}
+        for params in adapter_parameters.values():
+            for name, param in params.items():
+                tensors[f"param:{name}"] = param.detach().cpu().contiguous()
+                if param.grad is not None:
+                    tensors[f"grad:{name}"] = param.grad.detach().cpu().contiguous()
+        save_file(tensors, staging / "lora.safetensors")
+        torch.save({name: opt.state_dict() for name, opt in optimizers.items()}, staging / "optimizer.pt")
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+        torch.save(rng, staging / "rng.pt")
+        (staging / "plan.json").write_text(plan_json, encoding="utf-8")
+        for adapter in adapter_parameters:
+            save_adapter(model, adapter, staging / "adapters" / adapter)
+        meta = {"format": _FORMAT, "fingerprint": fingerprint, "state": state.to_json()}
+        (staging / "trainer_state.json").write_text(json.dumps(meta, indent=2, sort_keys=True), encoding="utf-8")
+        replace_dir(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    if keep is not None:
+        for _, old in _checkpoints(directory)[:-keep]:
+            shutil.rmtree(old)
+    return target
+
+
+def load_checkpoint(
+    path: Path,
+    *,
+    fingerprint: str,
+    adapter_parameters: Mapping[str, Mapping[str, torch.nn.Parameter]],
+    optimizers: Mapping[str, AdapterOptimizer],
+) -> LoadedCheckpoint:
+    """Restore weights, gradients, optimizer states and RNG from a checkpoint.
+
+    Raises:
+        TrainerError: The checkpoint was written for a different config, or is unreadable.
+    """
+    import torch
+    from safetensors.torch import load_file
+
+    try:
+        meta = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise TrainerError(f"checkpoint {path} is unreadable ({exc}): delete it or resume from another") from None
+    if meta.get("fingerprint") != fingerprint:
+        raise TrainerError(
+            f"checkpoint {path} was written by a run with a different config (model, jobs, data, scheduler or "
+            "runtime settings changed): restore that config, or train without --resume into a new output_dir"
+        )
+    tensors = load_file(path / "lora.safetensors")
+    with torch.no_grad():
+        for params in adapter_parameters.values():
+            for name, param in params.items():
+                param.copy_(tensors[f"param:{name}"])
+                grad = tensors.get(f"grad:{name}")
+                param.grad = None if grad is None else grad.to(param.device, param.dtype)
+    states = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    for name, optimizer in optimizers.items():
+        optimizer.load_state_dict(states[name])
+    rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(rng["cuda"]))
+    state = RunState.from_json(meta["state"])
+    return LoadedCheckpoint(path=path, state=state, plan_json=(path / "plan.json").read_text(encoding="utf-8"))

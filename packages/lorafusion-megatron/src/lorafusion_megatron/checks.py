@@ -1,0 +1,87 @@
+"""Checks of a config against the file system, without torch (``lorafusion-megatron validate``).
+
+The pydantic models check each value on its own; these checks look at what the values point to:
+the model folder, the datasets, the target modules of known architectures, the output folders.
+Training runs the same checks again, more thoroughly, once the model is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from lorafusion_megatron.config import TrainerConfig
+from lorafusion_megatron.errors import TrainerError
+from lorafusion_megatron.presets import LORA_TARGETS, PRESETS
+
+__all__ = ["check_config", "model_type"]
+
+_DATASET_SUFFIXES = {".jsonl", ".json", ".parquet"}
+
+
+def model_type(config: TrainerConfig) -> str | None:
+    """The base model's ``model_type`` (``llama``, ``qwen2``, ...), if it can be read."""
+    preset = PRESETS.get(config.base_model.model_name_or_path)
+    if preset is not None:
+        return preset.model_type
+    path = Path(config.base_model.model_name_or_path) / "config.json"
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _writable_ancestor(path: Path) -> bool:
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return candidate.is_dir() and os.access(candidate, os.W_OK | os.X_OK)
+    return False
+
+
+def _problems(config: TrainerConfig) -> list[str]:
+    problems = []
+    model = config.base_model
+    if not model.is_preset and not (Path(model.model_name_or_path) / "config.json").is_file():
+        problems.append(
+            f"base_model.model_name_or_path: {model.model_name_or_path} is neither a preset "
+            f"({', '.join(PRESETS)}) nor a folder with a config.json"
+        )
+    if model.tokenizer_name_or_path is not None and not Path(model.tokenizer_name_or_path).is_dir():
+        problems.append(f"base_model.tokenizer_name_or_path: folder {model.tokenizer_name_or_path} does not exist")
+    known = LORA_TARGETS.get(model_type(config) or "")
+    for index, job in enumerate(config.jobs):
+        where = f"jobs.{index} ({job.name})"
+        path = job.dataset.path
+        if path is not None:
+            p = Path(path)
+            if not p.exists():
+                problems.append(f"{where}.dataset.path: {path} does not exist")
+            elif p.is_file() and p.suffix not in _DATASET_SUFFIXES:
+                problems.append(f"{where}.dataset.path: {path} is not .jsonl, .json, .parquet or a save_to_disk folder")
+        if known is not None and isinstance(job.target_modules, list):
+            unknown = sorted(set(job.target_modules) - set(known))
+            if unknown:
+                problems.append(
+                    f"{where}.target_modules: {unknown} are not linear layers of this model; it has {list(known)}"
+                )
+        if not _writable_ancestor(config.job_output_dir(job)):
+            problems.append(f"{where}.output_dir: {config.job_output_dir(job)} cannot be created or written")
+    if not _writable_ancestor(Path(config.output_dir)):
+        problems.append(f"output_dir: {config.output_dir} cannot be created or written")
+    if config.logging.tensorboard_dir is not None and not _writable_ancestor(Path(config.logging.tensorboard_dir)):
+        problems.append(f"logging.tensorboard_dir: {config.logging.tensorboard_dir} cannot be created or written")
+    return problems
+
+
+def check_config(config: TrainerConfig, *, source: str = "config") -> None:
+    """Check what the config points to.
+
+    Raises:
+        TrainerError: Listing every problem, each naming its key.
+    """
+    problems = _problems(config)
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise TrainerError(f"{source} has {len(problems)} problem(s):\n{lines}")

@@ -1,0 +1,230 @@
+"""``lorafusion-megatron``: validate, plan, train, demo and export.
+
+``validate`` needs neither torch nor a GPU. Every command turns a :class:`TrainerError` into one
+clear message and exit status 2 (1 for an interrupted run that wrote a checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+from lorafusion_megatron.__about__ import __version__
+from lorafusion_megatron.errors import TrainerError
+from lorafusion_megatron.pipeline.commands import add_parallel_arguments, parallel_from_args
+
+__all__ = ["main"]
+
+_console = Console(stderr=True)
+
+
+def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
+    parsed = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise TrainerError(f"--set {pair!r}: write KEY=VALUE, e.g. --set jobs.0.learning_rate=2e-4")
+        parsed[key] = yaml.safe_load(value)
+    return parsed
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from lorafusion_megatron.checks import check_config
+    from lorafusion_megatron.config import load_config
+
+    config = load_config(args.config, _overrides(args.set))
+    check_config(config, source=str(args.config))
+    return config
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    config = _load(args)
+    table = Table(title=f"{args.config}: valid")
+    for header in ("job", "dataset", "r / alpha", "lr", "batch", "length"):
+        table.add_column(header)
+    for job in config.jobs:
+        length = f"{job.max_steps} steps" if job.max_steps is not None else f"{job.num_train_epochs} epoch(s)"
+        source = Path(job.dataset.path).name if job.dataset.path else f"synthetic {job.dataset.synthetic}"
+        table.add_row(
+            job.name,
+            source,
+            f"{job.r} / {job.lora_alpha}",
+            f"{job.learning_rate:g}",
+            str(job.global_batch_size),
+            length,
+        )
+    Console().print(table)
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from lorafusion_megatron.planning import make_plan
+    from lorafusion_megatron.trainer import prepare_data
+    from lorafusion_sched import simulate
+    from lorafusion_sched.models import CostModel
+
+    config = _load(args)
+    parallel = parallel_from_args(args, config.parallel)
+    plan = make_plan(
+        config,
+        prepare_data(config).jobs,
+        pipeline_stages=parallel.pipeline_stages,
+        data_parallel=parallel.data_parallel,
+    )
+    if args.output is not None:
+        Path(args.output).write_text(plan.model_dump_json(indent=1), encoding="utf-8")
+    stats = plan.stats
+    table = Table(title=f"Plan for {Path(args.config).name} (capacity {plan.capacity} tokens)")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    for name, value in (
+        ("microbatches", f"{stats.num_microbatches}"),
+        ("lower bound", f"{stats.lower_bound}"),
+        ("no-ops", f"{stats.num_noops}"),
+        ("fill (padded tokens / capacity)", f"{stats.fill_ratio:.1%}"),
+        ("MILP wins / runs", f"{stats.milp_wins} / {stats.milp_runs}"),
+        ("planning seconds", f"{stats.solve_seconds:.2f}"),
+    ):
+        table.add_row(name, value)
+    for adapter in plan.adapters:
+        table.add_row(
+            f"{adapter.name}: samples / optimizer steps", f"{adapter.num_samples} / {adapter.num_global_batches}"
+        )
+    Console().print(table)
+    simulated = Table(title="Simulated with the scheduler's default cost model (ratios matter, not seconds)")
+    for header in ("schedule", "bubble ratio", "tokens/s", "lorafusion speedup"):
+        simulated.add_column(header, justify="left" if header == "schedule" else "right")
+    runs = simulate(plan, CostModel()).runs
+    for run in runs:
+        speedup = runs[0].tokens_per_s / run.tokens_per_s if run.tokens_per_s else 0.0
+        simulated.add_row(run.name, f"{run.bubble_ratio:.1%}", f"{run.tokens_per_s:,.0f}", f"{speedup:.2f}x")
+    Console().print(simulated)
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from lorafusion_megatron.pipeline.launch import under_torchrun
+
+    config = _load(args)
+    parallel = parallel_from_args(args, config.parallel)
+    if parallel.world_size > 1 or parallel.schedule != "lorafusion" or under_torchrun():
+        from lorafusion_megatron.pipeline import commands
+
+        return commands.train(config, parallel, _console, resume=args.resume)
+    from lorafusion_megatron.trainer import Trainer
+
+    result = Trainer(config, console=_console).train(resume=args.resume)
+    return 1 if result.interrupted else 0
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from lorafusion_megatron.pipeline import commands
+
+    config = _load(args)
+    parallel = parallel_from_args(args, config.parallel)
+    return commands.profile(config, parallel, _console, candidates=args.capacities)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+
+    output = Path(args.output)
+    parallel = parallel_from_args(args)
+    if parallel.world_size > 1 or parallel.schedule != "lorafusion":
+        from lorafusion_megatron.pipeline import commands
+
+        return commands.demo(output, parallel, _console, samples_per_job=args.samples_per_job, epochs=args.epochs)
+    from lorafusion_megatron.demo import build_demo
+    from lorafusion_megatron.trainer import Trainer
+
+    _console.print(f"Building the demo in {output}: tiny LLaMA with random weights, 4 jobs, CPU")
+    config = build_demo(output, samples_per_job=args.samples_per_job, epochs=args.epochs)
+    result = Trainer(config, console=_console).train()
+    if not result.interrupted:
+        _console.print(f"Adapters: {output / 'adapters'}; config: {output / 'demo.yaml'}")
+    return 1 if result.interrupted else 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from lorafusion_megatron.export import merge_adapter
+
+    target = merge_adapter(Path(args.adapter), Path(args.output), base=args.base, dtype=args.dtype)
+    _console.print(f"Merged model written to {target}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lorafusion-megatron",
+        description="Train several LoRA jobs on one shared base model together (LoRAFusion).",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def with_config(name: str, help_text: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("config", type=Path, help="the run's YAML file")
+        sub.add_argument(
+            "--set", action="append", default=[], metavar="KEY=VALUE", help="override a key, e.g. jobs.0.r=8"
+        )
+        return sub
+
+    with_config("validate", "check a config and what it points to (no GPU, no torch)").set_defaults(
+        handler=_cmd_validate
+    )
+    plan = with_config("plan", "dry run: plan the microbatches and print the plan's statistics")
+    plan.add_argument("-o", "--output", type=Path, help="also write the plan JSON here")
+    add_parallel_arguments(plan)
+    plan.set_defaults(handler=_cmd_plan)
+    train = with_config("train", "train every job of the config together")
+    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
+    add_parallel_arguments(train)
+    train.set_defaults(handler=_cmd_train)
+    profile = with_config(
+        "profile", "measure each stage's forward/backward time and memory, fit the cost model, choose the capacity"
+    )
+    profile.add_argument("--capacities", type=int, nargs="+", help="capacities to measure (default 1024..32768)")
+    add_parallel_arguments(profile)
+    profile.set_defaults(handler=_cmd_profile)
+    demo = commands.add_parser("demo", help="4 jobs on a tiny random LLaMA, on the CPU, in about a minute")
+    demo.add_argument("--output", required=True, type=Path, help="folder for the model, data, config and adapters")
+    demo.add_argument("--samples-per-job", type=int, default=128, help="records per job (default 128)")
+    demo.add_argument("--epochs", type=int, default=2, help="passes over each job's data (default 2)")
+    add_parallel_arguments(demo)
+    demo.set_defaults(handler=_cmd_demo)
+    export = commands.add_parser("export", help="merge an adapter into its base model's weights")
+    export.add_argument("adapter", type=Path, help="a PEFT adapter folder written by train")
+    export.add_argument("--output", required=True, type=Path, help="folder for the merged model")
+    export.add_argument("--base", help="base model folder or preset (default: the adapter's base_model_name_or_path)")
+    export.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    export.set_defaults(handler=_cmd_export)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(message)s",
+        handlers=[RichHandler(console=_console, show_path=False, show_time=False)],
+    )
+    try:
+        status: int = args.handler(args)
+    except TrainerError as exc:
+        _console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+        return 2
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,517 @@
+"""The trainer's configuration: pydantic models that a YAML file maps onto one to one.
+
+Torch-free on purpose: ``lorafusion-megatron validate`` checks a config on a login node without
+torch, CUDA or the model. Every field carries a docstring (rendered by the docs and shown next to
+the default); unknown keys are errors; key names follow what LoRA users know from PEFT (``r``,
+``lora_alpha``, ``lora_dropout``, ``target_modules``) and from LLaMA-Factory / axolotl / the HF
+Trainer (``learning_rate``, ``num_train_epochs``, ``warmup_ratio``, ``save_steps``).
+
+A run trains several jobs (one LoRA adapter each) on one frozen base model::
+
+    output_dir: runs/demo
+    base_model: {model_name_or_path: tiny}
+    jobs:
+      - name: summarise
+        dataset: {path: data/summarise.jsonl}
+        r: 16
+        lora_alpha: 32
+
+Top-level keys starting with ``x-`` are ignored: they hold YAML anchors that jobs merge in
+(``x-lora: &lora {r: 16}`` then ``- {name: a, <<: *lora, ...}``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from lorafusion_megatron.errors import TrainerError
+from lorafusion_megatron.pipeline.options import ParallelConfig
+from lorafusion_megatron.presets import PRESETS
+
+__all__ = [
+    "SYNTHETIC_DATASETS",
+    "BaseModelConfig",
+    "DatasetConfig",
+    "JobConfig",
+    "LoggingConfig",
+    "RuntimeConfig",
+    "SchedulerConfig",
+    "TrainerConfig",
+    "config_fingerprint",
+    "load_config",
+    "parse_config",
+]
+
+SYNTHETIC_DATASETS = ("xsum", "cnndm", "wikisum", "mixed")
+"""Synthetic length distributions of ``lorafusion_sched.workloads`` a job can train on."""
+
+_STRICT = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+PositiveInt = Annotated[int, Field(gt=0)]
+
+
+class BaseModelConfig(BaseModel):
+    """The frozen base model that every job shares."""
+
+    model_config = _STRICT
+
+    model_name_or_path: str
+    """A local Hugging Face model folder (with ``config.json``), or a preset built with random
+    weights: ``tiny``, ``llama-3.1-8b``, ``qwen2.5-32b``, ``llama-3.1-70b``."""
+
+    tokenizer_name_or_path: str | None = None
+    """Tokenizer folder; default: the model folder. Presets without one tokenise text as bytes."""
+
+    dtype: Dtype = "bfloat16"
+    """Dtype of the base weights and activations; LoRA weights and optimizer states stay float32."""
+
+    attn_implementation: Literal["auto", "varlen", "sdpa", "eager", "flash_attention_2"] = "auto"
+    """Attention over packed samples: ``varlen`` (PyTorch's variable-length flash attention on a GPU, no mask),
+    ``flash_attention_2`` (the flash-attn package), or ``sdpa``/``eager`` with a block-diagonal mask. ``auto``:
+    flash_attention_2 if installed, else varlen, on a GPU; sdpa on the CPU."""
+
+    @property
+    def is_preset(self) -> bool:
+        """Whether ``model_name_or_path`` names a preset rather than a folder."""
+        return self.model_name_or_path in PRESETS
+
+
+class DatasetConfig(BaseModel):
+    """Where a job's samples come from: a file or folder, or a synthetic length distribution.
+
+    Records with both ``prompt_field`` and ``response_field`` train on the response only (prompt
+    tokens get label -100); otherwise ``text_field`` is trained on in full.
+    """
+
+    model_config = _STRICT
+
+    path: str | None = None
+    """A ``.jsonl`` / ``.json`` file (one object per line), a ``.parquet`` file, or a folder written by
+    ``datasets.Dataset.save_to_disk``. Relative paths are relative to the config file."""
+
+    synthetic: Literal["xsum", "cnndm", "wikisum", "mixed"] | None = None
+    """Instead of ``path``: random tokens with lengths drawn from this synthetic workload of
+    ``lorafusion_sched`` (for throughput runs; nothing to learn)."""
+
+    num_samples: PositiveInt = 512
+    """Samples to draw for a synthetic dataset (ignored with ``path``)."""
+
+    length_scale: float = Field(default=1.0, gt=0)
+    """Multiplies synthetic lengths (e.g. 0.05 for the tiny demo model); ignored with ``path``."""
+
+    prompt_field: str = "prompt"
+    """Column holding the prompt (masked from the loss)."""
+
+    response_field: str = "response"
+    """Column holding the response (trained on)."""
+
+    text_field: str = "text"
+    """Column holding a whole text (trained on in full) when there is no prompt/response pair."""
+
+    max_samples: PositiveInt | None = None
+    """Use only the first ``max_samples`` records."""
+
+    shuffle: bool = True
+    """Shuffle the samples once per epoch (seeded by ``runtime.seed`` and the job name)."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DatasetConfig:
+        if (self.path is None) == (self.synthetic is None):
+            raise ValueError("give exactly one of `path` (a file or folder) or `synthetic` (a workload name)")
+        return self
+
+
+class JobConfig(BaseModel):
+    """One LoRA fine-tuning job: its data, adapter, optimizer and length of training."""
+
+    model_config = _STRICT
+
+    name: str
+    """Unique job name; also the PEFT adapter name and the default output folder name."""
+
+    dataset: DatasetConfig
+    """The job's training samples."""
+
+    r: PositiveInt = 16
+    """LoRA rank."""
+
+    lora_alpha: PositiveInt = 32
+    """LoRA scaling numerator: the update is scaled by ``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA)."""
+
+    lora_dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout probability on the LoRA branch's input."""
+
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Module names (suffixes, as in PEFT) that get LoRA, e.g. ``[q_proj, v_proj]``, or ``all-linear``."""
+
+    use_rslora: bool = False
+    """Rank-stabilised LoRA: scale by ``lora_alpha / sqrt(r)``."""
+
+    learning_rate: float = Field(default=1e-4, gt=0)
+    """Peak AdamW learning rate."""
+
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1)
+    """AdamW beta1."""
+
+    adam_beta2: float = Field(default=0.999, ge=0, lt=1)
+    """AdamW beta2."""
+
+    adam_epsilon: float = Field(default=1e-8, gt=0)
+    """AdamW epsilon."""
+
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW decoupled weight decay."""
+
+    lr_scheduler_type: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warm-up: cosine or linear to zero at the last step, or constant."""
+
+    warmup_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Fraction of the job's optimizer steps spent warming the learning rate up linearly from 0."""
+
+    max_grad_norm: float | None = Field(default=1.0, gt=0)
+    """Clip the adapter's gradient to this global L2 norm before each step; ``null`` disables."""
+
+    global_batch_size: PositiveInt = 16
+    """Samples per optimizer step (the scheduler packs them into microbatches)."""
+
+    num_train_epochs: PositiveInt = 1
+    """Passes over the dataset (ignored when ``max_steps`` is set)."""
+
+    max_steps: PositiveInt | None = None
+    """Train for exactly this many optimizer steps, cycling through the data; overrides epochs."""
+
+    output_dir: str | None = None
+    """Where the final adapter goes; default ``<output_dir>/adapters/<name>``."""
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_folder_name(cls, value: str) -> str:
+        if not _JOB_NAME.match(value):
+            raise ValueError(
+                f"job name {value!r} must start with a letter or digit and hold only letters, digits, '_' and '-' "
+                "(it names the PEFT adapter and its folder)"
+            )
+        if value in "lora_":
+            raise ValueError(
+                f"job name {value!r} is part of PEFT's parameter prefix 'lora_', which makes PEFT re-initialise the "
+                "adapter when loading it: choose another name"
+            )
+        return value
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets_not_empty(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, list) and not value:
+            raise ValueError("target_modules is empty: list module names such as [q_proj, v_proj], or all-linear")
+        return value
+
+
+class SchedulerConfig(BaseModel):
+    """How ``lorafusion_sched`` packs the jobs' samples into microbatches."""
+
+    model_config = _STRICT
+
+    capacity: PositiveInt | Literal["auto"] = "auto"
+    """Tokens per microbatch (a multiple of ``padding_multiple``), or ``auto``: 4096 until the profiler
+    measures it."""
+
+    padding_multiple: PositiveInt = 64
+    """Each adapter's segment of a microbatch is counted rounded up to this multiple."""
+
+    long_samples: Literal["truncate", "drop"] = "truncate"
+    """A sample longer than the capacity is cut to it (with a warning) or left out."""
+
+    drop_last: bool = False
+    """Leave out a job's last global batch when it is not full."""
+
+    milp_time_limit: float = Field(default=0.5, gt=0)
+    """Seconds per packing MILP before the greedy packing is kept."""
+
+    @model_validator(mode="after")
+    def _capacity_multiple(self) -> SchedulerConfig:
+        if isinstance(self.capacity, int) and self.capacity % self.padding_multiple:
+            lower = self.capacity - self.capacity % self.padding_multiple
+            raise ValueError(
+                f"capacity = {self.capacity} is not a multiple of padding_multiple = {self.padding_multiple}: "
+                f"use {lower or self.padding_multiple} or {lower + self.padding_multiple}"
+            )
+        return self
+
+    @property
+    def resolved_capacity(self) -> int:
+        """The capacity in tokens (``auto`` resolved)."""
+        if self.capacity == "auto":
+            default = 4096
+            return max(self.padding_multiple, default - default % self.padding_multiple)
+        return self.capacity
+
+
+class RuntimeConfig(BaseModel):
+    """How the microbatches execute."""
+
+    model_config = _STRICT
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto``: the GPU when there is one, else the CPU."""
+
+    fused_kernels: bool = True
+    """Run LoRA layers through ``lorafusion_kernels`` (one pass per mixed microbatch); ``false``: plain
+    PEFT, one forward per adapter's segment (same result, slower)."""
+
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward (less memory, ~1/3 more compute)."""
+
+    seed: int = Field(default=0, ge=0)
+    """Seed for LoRA initialisation, dropout, shuffling and synthetic data."""
+
+
+class LoggingConfig(BaseModel):
+    """What the run reports while training."""
+
+    model_config = _STRICT
+
+    logging_steps: PositiveInt = 10
+    """Log each job's loss, learning rate and gradient norm (and write its TensorBoard scalars) every this
+    many of its optimizer steps, and at its last step."""
+
+    tensorboard_dir: str | None = None
+    """TensorBoard event folder (one sub-folder per job); ``null``: no TensorBoard."""
+
+    progress_bar: bool = True
+    """Show a rich progress bar with per-job loss and tokens/s."""
+
+
+class TrainerConfig(BaseModel):
+    """A whole run: one base model, several jobs, and how to schedule, execute, log and save."""
+
+    model_config = _STRICT
+
+    output_dir: str
+    """Run folder: checkpoints, the plan, the summary and (by default) the adapters."""
+
+    base_model: BaseModelConfig
+    """The frozen model the jobs share."""
+
+    jobs: list[JobConfig] = Field(min_length=1)
+    """The LoRA jobs trained together (names must be unique)."""
+
+    scheduler: SchedulerConfig = SchedulerConfig()
+    """Microbatch packing."""
+
+    runtime: RuntimeConfig = RuntimeConfig()
+    """Execution."""
+
+    logging: LoggingConfig = LoggingConfig()
+    """Progress and TensorBoard."""
+
+    parallel: ParallelConfig = ParallelConfig()
+    """Pipeline stages, data-parallel replicas and schedule; default: one process."""
+
+    save_steps: PositiveInt | None = None
+    """Write a checkpoint after every this many optimizer steps, counted over all jobs together
+    (with 4 jobs, ``save_steps: 40`` saves about every 10 steps of each); ``null``: only at the end."""
+
+    save_total_limit: PositiveInt | None = 2
+    """Keep only the newest this many checkpoints; ``null`` keeps all."""
+
+    @field_validator("jobs")
+    @classmethod
+    def _unique_names(cls, jobs: list[JobConfig]) -> list[JobConfig]:
+        seen: set[str] = set()
+        for job in jobs:
+            if job.name in seen:
+                raise ValueError(f"job name {job.name!r} appears twice: give every job its own name")
+            seen.add(job.name)
+        return jobs
+
+    @model_validator(mode="after")
+    def _distinct_outputs(self) -> TrainerConfig:
+        seen: dict[Path, str] = {}
+        for job in self.jobs:
+            folder = self.job_output_dir(job)
+            if folder in seen:
+                raise ValueError(f"jobs {seen[folder]!r} and {job.name!r} both write their adapter to {folder}")
+            seen[folder] = job.name
+        return self
+
+    def job_output_dir(self, job: JobConfig) -> Path:
+        """Where ``job``'s final adapter is written."""
+        return Path(job.output_dir) if job.output_dir is not None else Path(self.output_dir) / "adapters" / job.name
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Folder holding ``checkpoint-<n>`` sub-folders."""
+        return Path(self.output_dir) / "checkpoints"
+
+
+def config_fingerprint(config: TrainerConfig) -> str:
+    """Hash of everything that decides the trained weights (a resume must match it).
+
+    Logging, checkpoint cadence and output folders are left out: they may change between a run and
+    its resume without changing the result.
+    """
+    data = config.model_dump(mode="json", exclude={"logging": True, "save_steps": True, "save_total_limit": True})
+    data.pop("output_dir")
+    for job in data["jobs"]:
+        job.pop("output_dir")
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _location(loc: tuple[int | str, ...]) -> str:
+    return ".".join(str(part) for part in loc) or "<top level>"
+
+
+def _known_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
+    """Field names of the model found at ``loc`` (for "did you mean" hints)."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int) or not (isinstance(current, type) and issubclass(current, BaseModel)):
+            continue
+        field = current.model_fields.get(part)
+        if field is None:
+            return []
+        annotation = field.annotation
+        args = getattr(annotation, "__args__", ())
+        nested = [a for a in (annotation, *args) if isinstance(a, type) and issubclass(a, BaseModel)]
+        current = nested[0] if nested else None
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return list(current.model_fields)
+    return []
+
+
+def _format_error(error: Any) -> str:
+    loc = tuple(error["loc"])
+    if error["type"] == "extra_forbidden":
+        known = _known_keys(TrainerConfig, loc[:-1])
+        hint = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        suggestion = f"; did you mean {hint[0]!r}?" if hint else f"; known keys: {', '.join(known)}"
+        return f"{_location(loc)}: unknown key{suggestion}"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if error["type"] == "missing":
+        return f"{_location(loc)}: required key is missing"
+    return f"{_location(loc)}: {message} (got {error['input']!r})"
+
+
+def parse_config(data: Any, *, source: str = "config") -> TrainerConfig:
+    """Validate a mapping (the parsed YAML) into a :class:`TrainerConfig`.
+
+    Args:
+        data: The parsed document.
+        source: Name used in error messages (usually the file path).
+
+    Returns:
+        The validated config.
+
+    Raises:
+        TrainerError: Listing every problem, each naming its key (``jobs.1.r``) and the value.
+    """
+    if not isinstance(data, dict):
+        raise TrainerError(f"{source}: expected a mapping of keys (output_dir, base_model, jobs, ...), got {data!r}")
+    # Top-level `x-...` keys only hold YAML anchors for jobs to share (as in docker-compose files).
+    data = {key: value for key, value in data.items() if not (isinstance(key, str) and key.startswith("x-"))}
+    try:
+        return TrainerConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = "\n".join(f"  - {_format_error(e)}" for e in exc.errors())
+        raise TrainerError(f"{source} has {exc.error_count()} problem(s):\n{lines}") from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A safe loader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        self.flatten_mapping(node)
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise TrainerError(f"line {key_node.start_mark.line + 1}: key {key!r} appears twice in one mapping")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _resolve_relative(config: TrainerConfig, base: Path) -> TrainerConfig:
+    """Make relative paths relative to the config file's folder rather than the working directory."""
+
+    def resolve(value: str | None) -> str | None:
+        if value is None or Path(value).is_absolute():
+            return value
+        return os.path.normpath(base / value)
+
+    model = config.base_model
+    if not model.is_preset:
+        model = model.model_copy(update={"model_name_or_path": resolve(model.model_name_or_path)})
+    model = model.model_copy(update={"tokenizer_name_or_path": resolve(model.tokenizer_name_or_path)})
+    jobs = [
+        job.model_copy(
+            update={
+                "dataset": job.dataset.model_copy(update={"path": resolve(job.dataset.path)}),
+                "output_dir": resolve(job.output_dir),
+            }
+        )
+        for job in config.jobs
+    ]
+    logging = config.logging.model_copy(update={"tensorboard_dir": resolve(config.logging.tensorboard_dir)})
+    return config.model_copy(
+        update={"base_model": model, "jobs": jobs, "logging": logging, "output_dir": resolve(config.output_dir)}
+    )
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> TrainerConfig:
+    """Read and validate a YAML config file.
+
+    Relative paths inside the file (datasets, model folder, output folders) are resolved against the
+    file's folder, so a config runs the same from any working directory.
+
+    Args:
+        path: The YAML file.
+        overrides: Dotted keys to set before validation, e.g. ``{"output_dir": "runs/x"}``.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        TrainerError: The file is missing or not YAML, or a key is unknown, missing or invalid.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise TrainerError(f"cannot read config {path}: {exc.strerror}") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
+    except TrainerError as exc:
+        raise TrainerError(f"{path}: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise TrainerError(f"{path} is not valid YAML: {exc}") from None
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(data, dotted, value, source=str(path))
+    return _resolve_relative(parse_config(data, source=str(path)), path.parent)
+
+
+def _set_dotted(data: Any, dotted: str, value: Any, *, source: str) -> None:
+    if not isinstance(data, dict):
+        raise TrainerError(f"{source}: expected a mapping at the top level")
+    *parents, last = dotted.split(".")
+    node: Any = data
+    for part in parents:
+        try:
+            node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+        except (IndexError, TypeError):
+            raise TrainerError(f"override {dotted}: {part!r} does not exist in {source}") from None
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value

@@ -1,0 +1,1 @@
+"""Training data: reading records, tokenising them into samples, fitting them to the capacity."""

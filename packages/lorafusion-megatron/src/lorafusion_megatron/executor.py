@@ -1,0 +1,109 @@
+"""Run a plan's microbatches in order on one process and step optimizers where the plan says.
+
+The executor knows nothing of models: it walks the plan and calls its hooks, so the same loop
+drives the real trainer and tests. On one process a microbatch's forward and backward finish
+before the next starts, so "after the backward of microbatch ``i`` finished on every stage" (the
+plan's ``step_after``) is simply "after microbatch ``i``". The runtime never counts samples to
+decide when to step (the authors' runtime counted at forward time and stepped before the last
+backward of a global batch).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from types import FrameType, TracebackType
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from lorafusion_sched.models import Microbatch
+
+__all__ = ["ExecutorHooks", "StopSignal", "execute_plan"]
+
+_log = logging.getLogger(__name__)
+
+
+class ExecutorHooks(Protocol):
+    """What the executor calls while walking the plan."""
+
+    def run_microbatch(self, index: int, microbatch: Microbatch) -> None:
+        """Forward and backward of a non-no-op microbatch."""
+
+    def step_adapter(self, index: int, adapter: str) -> None:
+        """Step ``adapter``'s optimizer: its global batch ended with microbatch ``index``."""
+
+    def after_microbatch(self, index: int) -> None:
+        """Microbatch ``index`` is done (bookkeeping, logging, checkpoints)."""
+
+
+def execute_plan(
+    microbatches: Sequence[Microbatch],
+    hooks: ExecutorHooks,
+    *,
+    start: int = 0,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> int:
+    """Run ``microbatches[start:]`` in order; no-ops are skipped but still counted.
+
+    Args:
+        microbatches: The plan's microbatches.
+        hooks: Model and bookkeeping callbacks.
+        start: Index of the first microbatch to run (a resumed run's position).
+        should_stop: Polled after every microbatch; ``True`` stops cleanly there.
+
+    Returns:
+        Index of the next microbatch to run (``len(microbatches)`` when finished).
+    """
+    for index in range(start, len(microbatches)):
+        microbatch = microbatches[index]
+        if not microbatch.noop:
+            hooks.run_microbatch(index, microbatch)
+        for adapter in microbatch.step_after:
+            hooks.step_adapter(index, adapter)
+        hooks.after_microbatch(index)
+        if should_stop():
+            return index + 1
+    return len(microbatches)
+
+
+class StopSignal:
+    """Turns the first Ctrl-C into a clean stop after the current microbatch.
+
+    A second Ctrl-C raises ``KeyboardInterrupt`` at once. Outside the main thread (where signal
+    handlers cannot be set) it only stops when :meth:`request` is called.
+    """
+
+    def __init__(self) -> None:
+        self._requested = False
+        self._previous: Callable[[int, FrameType | None], object] | int | None = None
+        self._installed = False
+
+    def request(self) -> None:
+        """Ask the run to stop after the current microbatch."""
+        self._requested = True
+
+    def __call__(self) -> bool:
+        """Whether a stop was requested."""
+        return self._requested
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._requested:
+            raise KeyboardInterrupt
+        self._requested = True
+        _log.warning("Ctrl-C: finishing this microbatch and writing a checkpoint; press Ctrl-C again to abort")
+
+    def __enter__(self) -> StopSignal:
+        self._requested = False
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+            self._installed = False

@@ -1,0 +1,61 @@
+"""``lorafusion-megatron export``: merge a trained adapter into its base model's weights.
+
+The trainer keeps PEFT's own module layout (separate ``q_proj``/``k_proj``/``v_proj`` adapters, no
+fused-QKV parameterisation), so its adapters already load with ``PeftModel.from_pretrained`` and
+need no renaming; merging gives a plain transformers checkpoint for tools that know no LoRA.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from lorafusion_megatron.errors import TrainerError
+from lorafusion_megatron.model import quiet_peft_deprecations
+from lorafusion_megatron.presets import PRESETS
+
+__all__ = ["merge_adapter"]
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def merge_adapter(adapter: Path, output: Path, *, base: str | None = None, dtype: str = "float32") -> Path:
+    """Load ``base`` + ``adapter``, fold ``B @ A * scaling`` into the base weights, save to ``output``.
+
+    Args:
+        adapter: A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
+        output: Folder for the merged model (and the base's tokenizer files, if any).
+        base: Base model folder; default: the adapter's ``base_model_name_or_path``.
+        dtype: Dtype to load and save the merged weights in.
+
+    Returns:
+        ``output``.
+
+    Raises:
+        TrainerError: The adapter or base folder is missing, or the base is a random-weight preset.
+    """
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    config_file = adapter / "adapter_config.json"
+    if not config_file.is_file():
+        raise TrainerError(f"{adapter} holds no adapter_config.json: pass a folder written by `train`")
+    base = base or json.loads(config_file.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    if not base or base in PRESETS:
+        raise TrainerError(
+            f"cannot merge into base {base!r}: presets have random weights that are not saved; pass --base FOLDER"
+        )
+    base_path = Path(base)
+    if not (base_path / "config.json").is_file():
+        raise TrainerError(f"base model folder {base_path} holds no config.json: pass --base FOLDER")
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype))
+    with quiet_peft_deprecations():
+        merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    output.mkdir(parents=True, exist_ok=True)
+    merged.save_pretrained(output)
+    for name in _TOKENIZER_FILES:
+        if (base_path / name).is_file():
+            shutil.copy2(base_path / name, output / name)
+    return output

@@ -1,0 +1,180 @@
+"""Checkpoints of a pipeline run, taken when the pipeline is drained, that resume to the same weights.
+
+A continuous 1F1B run has no moment when every stage is idle, so the program is cut into runs at
+the rounds where ``save_steps`` optimizer steps (over all jobs) have been taken
+(:func:`~lorafusion_megatron.pipeline.programs.split_for_checkpoints`): the pipeline drains there,
+which costs one fill and drain and changes no result. Every rank then writes its own state,
+``rank-<r>.pt``: its stage's LoRA weights and accumulated gradients (a checkpoint may fall inside
+a global batch, and replicas' gradients differ until the all-reduce), its optimizers, the engine's
+counters and its RNG. Rank 0 adds ``plan.json`` and ``trainer_state.json`` (position, fingerprint,
+parallel layout) and renames the folder into place, so a crash never leaves a checkpoint that looks
+complete. The folders need a file system all ranks share (one node, or a shared mount).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lorafusion_megatron.adapters_io import replace_dir
+from lorafusion_megatron.errors import TrainerError
+
+if TYPE_CHECKING:
+    import torch
+
+    from lorafusion_megatron.pipeline.groups import Layout
+    from lorafusion_megatron.pipeline.optim import StageOptimizer
+    from lorafusion_megatron.pipeline.options import ParallelConfig
+
+__all__ = ["PIPELINE_FORMAT", "load_rank_state", "read_run_state", "save_pipeline_checkpoint"]
+
+PIPELINE_FORMAT = "pipeline-1"
+"""``format`` of a pipeline checkpoint's ``trainer_state.json``."""
+
+
+def _rank_file(folder: Path, rank: int) -> Path:
+    return folder / f"rank-{rank:05d}.pt"
+
+
+def save_pipeline_checkpoint(
+    directory: Path,
+    *,
+    layout: Layout,
+    total_steps: int,
+    position: int,
+    parameters: Mapping[str, Mapping[str, torch.nn.Parameter]],
+    optimizers: Mapping[str, StageOptimizer],
+    engine_state: dict[str, Any],
+    plan_json: str,
+    fingerprint: str,
+    parallel: ParallelConfig,
+    keep: int | None,
+) -> Path:
+    """Write ``checkpoint-<total_steps>`` (collective: every rank calls it at the same drain).
+
+    Args:
+        directory: The run's checkpoint folder.
+        layout: This rank's place.
+        total_steps: Optimizer steps of all jobs so far (names the folder).
+        position: Index in the program of the next microbatch to run.
+        parameters: This stage's tensors of each adapter.
+        optimizers: This stage's optimizer of each adapter.
+        engine_state: :meth:`StageEngine.state_dict`.
+        plan_json: The plan being executed.
+        fingerprint: The config's fingerprint.
+        parallel: Stages, replicas and schedule (a resume must use the same).
+        keep: Keep this many newest checkpoints (``None``: all).
+
+    Returns:
+        The checkpoint folder.
+    """
+    import torch
+    import torch.distributed as dist
+
+    target = directory / f"checkpoint-{total_steps}"
+    staging: list[Any] = [None]
+    if layout.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        staging[0] = tempfile.mkdtemp(dir=directory, prefix=f".{target.name}.tmp-")
+    dist.broadcast_object_list(staging, src=0)
+    folder = Path(staging[0])
+    state = {
+        "params": {n: p.detach().cpu() for params in parameters.values() for n, p in params.items()},
+        "grads": {
+            n: p.grad.detach().cpu() for params in parameters.values() for n, p in params.items() if p.grad is not None
+        },
+        "optimizers": {name: opt.inner.state_dict() for name, opt in optimizers.items()},
+        "engine": engine_state,
+        "rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state(layout.device) if layout.device.type == "cuda" else None,
+    }
+    torch.save(state, _rank_file(folder, layout.rank))
+    dist.barrier()
+    if layout.rank == 0:
+        try:
+            (folder / "plan.json").write_text(plan_json, encoding="utf-8")
+            meta = {
+                "format": PIPELINE_FORMAT,
+                "fingerprint": fingerprint,
+                "parallel": parallel.model_dump(mode="json"),
+                "position": position,
+                "total_optimizer_steps": total_steps,
+                "world_size": layout.world_size,
+            }
+            (folder / "trainer_state.json").write_text(json.dumps(meta, indent=2, sort_keys=True), encoding="utf-8")
+            replace_dir(folder, target)
+        finally:
+            if folder.exists():
+                shutil.rmtree(folder)
+        if keep is not None:
+            _prune(directory, keep)
+    dist.barrier()
+    return target
+
+
+def _prune(directory: Path, keep: int) -> None:
+    found = sorted(
+        (int(child.name.removeprefix("checkpoint-")), child)
+        for child in directory.iterdir()
+        if child.name.startswith("checkpoint-") and child.name.removeprefix("checkpoint-").isdigit()
+    )
+    for _, old in found[:-keep]:
+        shutil.rmtree(old)
+
+
+def read_run_state(path: Path, *, fingerprint: str, parallel: ParallelConfig) -> dict[str, Any]:
+    """``trainer_state.json`` of a pipeline checkpoint, checked against this run.
+
+    Raises:
+        TrainerError: Unreadable, written by the single-process trainer, for another config, or for
+            another parallel layout.
+    """
+    try:
+        meta: dict[str, Any] = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise TrainerError(f"checkpoint {path} is unreadable ({exc}): delete it or resume from another") from None
+    if meta.get("format") != PIPELINE_FORMAT:
+        raise TrainerError(
+            f"checkpoint {path} was written by the single-process trainer: resume it without pipeline parallelism"
+        )
+    if meta.get("fingerprint") != fingerprint:
+        raise TrainerError(
+            f"checkpoint {path} was written by a run with a different config: restore that config, or train "
+            "without --resume into a new output_dir"
+        )
+    if meta.get("parallel") != parallel.model_dump(mode="json"):
+        raise TrainerError(
+            f"checkpoint {path} was written with parallel settings {meta.get('parallel')}; this run has "
+            f"{parallel.model_dump(mode='json')}: resume with the same stages, replicas and schedule"
+        )
+    return meta
+
+
+def load_rank_state(
+    path: Path,
+    *,
+    layout: Layout,
+    parameters: Mapping[str, Mapping[str, torch.nn.Parameter]],
+    optimizers: Mapping[str, StageOptimizer],
+) -> dict[str, Any]:
+    """Restore this rank's weights, gradients, optimizers and RNG; returns the engine's state."""
+    import torch
+
+    state = torch.load(_rank_file(path, layout.rank), map_location="cpu", weights_only=True)
+    with torch.no_grad():
+        for params in parameters.values():
+            for name, param in params.items():
+                param.copy_(state["params"][name])
+                grad = state["grads"].get(name)
+                param.grad = None if grad is None else grad.to(param.device, param.dtype)
+    for name, optimizer in optimizers.items():
+        optimizer.inner.load_state_dict(state["optimizers"][name])
+    torch.set_rng_state(state["rng"])
+    if state["cuda_rng"] is not None:
+        torch.cuda.set_rng_state(state["cuda_rng"], layout.device)
+    engine: dict[str, Any] = state["engine"]
+    return engine

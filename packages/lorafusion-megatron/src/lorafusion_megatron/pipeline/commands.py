@@ -1,0 +1,108 @@
+"""What the CLI's ``train``, ``profile`` and ``demo`` commands call for pipeline runs (torch-free import).
+
+The CLI adds :func:`add_parallel_arguments` to those commands and hands the parsed values to
+:func:`parallel_from_args`; :func:`train`, :func:`profile` and :func:`demo` print a summary table
+and return the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.table import Table
+
+from lorafusion_megatron.pipeline.options import SCHEDULES, ParallelConfig
+
+if TYPE_CHECKING:
+    from lorafusion_megatron.config import TrainerConfig
+
+__all__ = ["add_parallel_arguments", "demo", "parallel_from_args", "profile", "summary_table", "train"]
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--pipeline-stages``, ``--data-parallel``, ``--schedule`` and ``--baseline-microbatch-samples``."""
+    group = parser.add_argument_group("parallelism (default: the config's, else one process)")
+    group.add_argument("--pipeline-stages", type=int, metavar="S", help="pipeline stages (one process each)")
+    group.add_argument("--data-parallel", type=int, metavar="D", help="data-parallel replicas of the pipeline")
+    group.add_argument("--schedule", choices=SCHEDULES, help="lorafusion (default) or a baseline")
+    group.add_argument("--baseline-microbatch-samples", type=int, metavar="N", help="samples per baseline microbatch")
+
+
+def parallel_from_args(args: argparse.Namespace, default: ParallelConfig | None = None) -> ParallelConfig:
+    """``default`` (e.g. the config's section) with the flags given on the command line applied.
+
+    Raises:
+        pydantic.ValidationError: A flag's value is out of range.
+    """
+    values = (default or ParallelConfig()).model_dump()
+    for key in ("pipeline_stages", "data_parallel", "schedule", "baseline_microbatch_samples"):
+        given = getattr(args, key, None)
+        if given is not None:
+            values[key] = given
+    return ParallelConfig.model_validate(values)
+
+
+def summary_table(summary: dict[str, Any]) -> Table:
+    """Throughput, bubble ratio per stage, and each job's steps and last loss."""
+    table = Table(
+        title=f"{summary['schedule']}: {summary['pipeline_stages']} stage(s) x {summary['data_parallel']} replica(s)"
+    )
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    table.add_row("tokens/s", f"{summary['tokens_per_second']:,.0f}")
+    table.add_row("wall seconds", f"{summary['wall_seconds']:.1f}")
+    for stage, bubble in enumerate(summary["bubble_ratio_per_stage"]):
+        table.add_row(f"bubble ratio, stage {stage}", f"{bubble:.1%}")
+    last: dict[str, dict[str, Any]] = {}
+    for step in summary["steps"]:
+        last[step["adapter"]] = step
+    for adapter, step in last.items():
+        table.add_row(f"{adapter}: steps / last loss", f"{step['step']} / {step['loss']:.4f}")
+    return table
+
+
+def train(config: TrainerConfig, parallel: ParallelConfig, console: Console, *, resume: bool = False) -> int:
+    """``lorafusion-megatron train [--resume]`` on ``parallel``; prints the summary on rank 0."""
+    from lorafusion_megatron.pipeline.launch import launch
+
+    summary = launch(config, parallel, resume=resume)
+    if summary is not None:
+        console.print(summary_table(summary))
+        console.print(f"Adapters: {Path(config.output_dir) / 'adapters'}")
+    return 0
+
+
+def profile(
+    config: TrainerConfig, parallel: ParallelConfig, console: Console, *, candidates: list[int] | None = None
+) -> int:
+    """``lorafusion-megatron profile [--capacities N ...]``: measure, fit the cost model, choose the capacity."""
+    from lorafusion_megatron.pipeline.launch import launch_profile
+
+    options: dict[str, Any] = {} if not candidates else {"candidates": tuple(candidates)}
+    report = launch_profile(config, parallel, **options)
+    if report is not None:
+        console.print((Path(config.output_dir) / "profile.md").read_text(encoding="utf-8"), markup=False)
+        console.print(f"Chosen capacity: {report['chosen_capacity']} tokens (used by `capacity: auto`)")
+    return 0
+
+
+def demo(output: Path, parallel: ParallelConfig, console: Console, *, samples_per_job: int, epochs: int) -> int:
+    """``lorafusion-megatron demo --pipeline-stages S``: the demo on CPU processes over gloo."""
+    from lorafusion_megatron.pipeline.launch import run_demo
+
+    console.print(f"Building the demo in {output}: tiny LLaMA, 4 jobs, {parallel.world_size} CPU processes")
+    summary = run_demo(
+        output,
+        parallel.pipeline_stages,
+        samples_per_job=samples_per_job,
+        epochs=epochs,
+        schedule=parallel.schedule,
+        data_parallel=parallel.data_parallel,
+    )
+    if summary is not None:
+        console.print(summary_table(summary))
+        console.print(f"Adapters: {output / 'adapters'}; config: {output / 'demo.yaml'}")
+    return 0

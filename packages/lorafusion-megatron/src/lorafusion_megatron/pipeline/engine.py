@@ -1,0 +1,356 @@
+"""Execute a program on one pipeline stage: 1F1B over each run, per-adapter steps at ``step_after``.
+
+The engine walks the stage's :func:`~lorafusion_megatron.pipeline.schedule.one_f_one_b` actions.
+A forward packs the plan microbatch (every rank packs it from the same data, so token counts,
+position ids and masks need no communication), runs the stage and keeps its input and output for
+the backward; on the last stage the output is the microbatch's share of each adapter's loss, each
+segment's token-loss sum divided by the trained tokens of that adapter's whole global batch, as in
+the single-process trainer. A no-op microbatch computes and exchanges nothing, but keeps its slot.
+
+Adapter ``a`` steps on this stage right after the stage sent the input gradients of the plan's
+``step_after`` microbatch of ``a`` (after its backward): by then this stage has run the backward
+of every microbatch of the global batch, and the bubble lemma (``S`` microbatches between global
+batches of one adapter) guarantees that no forward of ``a``'s next global batch has run here yet,
+since stage ``s`` is at most ``S - 1 - s`` forwards ahead of its backwards. Stepping after the send
+(not before) matters: the step's collectives wait for the earlier stages, which wait for that
+gradient.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from lorafusion_megatron.pipeline.p2p import Expect, PipelineMismatchError, Transfer
+from lorafusion_megatron.pipeline.schedule import Exchange, one_f_one_b
+
+if TYPE_CHECKING:
+    import torch
+
+    from lorafusion_megatron.data.job_data import JobData
+    from lorafusion_megatron.packing import PackedBatch
+    from lorafusion_megatron.pipeline.groups import Layout
+    from lorafusion_megatron.pipeline.optim import StageOptimizer
+    from lorafusion_megatron.pipeline.p2p import StageLink
+    from lorafusion_megatron.pipeline.programs import Program
+    from lorafusion_megatron.pipeline.stage_model import StageModel
+    from lorafusion_sched.models import Microbatch
+
+__all__ = ["EngineStats", "StageEngine", "StepRecord"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step of one adapter, as seen by this stage.
+
+    Attributes:
+        adapter: Job name.
+        step: Steps completed, this one included.
+        learning_rate: Learning rate of the step.
+        grad_norm: Pipeline-wide gradient norm before clipping.
+        loss: Mean loss of the global batch (last stage only, else ``None``).
+    """
+
+    adapter: str
+    step: int
+    learning_rate: float
+    grad_norm: float
+    loss: float | None
+
+
+@dataclass
+class EngineStats:
+    """What one stage measured.
+
+    Attributes:
+        stage: Pipeline stage.
+        replica: Data-parallel rank.
+        wall_seconds: From the start of the program to the end of its last action.
+        busy_seconds: Time spent computing forwards and backwards.
+        tokens: Real tokens of the microbatches this replica ran.
+        microbatches: Microbatches run (no-ops included).
+        steps: The steps taken, in order.
+    """
+
+    stage: int
+    replica: int
+    wall_seconds: float = 0.0
+    busy_seconds: float = 0.0
+    tokens: int = 0
+    microbatches: int = 0
+    steps: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def bubble_ratio(self) -> float:
+        """Idle share of the wall time."""
+        return 1.0 - self.busy_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+
+@dataclass
+class _InFlight:
+    """A microbatch between its forward and its backward on this stage."""
+
+    batch: PackedBatch
+    inputs: torch.Tensor | None
+    output: torch.Tensor
+
+
+@dataclass
+class _Run:
+    """One 1F1B run's microbatches (this replica's), their header keys, and the tensors between actions.
+
+    Attributes:
+        microbatches: The run's microbatches, local order.
+        keys: Identity of each in the transfer headers (its index in the whole program).
+        in_flight: Forward done, backward pending, by local index.
+        received: Activations received, forward pending.
+        gradients: Output gradients received, backward pending.
+        input_grads: Input gradients computed, send pending.
+    """
+
+    microbatches: list[Microbatch]
+    keys: list[int]
+    in_flight: dict[int, _InFlight] = field(default_factory=dict)
+    received: dict[int, torch.Tensor] = field(default_factory=dict)
+    gradients: dict[int, torch.Tensor] = field(default_factory=dict)
+    input_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def real(self, index: int | None) -> int | None:
+        """``index`` unless it is absent or a no-op (which exchanges nothing)."""
+        return index if index is not None and not self.microbatches[index].noop else None
+
+    def transfer(self, index: int, tensor: torch.Tensor) -> Transfer:
+        """A tensor of local microbatch ``index`` to send."""
+        return Transfer(self.keys[index], self.microbatches[index].tokens, tensor)
+
+    def expect(self, index: int) -> Expect:
+        """A tensor of local microbatch ``index`` to receive."""
+        return Expect(self.keys[index], self.microbatches[index].tokens)
+
+
+class StageEngine:
+    """Runs programs on one stage.
+
+    Args:
+        layout: The process's place and groups.
+        stage: The stage's model.
+        link: Transfers with the neighbour stages.
+        data: Every job's training data (to pack microbatches and count loss denominators).
+        optimizers: Each adapter's optimizer on this stage.
+        on_step: Called after every step (logging); optional.
+    """
+
+    def __init__(
+        self,
+        *,
+        layout: Layout,
+        stage: StageModel,
+        link: StageLink,
+        data: Mapping[str, JobData],
+        optimizers: Mapping[str, StageOptimizer],
+        on_step: Callable[[StepRecord], None] | None = None,
+    ) -> None:
+        self.layout = layout
+        self.stage = stage
+        self.link = link
+        self.data = data
+        self.optimizers = optimizers
+        self.on_step = on_step
+        self._denominators: dict[tuple[str, int], int] = {}
+        self._pending: dict[tuple[str, int], tuple[torch.Tensor, int]] = {}
+        self._steps_done = dict.fromkeys(optimizers, 0)
+        self.stats = EngineStats(stage=layout.stage, replica=layout.replica)
+
+    def _denominator(self, adapter: str, global_batch: int) -> int:
+        key = (adapter, global_batch)
+        if key not in self._denominators:
+            self._denominators[key] = self.data[adapter].global_batch_targets(global_batch)
+        return self._denominators[key]
+
+    def execute(
+        self, program: Program, *, start: int = 0, on_drain: Callable[[int], None] | None = None
+    ) -> EngineStats:
+        """Run this replica's share of ``program``; returns the stage's measurements.
+
+        Args:
+            program: The runs to execute.
+            start: Program index of the first microbatch to run (a resumed run's position); it
+                must begin a run.
+            on_drain: Called with the program index of the next microbatch after every run, when
+                the pipeline is empty (checkpoints).
+        """
+        begin = time.perf_counter()
+        offset = 0
+        d = program.data_parallel
+        for run in program.runs:
+            if offset + len(run) <= start:
+                offset += len(run)
+                continue
+            if offset < start:
+                raise PipelineMismatchError(f"position {start} is inside a run of the program, not at its start")
+            local = list(run[self.layout.replica :: d])
+            keys = [offset + self.layout.replica + k * d for k in range(len(local))]
+            self._run(local, keys)
+            offset += len(run)
+            if on_drain is not None:
+                self._synchronize()
+                on_drain(offset)
+        self._synchronize()
+        self.stats.wall_seconds += time.perf_counter() - begin
+        return self.stats
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps taken so far, all adapters together."""
+        return sum(self._steps_done.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Steps per adapter and the loss sums of unfinished global batches (for checkpoints)."""
+        return {
+            "steps_done": dict(self._steps_done),
+            "pending": [(a, g, float(loss), targets) for (a, g), (loss, targets) in self._pending.items()],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        import torch
+
+        self._steps_done = {name: int(n) for name, n in state["steps_done"].items()}
+        self._pending = {
+            (a, int(g)): (torch.tensor(loss, device=self.layout.device), int(targets))
+            for a, g, loss, targets in state["pending"]
+        }
+
+    def _synchronize(self) -> None:
+        import torch
+
+        if self.layout.device.type == "cuda":
+            torch.cuda.synchronize(self.layout.device)
+
+    def _run(self, microbatches: list[Microbatch], keys: list[int]) -> None:
+        run = _Run(microbatches, keys)
+        for action in one_f_one_b(len(microbatches), self.layout.num_stages, self.layout.stage):
+            if isinstance(action, Exchange):
+                self._exchange(action, run)
+                if action.send_backward is not None:
+                    for adapter in microbatches[action.send_backward].step_after:
+                        self._step(adapter)
+            elif microbatches[action.index].noop:
+                continue
+            elif action.backward:
+                self._backward(action.index, run)
+            else:
+                microbatch = microbatches[action.index]
+                batch = self._pack(microbatch)
+                run.in_flight[action.index] = self._forward(microbatch, batch, run.received.pop(action.index, None))
+                self.stats.tokens += batch.num_tokens
+        self.stats.microbatches += len(microbatches)
+
+    def _exchange(self, action: Exchange, run: _Run) -> None:
+        """The transfers of ``action`` this stage has: none across the pipeline's ends or for no-ops."""
+        layout = self.layout
+        send_f = run.real(action.send_forward) if not layout.is_last else None
+        recv_b = run.real(action.recv_backward) if not layout.is_last else None
+        send_b = run.real(action.send_backward) if not layout.is_first else None
+        recv_f = run.real(action.recv_forward) if not layout.is_first else None
+        activations, grads = self.link.exchange(
+            send_forward=None if send_f is None else run.transfer(send_f, run.in_flight[send_f].output.detach()),
+            recv_backward=None if recv_b is None else run.expect(recv_b),
+            send_backward=None if send_b is None else run.transfer(send_b, run.input_grads.pop(send_b)),
+            recv_forward=None if recv_f is None else run.expect(recv_f),
+        )
+        if activations is not None and recv_f is not None:
+            run.received[recv_f] = activations.requires_grad_(True)
+        if grads is not None and recv_b is not None:
+            run.gradients[recv_b] = grads
+
+    def _pack(self, microbatch: Microbatch) -> PackedBatch:
+        from lorafusion_megatron.packing import pack_microbatch
+
+        batch = pack_microbatch(microbatch, self.data).to(self.layout.device)
+        if batch.num_tokens != microbatch.tokens:
+            raise PipelineMismatchError(
+                f"a microbatch packs {batch.num_tokens} tokens but the plan says {microbatch.tokens}: "
+                "the plan does not match the data"
+            )
+        return batch
+
+    def _forward(self, microbatch: Microbatch, batch: PackedBatch, inputs: torch.Tensor | None) -> _InFlight:
+        begin = time.perf_counter()
+        output = self.stage.forward(batch, inputs)
+        if self.layout.is_last:
+            output = self._objective(microbatch, batch, output)
+        self._synchronize()
+        self.stats.busy_seconds += time.perf_counter() - begin
+        return _InFlight(batch=batch, inputs=inputs, output=output)
+
+    def _objective(self, microbatch: Microbatch, batch: PackedBatch, token_loss: torch.Tensor) -> torch.Tensor:
+        """Each segment's loss sum over its adapter's global-batch token count, summed; records the sums.
+
+        The sums stay on the device until the adapter steps (no host synchronisation per microbatch);
+        trained-token counts come from the host-side samples.
+        """
+        objective = token_loss.new_zeros(())
+        for span, segment in zip(batch.segments, microbatch.segments, strict=True):
+            segment_sum = token_loss[span.start : span.start + span.length].sum()
+            objective = objective + segment_sum / self._denominator(span.adapter, span.global_batch)
+            job = self.data[segment.adapter]
+            targets = sum(job.sample(i).num_targets for i in segment.samples)
+            key = (span.adapter, span.global_batch)
+            loss, seen = self._pending.get(key, (token_loss.new_zeros(()), 0))
+            self._pending[key] = (loss + segment_sum.detach(), seen + targets)
+        return objective
+
+    def _backward(self, index: int, run: _Run) -> None:
+        import torch
+
+        flight = run.in_flight.pop(index)
+        begin = time.perf_counter()
+        if self.layout.is_last:
+            flight.output.backward()  # type: ignore[no-untyped-call]
+        elif flight.output.requires_grad:
+            torch.autograd.backward(flight.output, grad_tensors=run.gradients.pop(index))
+        else:
+            run.gradients.pop(index)
+        if not self.layout.is_first:
+            assert flight.inputs is not None
+            grad = flight.inputs.grad
+            run.input_grads[index] = grad if grad is not None else torch.zeros_like(flight.inputs)
+        self._synchronize()
+        self.stats.busy_seconds += time.perf_counter() - begin
+
+    def _step(self, adapter: str) -> None:
+        global_batch = self._steps_done[adapter]
+        loss = self._global_batch_loss(adapter, global_batch) if self.layout.is_last else None
+        stats = self.optimizers[adapter].step()
+        self._steps_done[adapter] = stats.step
+        record = StepRecord(
+            adapter=adapter, step=stats.step, learning_rate=stats.learning_rate, grad_norm=stats.grad_norm, loss=loss
+        )
+        self.stats.steps.append(record)
+        if self.on_step is not None:
+            self.on_step(record)
+
+    def _global_batch_loss(self, adapter: str, global_batch: int) -> float:
+        """Mean loss of the finished global batch over all replicas; checks every trained token was seen."""
+        import torch
+        import torch.distributed as dist
+
+        pending, targets = self._pending.pop((adapter, global_batch), (None, 0))
+        loss = 0.0 if pending is None else float(pending)
+        if self.layout.num_replicas > 1:
+            both = torch.tensor([loss, float(targets)], dtype=torch.float64, device=self.layout.device)
+            dist.all_reduce(both, group=self.layout.data_group)
+            loss, targets = float(both[0]), round(float(both[1]))
+        expected = self._denominator(adapter, global_batch)
+        if targets != expected:
+            raise PipelineMismatchError(
+                f"{adapter} steps after {targets} of the {expected} trained tokens of its global batch {global_batch}: "
+                "the plan does not match the data"
+            )
+        return loss / expected

@@ -1,0 +1,145 @@
+"""Process groups of a run: ``torch.distributed`` plus megatron-core's pipeline x data-parallel layout.
+
+Only megatron-core's stable ``parallel_state`` API is used (``initialize_model_parallel`` with
+tensor parallelism 1, the pipeline/data-parallel ranks and groups, ``destroy_model_parallel``),
+which works the same on gloo (CPU) and NCCL (GPU) in megatron-core 0.16 to 0.20. The device
+follows the backend: CUDA device ``LOCAL_RANK`` with NCCL, the CPU with gloo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lorafusion_megatron.errors import TrainerError
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed
+
+__all__ = ["Layout", "parallel_layout"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this process sits.
+
+    Attributes:
+        rank: Global rank.
+        world_size: Processes in all (``S * d``).
+        stage: Pipeline stage ``s``.
+        num_stages: ``S``.
+        replica: Data-parallel rank.
+        num_replicas: ``d``.
+        prev_rank: Global rank of stage ``s - 1`` of this replica (``None`` on the first stage).
+        next_rank: Global rank of stage ``s + 1`` (``None`` on the last stage).
+        pipeline_group: This replica's pipeline group.
+        data_group: This stage's data-parallel group.
+        device: Where this process computes.
+    """
+
+    rank: int
+    world_size: int
+    stage: int
+    num_stages: int
+    replica: int
+    num_replicas: int
+    prev_rank: int | None
+    next_rank: int | None
+    pipeline_group: Any
+    data_group: Any
+    device: torch.device
+
+    @property
+    def is_first(self) -> bool:
+        """The first pipeline stage."""
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        """The last pipeline stage."""
+        return self.stage == self.num_stages - 1
+
+
+def _init_process_group(backend: str, init_method: str | None, rank: int | None, world_size: int | None) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(minutes=30)}
+    if init_method is not None:
+        kwargs.update(init_method=init_method, rank=rank, world_size=world_size)
+    dist.init_process_group(**kwargs)
+
+
+@contextlib.contextmanager
+def parallel_layout(
+    pipeline_stages: int,
+    *,
+    backend: str | None = None,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> Iterator[Layout]:
+    """Initialise the process groups (if not yet) and yield this process's place; tear down at exit.
+
+    Under ``torchrun`` the environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...) says everything;
+    otherwise give ``init_method`` (e.g. ``file:///tmp/rendezvous``), ``rank`` and ``world_size``.
+
+    Args:
+        pipeline_stages: ``S``; the world size must be a multiple of it (``d = world / S``).
+        backend: ``nccl`` or ``gloo``; default NCCL when a GPU is visible, else gloo.
+        init_method: Rendezvous URL when not launched by torchrun.
+        rank: Global rank (with ``init_method``).
+        world_size: Processes in all (with ``init_method``).
+
+    Raises:
+        TrainerError: The world size is not a multiple of ``pipeline_stages``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    owns_world = not dist.is_initialized()
+    _init_process_group(backend, init_method, rank, world_size)
+    world = dist.get_world_size()
+    if world % pipeline_stages:
+        raise TrainerError(
+            f"{world} processes cannot form pipelines of {pipeline_stages} stages: "
+            "start a multiple of pipeline_stages processes"
+        )
+    with warnings.catch_warnings():
+        # megatron-core warns at import about its own internals (Apex/TE fallbacks, module moves).
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=pipeline_stages)
+    try:
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        yield Layout(
+            rank=dist.get_rank(),
+            world_size=world,
+            stage=stage,
+            num_stages=pipeline_stages,
+            replica=parallel_state.get_data_parallel_rank(),
+            num_replicas=parallel_state.get_data_parallel_world_size(),
+            prev_rank=parallel_state.get_pipeline_model_parallel_prev_rank() if stage > 0 else None,
+            next_rank=parallel_state.get_pipeline_model_parallel_next_rank() if stage < pipeline_stages - 1 else None,
+            pipeline_group=parallel_state.get_pipeline_model_parallel_group(),
+            data_group=parallel_state.get_data_parallel_group(),
+            device=device,
+        )
+    finally:
+        parallel_state.destroy_model_parallel()
+        if owns_world:
+            dist.destroy_process_group()

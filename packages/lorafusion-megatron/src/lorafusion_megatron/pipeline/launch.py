@@ -1,0 +1,163 @@
+"""Start a pipeline run (or a profile): under an external ``torchrun``, or as local processes started here.
+
+Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` in the environment, any number of nodes) this
+process is one rank. Otherwise ``S * d`` processes are started on this node with
+``torch.multiprocessing`` (one per GPU with NCCL, or CPU processes with gloo), which meet through
+a rendezvous file in a temporary folder (no port to pick); this process waits for them and reads
+the summary rank 0 wrote.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lorafusion_megatron.errors import TrainerError
+from lorafusion_megatron.pipeline.options import ParallelConfig
+
+if TYPE_CHECKING:
+    from lorafusion_megatron.config import TrainerConfig
+
+__all__ = ["launch", "launch_profile", "run_demo", "under_torchrun"]
+
+RankEntry = Callable[..., "dict[str, Any] | None"]
+"""``entry(config, parallel, *, backend, init_method, rank, world_size)``: one rank's work."""
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a rank started by ``torchrun`` (or another launcher setting the env)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _spawned_rank(
+    rank: int,
+    entry: RankEntry,
+    config: TrainerConfig,
+    parallel: ParallelConfig,
+    backend: str,
+    init_method: str,
+    world: int,
+) -> None:
+    import logging
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    if backend == "gloo":
+        import torch
+
+        # Processes sharing this node's cores: without a split, each would start one thread per core.
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
+    # Rank 0 logs the summary and the last stage of replica 0 the steps; the others log nothing.
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    entry(config, parallel, backend=backend, init_method=init_method, rank=rank, world_size=world)
+
+
+def _start(
+    entry: RankEntry, config: TrainerConfig, parallel: ParallelConfig, backend: str | None, result: str
+) -> dict[str, Any] | None:
+    import torch
+
+    if under_torchrun():
+        return entry(config, parallel, backend=backend)
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    world = parallel.world_size
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        raise TrainerError(
+            f"{world} processes ({parallel.pipeline_stages} stages x {parallel.data_parallel} replicas) need "
+            f"{world} GPUs; {torch.cuda.device_count()} are visible"
+        )
+    from torch.multiprocessing.spawn import ProcessRaisedException, spawn
+
+    with tempfile.TemporaryDirectory(prefix="lorafusion-rendezvous-") as folder:
+        init_method = Path(folder, "store").as_uri()
+        try:
+            spawn(  # type: ignore[no-untyped-call]
+                _spawned_rank,
+                args=(entry, config, parallel, backend, init_method, world),
+                nprocs=world,
+                join=True,
+            )
+        except ProcessRaisedException as exc:
+            raise TrainerError(f"a pipeline rank failed:\n{exc}") from None
+    summary: dict[str, Any] = json.loads((Path(config.output_dir) / result).read_text(encoding="utf-8"))
+    return summary
+
+
+def launch(
+    config: TrainerConfig, parallel: ParallelConfig, *, backend: str | None = None, resume: bool = False
+) -> dict[str, Any] | None:
+    """Train ``config`` on ``parallel.world_size`` processes; returns rank 0's summary.
+
+    Args:
+        config: The run.
+        parallel: Stages, replicas and schedule.
+        backend: ``nccl`` or ``gloo``; default NCCL when GPUs are visible, else gloo.
+        resume: Continue from the newest checkpoint in ``output_dir``.
+
+    Returns:
+        The run summary (tokens/s, bubble ratio per stage, steps, adapter folders), also written
+        to ``<output_dir>/pipeline_summary.json``; ``None`` on ranks other than 0 under torchrun.
+
+    Raises:
+        TrainerError: Too few GPUs for the processes, or a rank failed.
+    """
+    from lorafusion_megatron.pipeline.worker import run_rank
+
+    return _start(functools.partial(run_rank, resume=resume), config, parallel, backend, "pipeline_summary.json")
+
+
+def launch_profile(
+    config: TrainerConfig, parallel: ParallelConfig, *, backend: str | None = None, **options: Any
+) -> dict[str, Any] | None:
+    """Profile ``config``'s model on its stages; returns the report (``<output_dir>/profile.json``).
+
+    Args:
+        config: The run (model, jobs).
+        parallel: Stages and replicas.
+        backend: ``nccl`` or ``gloo``; default from the hardware.
+        **options: ``candidates``, ``sample_length``, ``repeats``, ``memory_fraction`` of
+            :func:`~lorafusion_megatron.profiler.run.profile_rank`.
+
+    Raises:
+        TrainerError: Too few GPUs for the processes, or a rank failed.
+    """
+    from lorafusion_megatron.profiler.run import profile_rank
+
+    return _start(functools.partial(profile_rank, **options), config, parallel, backend, "profile.json")
+
+
+def run_demo(
+    output: Path,
+    pipeline_stages: int,
+    *,
+    samples_per_job: int = 128,
+    epochs: int = 2,
+    schedule: str = "lorafusion",
+    data_parallel: int = 1,
+) -> dict[str, Any] | None:
+    """``lorafusion-megatron demo --pipeline-stages S``: the demo as ``S * d`` CPU processes over gloo.
+
+    Args:
+        output: Demo folder (base model, data, config, adapters).
+        pipeline_stages: ``S`` (the tiny model has 2 decoder layers, so 1 or 2).
+        samples_per_job: Records per job.
+        epochs: Passes over each job's data.
+        schedule: ``lorafusion``, ``megatron-1f1b`` or ``mlora``.
+        data_parallel: Replicas ``d``.
+
+    Returns:
+        The run summary.
+    """
+    from lorafusion_megatron.demo import build_demo
+
+    config = build_demo(output, samples_per_job=samples_per_job, epochs=epochs)
+    parallel = ParallelConfig.model_validate(
+        {"pipeline_stages": pipeline_stages, "data_parallel": data_parallel, "schedule": schedule}
+    )
+    return launch(config, parallel, backend="gloo")

@@ -1,0 +1,42 @@
+"""How a run is spread over processes: pipeline stages, data-parallel replicas and the schedule.
+
+Torch-free, like the trainer's config, so that a config validates without torch.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["SCHEDULES", "ParallelConfig", "Schedule"]
+
+Schedule = Literal["lorafusion", "megatron-1f1b", "mlora"]
+
+SCHEDULES: tuple[Schedule, ...] = ("lorafusion", "megatron-1f1b", "mlora")
+"""The schedules the pipeline runtime executes (the plan's, and the paper's two baselines)."""
+
+
+class ParallelConfig(BaseModel):
+    """Pipeline and data parallelism of a run (tensor parallelism is always 1)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    pipeline_stages: int = Field(default=1, ge=1)
+    """Pipeline stages ``S``: the decoder layers are split into ``S`` balanced stages, one per GPU."""
+
+    data_parallel: int = Field(default=1, ge=1)
+    """Data-parallel replicas ``d`` of the pipeline; ``S * d`` processes in all."""
+
+    schedule: Schedule = "lorafusion"
+    """``lorafusion``: the plan's packed microbatches in one continuous 1F1B pipeline;
+    ``megatron-1f1b``: each adapter alone in turn, fixed samples per microbatch, a flush per global
+    batch; ``mlora``: adapters round-robin, fixed samples per microbatch, one continuous pipeline."""
+
+    baseline_microbatch_samples: int | None = Field(default=None, ge=1)
+    """Samples per microbatch of the baselines; default: the most whose mean length fits the capacity."""
+
+    @property
+    def world_size(self) -> int:
+        """Processes the run needs."""
+        return self.pipeline_stages * self.data_parallel

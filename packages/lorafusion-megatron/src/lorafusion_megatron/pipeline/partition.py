@@ -1,0 +1,134 @@
+"""Split a decoder's layers into ``S`` contiguous pipeline stages of balanced cost (torch-free).
+
+The cost of a stage is the forward FLOPs per token of what it holds: its decoder layers, plus the
+LM head and loss on the last stage (``2 * hidden * vocab``, as large as several layers for small
+models with big vocabularies); the embedding lookup costs no FLOPs. The partition minimises the
+most expensive stage (the pipeline's throughput is set by its slowest stage), every stage holding
+at least one layer; the number of layers need not divide by ``S``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lorafusion_megatron.errors import TrainerError
+
+__all__ = ["StageSpec", "balanced_partition", "decoder_costs", "partition_model"]
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What one pipeline stage holds.
+
+    Attributes:
+        stage: Stage index ``s`` in ``[0, S)``.
+        num_stages: ``S``.
+        start: First decoder layer (global index).
+        stop: One past the last decoder layer.
+        cost: Estimated forward FLOPs per token of the stage.
+    """
+
+    stage: int
+    num_stages: int
+    start: int
+    stop: int
+    cost: float
+
+    @property
+    def is_first(self) -> bool:
+        """Holds the embedding."""
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Holds the final norm, the LM head and the loss."""
+        return self.stage == self.num_stages - 1
+
+    @property
+    def layers(self) -> range:
+        """Global indices of the stage's decoder layers."""
+        return range(self.start, self.stop)
+
+
+def decoder_costs(config: Mapping[str, Any]) -> tuple[list[float], float]:
+    """Forward FLOPs per token of each decoder layer and of the LM head, from a transformers config.
+
+    Args:
+        config: ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``,
+            ``num_key_value_heads`` (default: heads), ``head_dim`` (default: hidden / heads) and
+            ``vocab_size``.
+
+    Returns:
+        ``(per-layer costs, head cost)``.
+    """
+    hidden = int(config["hidden_size"])
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    mlp = 3 * hidden * int(config["intermediate_size"])
+    layer = 2.0 * (attention + mlp)
+    head = 2.0 * hidden * int(config["vocab_size"])
+    return [layer] * int(config["num_hidden_layers"]), head
+
+
+def balanced_partition(layer_costs: Sequence[float], stages: int, *, last_extra: float = 0.0) -> list[tuple[int, int]]:
+    """Contiguous ``[start, stop)`` ranges, one per stage, minimising the largest stage cost.
+
+    Exact dynamic programme over split points (``O(S L^2)``, instant for any real model); among
+    optimal partitions the earliest split points are taken, so ties put spare layers late.
+
+    Args:
+        layer_costs: Cost of each layer, in order.
+        stages: ``S``; at most the number of layers.
+        last_extra: Cost added to the last stage (LM head and loss).
+
+    Raises:
+        TrainerError: More stages than layers.
+    """
+    n = len(layer_costs)
+    if not 1 <= stages <= n:
+        raise TrainerError(f"pipeline_stages = {stages} must be between 1 and the model's {n} decoder layers")
+    prefix = [0.0]
+    for c in layer_costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: smallest max cost of splitting layers [0, i) into k stages (the last k-th not final).
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        extra = last_extra if k == stages else 0.0
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j] + extra)
+                if value < best[k][i] - 1e-9 * abs(value):
+                    best[k][i], cut[k][i] = value, j
+    ranges = []
+    stop = n
+    for k in range(stages, 0, -1):
+        start = cut[k][stop]
+        ranges.append((start, stop))
+        stop = start
+    return ranges[::-1]
+
+
+def partition_model(config: Mapping[str, Any], stages: int) -> list[StageSpec]:
+    """The balanced stages of a decoder described by a transformers config dict.
+
+    Args:
+        config: The model config as a dict (``PretrainedConfig.to_dict()`` or a preset's keywords).
+        stages: ``S``.
+
+    Returns:
+        One :class:`StageSpec` per stage.
+    """
+    layer_costs, head = decoder_costs(config)
+    ranges = balanced_partition(layer_costs, stages, last_extra=head)
+    specs = []
+    for s, (start, stop) in enumerate(ranges):
+        cost = sum(layer_costs[start:stop]) + (head if s == stages - 1 else 0.0)
+        specs.append(StageSpec(stage=s, num_stages=stages, start=start, stop=stop, cost=cost))
+    return specs

@@ -1,0 +1,248 @@
+"""One pipeline stage of an HF decoder with one PEFT LoRA adapter per job.
+
+The rank builds the whole ``AutoModelForCausalLM`` on the meta device (no memory, no time), turns
+only its own modules into real tensors (the embedding on the first stage, its decoder layers, the
+final norm and LM head on the last) and fills them from the checkpoint by name. PEFT then attaches
+the adapters exactly as the single-process trainer does: parameter names, and even the seeded
+initial LoRA weights, are those of the full model (PEFT draws every layer's initial ``lora_A`` on
+the CPU before moving it next to its base weight, so a layer on the meta device consumes the same
+random numbers and keeps nothing). Adapters saved from the stages therefore merge into one PEFT
+folder per job with the usual key names.
+
+Every microbatch, mixed or not, runs through ``lorafusion_kernels.multi_lora_batch``: each LoRA
+layer routes each segment's tokens to that segment's adapter (FusedMultiLoRA on a GPU, its
+plain-torch path on the CPU); the forward of a stage runs the decoder layers itself, with the same
+masks and rotary embeddings as the HF model's forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lorafusion_megatron.pipeline.partition import StageSpec
+
+if TYPE_CHECKING:
+    import torch
+    from peft import PeftModel
+    from transformers import PretrainedConfig
+
+    from lorafusion_megatron.config import TrainerConfig
+    from lorafusion_megatron.packing import PackedBatch
+
+__all__ = ["StageModel", "build_stage_model", "owned_modules"]
+
+
+def owned_modules(spec: StageSpec) -> list[str]:
+    """Module paths (in ``*ForCausalLM``) whose weights stage ``spec`` holds."""
+    names = ["model.embed_tokens"] if spec.is_first else []
+    names += [f"model.layers.{i}" for i in spec.layers]
+    if spec.is_last:
+        names += ["model.norm", "lm_head"]
+    return names
+
+
+@dataclass
+class StageModel:
+    """A stage's modules and how to run them.
+
+    Attributes:
+        spec: Which layers the stage holds.
+        model: The PEFT model; modules of other stages stay on the meta device.
+        config: The transformers config.
+        adapters: Adapter names; index ``i`` is adapter ``i`` of the routing tables.
+        attn_implementation: The attention kernel.
+        dtype: Activation dtype.
+        device: Where the stage computes.
+        activation_checkpointing: Recompute each decoder layer in the backward.
+    """
+
+    spec: StageSpec
+    model: PeftModel
+    config: PretrainedConfig
+    adapters: tuple[str, ...]
+    attn_implementation: str
+    dtype: torch.dtype
+    device: torch.device
+    activation_checkpointing: bool = False
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the activations exchanged between stages."""
+        return int(self.config.hidden_size)
+
+    def lora_parameters(self, adapter: str) -> dict[str, torch.nn.Parameter]:
+        """This stage's trainable tensors of ``adapter`` (the meta-device ones of other stages left out)."""
+        from lorafusion_megatron.model import lora_parameters
+
+        return {n: p for n, p in lora_parameters(self.model, adapter).items() if p.device.type != "meta"}
+
+    def _attention(self, hidden: torch.Tensor, batch: PackedBatch) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Masks by attention type, and the keyword arguments every decoder layer gets besides its mask.
+
+        The same as the HF model's forward makes from :func:`~lorafusion_megatron.packing.attention_inputs`:
+        a 4-D mask for sdpa and eager (passed through as is), none for flash-attention and
+        ``lorafusion_varlen``, which read position ids or the samples' cumulative lengths instead.
+        """
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        from lorafusion_megatron.packing import attention_inputs
+
+        extra = attention_inputs(batch, self.attn_implementation, self.dtype)
+        kwargs = {
+            "config": self.config,
+            "inputs_embeds": hidden,
+            "attention_mask": extra.pop("attention_mask", None),
+            "past_key_values": None,
+            "position_ids": extra["position_ids"],
+        }
+        masks = {"full_attention": create_causal_mask(**kwargs)}
+        if "sliding_attention" in (getattr(self.config, "layer_types", None) or ()):
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+        return masks, extra
+
+    def forward(self, batch: PackedBatch, hidden: torch.Tensor | None) -> torch.Tensor:
+        """Run the stage on one packed microbatch.
+
+        Args:
+            batch: The microbatch, on the stage's device.
+            hidden: Activations ``[1, T, hidden]`` from the previous stage (``None`` on the first).
+
+        Returns:
+            Activations ``[1, T, hidden]`` for the next stage, or on the last stage the float32
+            token losses ``[T]`` (0 where the target is ignored).
+        """
+        import torch
+        import torch.nn.functional as F  # noqa: N812 - the conventional name
+        import torch.utils.checkpoint
+
+        import lorafusion_kernels
+
+        causal_lm: Any = self.model.base_model.model
+        if self.spec.is_first:
+            hidden = causal_lm.model.embed_tokens(batch.input_ids)
+        assert hidden is not None
+        masks, extra = self._attention(hidden, batch)
+        position_embeddings = causal_lm.model.rotary_emb(hidden, position_ids=extra["position_ids"])
+        routing = lorafusion_kernels.MultiLoRABatch.from_segments(
+            [span.length for span in batch.segments],
+            [self.adapters.index(span.adapter) for span in batch.segments],
+            num_adapters=len(self.adapters),
+            device=hidden.device,
+        )
+        layer_types = getattr(self.config, "layer_types", None)
+        with lorafusion_kernels.multi_lora_batch(routing, list(self.adapters)):
+            for i in self.spec.layers:
+                layer = causal_lm.model.layers[i]
+                kwargs = {
+                    **extra,
+                    "attention_mask": masks[layer_types[i] if layer_types else "full_attention"],
+                    "position_embeddings": position_embeddings,
+                }
+                if self.activation_checkpointing:
+                    hidden = torch.utils.checkpoint.checkpoint(
+                        layer,
+                        hidden,
+                        use_reentrant=False,
+                        context_fn=lorafusion_kernels.multi_lora_checkpoint_contexts,
+                        **kwargs,
+                    )
+                else:
+                    hidden = layer(hidden, **kwargs)
+        assert hidden is not None
+        if not self.spec.is_last:
+            return hidden
+        logits = causal_lm.lm_head(causal_lm.model.norm(hidden))
+        return F.cross_entropy(logits[0].float(), batch.targets, reduction="none")
+
+
+def _materialise(config: TrainerConfig, skeleton: Any, spec: StageSpec, device: torch.device) -> None:
+    """Give the stage's modules real tensors: loaded from the checkpoint, or seeded random for a preset."""
+    import torch
+
+    from lorafusion_megatron.model import torch_dtype
+    from lorafusion_megatron.pipeline.weights import init_random, load_weights
+
+    dtype = torch_dtype(config.base_model.dtype)
+    paths = owned_modules(spec)
+    for path in paths:
+        skeleton.get_submodule(path).to_empty(device=device)
+    # Buffers computed at construction (the rotary frequencies) are rebuilt on the device.
+    rotary = skeleton.model.rotary_emb
+    with torch.device(device):
+        skeleton.model.rotary_emb = type(rotary)(config=skeleton.config)
+    parameters = [
+        (f"{path}.{name}", param) for path in paths for name, param in skeleton.get_submodule(path).named_parameters()
+    ]
+    if config.base_model.is_preset:
+        init_random(parameters, seed=config.runtime.seed, std=float(skeleton.config.initializer_range))
+        return
+    folder = Path(config.base_model.model_name_or_path)
+    wanted = {name: name for name, _ in parameters}
+    if "lm_head.weight" in wanted and getattr(skeleton.config, "tie_word_embeddings", False):
+        from lorafusion_megatron.pipeline.weights import weight_map
+
+        if "lm_head.weight" not in weight_map(folder):
+            wanted["lm_head.weight"] = "model.embed_tokens.weight"
+    tensors = load_weights(folder, wanted, device=device, dtype=dtype)
+    with torch.no_grad():
+        for name, param in parameters:
+            param.copy_(tensors[name])
+
+
+def build_stage_model(config: TrainerConfig, spec: StageSpec, device: torch.device) -> StageModel:
+    """Build stage ``spec`` of the run's base model on ``device`` with every job's adapter.
+
+    Args:
+        config: The run (base model, jobs, seed, activation checkpointing).
+        spec: The stage's layers.
+        device: Where the stage computes.
+
+    Raises:
+        TrainerError: The checkpoint lacks a tensor, or a job targets a module the model lacks.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lorafusion_megatron.model import (
+        attach_adapters,
+        load_model_config,
+        resolve_attn_implementation,
+        torch_dtype,
+    )
+
+    dtype = torch_dtype(config.base_model.dtype)
+    attn = resolve_attn_implementation(config.base_model.attn_implementation, device)
+    model_config = load_model_config(config.base_model)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            model_config, dtype=dtype, attn_implementation=attn
+        )
+    skeleton.name_or_path = config.base_model.model_name_or_path
+    skeleton.config.use_cache = False
+    _materialise(config, skeleton, spec, device)
+    skeleton.requires_grad_(False)
+    skeleton.train()
+    model = attach_adapters(
+        skeleton, config.jobs, seed=config.runtime.seed, name_or_path=config.base_model.model_name_or_path
+    )
+    # PEFT moves a new adapter next to its base weight only while no other adapter of the layer sits
+    # on the meta device; the second adapter of another stage's layer would stay on the CPU.
+    layers = skeleton.model.layers
+    for index in range(len(layers)):
+        if index not in spec.layers:
+            layers[index].to("meta")
+    import lorafusion_kernels
+
+    lorafusion_kernels.patch_peft_model(model)
+    return StageModel(
+        spec=spec,
+        model=model,
+        config=skeleton.config,
+        adapters=tuple(job.name for job in config.jobs),
+        attn_implementation=attn,
+        dtype=dtype,
+        device=device,
+        activation_checkpointing=config.runtime.activation_checkpointing,
+    )

@@ -1,0 +1,93 @@
+"""From the jobs' token lengths to a verified ``lorafusion_sched`` plan (Contract 1)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from lorafusion_megatron.errors import TrainerError
+
+if TYPE_CHECKING:
+    from lorafusion_megatron.config import TrainerConfig
+    from lorafusion_megatron.data.job_data import JobData
+    from lorafusion_sched.models import Plan
+
+__all__ = ["check_plan", "make_plan", "plan_from_json"]
+
+
+def make_plan(
+    config: TrainerConfig, data: Mapping[str, JobData], *, pipeline_stages: int = 1, data_parallel: int = 1
+) -> Plan:
+    """Plan the run: every job's samples packed into microbatches of at most the capacity.
+
+    Args:
+        config: The run (capacity, padding multiple, solver limits, seed).
+        data: Every job's training data, in config order.
+        pipeline_stages: ``S``: the bubble lemma keeps an adapter's global batches ``S`` rounds apart.
+        data_parallel: ``d``: replicas the microbatches are dealt to round-robin.
+
+    Returns:
+        A plan that :func:`check_plan` accepted.
+    """
+    import lorafusion_sched
+    from lorafusion_sched.errors import SchedError
+    from lorafusion_sched.models import AdapterJob, PlanOptions
+
+    jobs = [
+        AdapterJob(name=name, sample_tokens=job.sample_tokens, global_batch_size=job.global_batch_size)
+        for name, job in data.items()
+    ]
+    options = PlanOptions(
+        capacity=config.scheduler.resolved_capacity,
+        pipeline_stages=pipeline_stages,
+        data_parallel=data_parallel,
+        padding_multiple=config.scheduler.padding_multiple,
+        drop_last=config.scheduler.drop_last,
+        time_limit=config.scheduler.milp_time_limit,
+        seed=config.runtime.seed,
+    )
+    try:
+        plan = lorafusion_sched.plan(jobs, options)
+    except SchedError as exc:
+        raise TrainerError(f"the scheduler refused the jobs: {exc}") from None
+    check_plan(plan, data, drop_last=config.scheduler.drop_last)
+    return plan
+
+
+def plan_from_json(text: str) -> Plan:
+    """Parse a plan document (as saved in a checkpoint)."""
+    from lorafusion_sched.models import Plan
+
+    return Plan.model_validate_json(text)
+
+
+def check_plan(plan: Plan, data: Mapping[str, JobData], *, drop_last: bool) -> None:
+    """Refuse a plan that breaks an invariant or does not fit the jobs' data.
+
+    Args:
+        plan: The plan to execute.
+        data: Every job's training data.
+        drop_last: Whether the run drops partial last global batches.
+
+    Raises:
+        TrainerError: Naming each violation, or the adapter whose samples do not match.
+    """
+    import lorafusion_sched
+
+    violations = lorafusion_sched.verify(plan)
+    if violations:
+        listed = "\n".join(f"  - {v}" for v in violations[:20])
+        more = f"\n  ... and {len(violations) - 20} more" if len(violations) > 20 else ""
+        raise TrainerError(f"the plan breaks {len(violations)} invariant(s):\n{listed}{more}")
+    planned = {adapter.name: adapter for adapter in plan.adapters}
+    if set(planned) != set(data):
+        raise TrainerError(f"the plan is for adapters {sorted(planned)}, the config has jobs {sorted(data)}")
+    for name, job in data.items():
+        info = planned[name]
+        if info.sample_tokens != job.sample_tokens or info.global_batch_size != job.global_batch_size:
+            raise TrainerError(f"the plan's samples or global batch size of job {name} do not match its data")
+        if info.num_global_batches != job.num_global_batches(drop_last=drop_last):
+            raise TrainerError(
+                f"the plan gives job {name} {info.num_global_batches} global batches, its data has "
+                f"{job.num_global_batches(drop_last=drop_last)}"
+            )

@@ -1,0 +1,150 @@
+"""Forward and backward of one packed microbatch through the multi-adapter model.
+
+The loss of adapter ``a`` for its global batch ``g`` is the mean next-token cross-entropy over the
+``N(a, g)`` trained tokens of that whole global batch. A microbatch holding part of ``g`` therefore
+contributes ``sum of its token losses / N(a, g)``, and the gradients accumulated over all
+microbatches of ``g`` equal those of one pass over ``g`` alone, however the scheduler packed it.
+(Normalising by the microbatch's own token count, as a plain HF loss does, would weigh a token by
+how its microbatch happened to be filled.)
+
+Two ways to run a mixed microbatch, same result:
+
+* fused: one pass over the whole sequence inside :func:`lorafusion_kernels.multi_lora_batch`, so
+  every LoRA layer routes each segment's tokens to that segment's adapter;
+* plain PEFT: one pass per segment with that adapter active (PEFT refuses mixed batches in training).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lorafusion_megatron.model import set_active_adapters
+from lorafusion_megatron.packing import PackedBatch, attention_inputs
+
+if TYPE_CHECKING:
+    import torch
+    from peft import PeftModel
+
+__all__ = ["MicrobatchRunner", "SegmentResult"]
+
+
+@dataclass(frozen=True)
+class SegmentResult:
+    """What one segment of a microbatch contributed.
+
+    Attributes:
+        adapter: Job name.
+        global_batch: The job's global batch.
+        loss_sum: Sum of the segment's token losses (not normalised).
+        targets: Trained tokens in the segment.
+        tokens: All tokens in the segment.
+    """
+
+    adapter: str
+    global_batch: int
+    loss_sum: float
+    targets: int
+    tokens: int
+
+
+class MicrobatchRunner:
+    """Runs forward + backward of packed microbatches, accumulating each adapter's gradient.
+
+    Args:
+        model: The PEFT model holding one adapter per job (all trainable).
+        adapters: Adapter names; the index of a name is its index in the fused kernels' tables.
+        attn_implementation: The model's attention kernel.
+        dtype: The model's activation dtype.
+        fused: Route mixed microbatches through ``lorafusion_kernels`` in one pass.
+    """
+
+    def __init__(
+        self,
+        model: PeftModel,
+        adapters: Sequence[str],
+        *,
+        attn_implementation: str,
+        dtype: torch.dtype,
+        fused: bool,
+    ) -> None:
+        self.model = model
+        self.adapters = tuple(adapters)
+        self.attn_implementation = attn_implementation
+        self.dtype = dtype
+        self.fused = fused
+        self._index = {name: i for i, name in enumerate(self.adapters)}
+        self._active: tuple[str, ...] | None = None
+
+    def forward_backward(self, batch: PackedBatch, denominators: Mapping[tuple[str, int], int]) -> list[SegmentResult]:
+        """Accumulate the gradients of ``batch`` into the adapters' ``.grad``.
+
+        Args:
+            batch: The packed microbatch, on the model's device.
+            denominators: Trained tokens of each ``(adapter, global batch)`` in the whole global batch.
+
+        Returns:
+            One result per segment, in sequence order.
+        """
+        if self.fused:
+            self._set_active(self.adapters)
+            with self._routing(batch):
+                return self._pass(batch, denominators)
+        results = []
+        for index, span in enumerate(batch.segments):
+            self._set_active((span.adapter,))
+            results.extend(self._pass(batch.segment(index), denominators))
+        return results
+
+    def _set_active(self, names: tuple[str, ...]) -> None:
+        if self._active != names:
+            # PEFT marks inactive adapters frozen; their accumulated .grad is kept and still stepped.
+            set_active_adapters(self.model, list(names))
+            self._active = names
+
+    @contextlib.contextmanager
+    def _routing(self, batch: PackedBatch) -> Iterator[None]:
+        import lorafusion_kernels
+
+        meta = lorafusion_kernels.MultiLoRABatch.from_segments(
+            [span.length for span in batch.segments],
+            [self._index[span.adapter] for span in batch.segments],
+            num_adapters=len(self.adapters),
+            device=batch.input_ids.device,
+        )
+        # Backward stays inside the context: activation checkpointing re-runs the forward there.
+        with lorafusion_kernels.multi_lora_batch(meta, list(self.adapters)):
+            yield
+
+    def _pass(self, batch: PackedBatch, denominators: Mapping[tuple[str, int], int]) -> list[SegmentResult]:
+        import torch
+        import torch.nn.functional as F  # noqa: N812 - the conventional name
+
+        outputs = self.model(input_ids=batch.input_ids, **attention_inputs(batch, self.attn_implementation, self.dtype))
+        token_loss = F.cross_entropy(outputs.logits[0].float(), batch.targets, reduction="none")
+        objective = token_loss.new_zeros(())
+        sums = []
+        for span in batch.segments:
+            segment_sum = token_loss[span.start : span.start + span.length].sum()
+            objective = objective + segment_sum / denominators[(span.adapter, span.global_batch)]
+            sums.append(segment_sum.detach())
+        objective.backward()  # type: ignore[no-untyped-call]
+        values = torch.stack(sums).tolist()  # the microbatch's one read-back from the device
+        counted = [
+            span.targets
+            if span.targets is not None
+            else int((batch.targets[span.start : span.start + span.length] != -100).sum())
+            for span in batch.segments
+        ]
+        return [
+            SegmentResult(
+                adapter=span.adapter,
+                global_batch=span.global_batch,
+                loss_sum=float(value),
+                targets=targets,
+                tokens=span.length,
+            )
+            for span, value, targets in zip(batch.segments, values, counted, strict=True)
+        ]

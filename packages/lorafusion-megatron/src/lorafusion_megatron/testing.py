@@ -1,0 +1,93 @@
+"""Small CPU building blocks for tests of the runtime (here and in the pipeline runtime's tests).
+
+Tiny random-weight PEFT models, seeded random job data, and hand-made plan microbatches, so a test
+can drive :class:`~lorafusion_megatron.runner.MicrobatchRunner` or the executor without planning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from lorafusion_megatron.config import BaseModelConfig, DatasetConfig, JobConfig
+from lorafusion_megatron.data.job_data import JobData
+from lorafusion_megatron.data.samples import Sample
+
+if TYPE_CHECKING:
+    import torch
+    from peft import PeftModel
+
+    from lorafusion_sched.models import Microbatch
+
+__all__ = ["lora_grads", "plan_microbatch", "random_job", "tiny_peft_model"]
+
+
+def tiny_peft_model(
+    names: Sequence[str] = ("first", "second"),
+    *,
+    attn_implementation: str = "sdpa",
+    dropout: float = 0.0,
+    activation_checkpointing: bool = False,
+) -> tuple[PeftModel, list[JobConfig]]:
+    """The ``tiny`` preset (fp32, CPU) with one LoRA adapter per name on q/v/down projections.
+
+    PEFT initialises ``B`` to zero; here every ``B`` gets seeded random values so that each
+    adapter visibly changes the outputs.
+    """
+    import torch
+
+    from lorafusion_megatron.model import attach_adapters, build_base_model
+
+    base = build_base_model(
+        BaseModelConfig(model_name_or_path="tiny", dtype="float32", attn_implementation=attn_implementation),  # type: ignore[arg-type]
+        device=torch.device("cpu"),
+        seed=0,
+        activation_checkpointing=activation_checkpointing,
+    )
+    jobs = [
+        JobConfig(
+            name=name,
+            dataset=DatasetConfig(synthetic="xsum"),
+            r=4,
+            lora_alpha=8,
+            lora_dropout=dropout,
+            target_modules=["q_proj", "v_proj", "down_proj"],
+        )
+        for name in names
+    ]
+    model = attach_adapters(base, jobs, seed=0, name_or_path="tiny")
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    return model, jobs
+
+
+def random_job(name: str, lengths: Sequence[int], global_batch_size: int, *, seed: int, prompt: int = 2) -> JobData:
+    """A job whose samples have the given lengths, random token ids below 512, ``prompt`` masked tokens."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for n in lengths:
+        ids = rng.integers(0, 512, size=n).tolist()
+        samples.append(Sample.from_tokens(ids[:prompt], ids[prompt:]))
+    return JobData(name=name, samples=samples, order=np.arange(len(samples)), global_batch_size=global_batch_size)
+
+
+def plan_microbatch(*segments: tuple[str, int, tuple[int, ...]], step_after: tuple[str, ...] = ()) -> Microbatch:
+    """A plan microbatch from ``(adapter, global batch, sample indices)`` segments (token counts unused)."""
+    from lorafusion_sched.models import Microbatch, Segment
+
+    return Microbatch(
+        segments=tuple(
+            Segment(adapter=a, global_batch=g, samples=s, tokens=len(s), padded_tokens=len(s)) for a, g, s in segments
+        ),
+        step_after=step_after,
+    )
+
+
+def lora_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of every LoRA gradient, by parameter name."""
+    return {n: p.grad.clone() for n, p in model.named_parameters() if "lora_" in n and p.grad is not None}

@@ -1,0 +1,378 @@
+"""The single-process multi-job trainer: config -> data -> plan -> model -> execution -> adapters.
+
+One frozen base model carries one LoRA adapter per job. The plan decides which samples of which
+jobs share a microbatch and after which microbatch each job's optimizer steps; this module wires
+the pieces together and keeps the books (progress, TensorBoard, checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+
+from lorafusion_megatron.adapters_io import check_writable, save_adapter
+from lorafusion_megatron.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from lorafusion_megatron.config import TrainerConfig, config_fingerprint
+from lorafusion_megatron.data.job_data import JobData, job_seed, load_job_data
+from lorafusion_megatron.errors import TrainerError
+from lorafusion_megatron.executor import StopSignal, execute_plan
+from lorafusion_megatron.planning import check_plan, make_plan, plan_from_json
+from lorafusion_megatron.reporting import ProgressDisplay, TensorBoardLogger, summary_table
+from lorafusion_megatron.state import JobProgress, RunState
+
+if TYPE_CHECKING:
+    import torch
+    from peft import PeftModel
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+    from lorafusion_megatron.optim import AdapterOptimizer
+    from lorafusion_megatron.runner import MicrobatchRunner
+    from lorafusion_sched.models import Microbatch, Plan
+
+__all__ = ["PreparedData", "TrainResult", "Trainer", "prepare_data"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """Everything known before the model is built.
+
+    Attributes:
+        model_config: The base model's transformers config.
+        tokenizer: Its tokenizer (``None`` when every job is synthetic).
+        jobs: Each job's training data, in config order.
+    """
+
+    model_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase | None
+    jobs: dict[str, JobData]
+
+
+def prepare_data(config: TrainerConfig) -> PreparedData:
+    """Read, tokenise and lay out every job's data (no model weights are loaded).
+
+    Raises:
+        TrainerError: A dataset or the tokenizer is missing or unusable.
+    """
+    from lorafusion_megatron.data.tokenizer import load_tokenizer
+    from lorafusion_megatron.model import load_model_config
+
+    model_config = load_model_config(config.base_model)
+    vocab_size = int(model_config.vocab_size)
+    needs_tokenizer = any(job.dataset.path is not None for job in config.jobs)
+    tokenizer = load_tokenizer(config.base_model, vocab_size) if needs_tokenizer else None
+    jobs = {job.name: load_job_data(config, job, tokenizer, vocab_size) for job in config.jobs}
+    return PreparedData(model_config=model_config, tokenizer=tokenizer, jobs=jobs)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """How a call to :meth:`Trainer.train` ended.
+
+    Attributes:
+        state: Final position and per-job counters.
+        adapters: Each finished job's adapter folder (empty when interrupted).
+        checkpoint: The checkpoint written when the run stopped early, else ``None``.
+    """
+
+    state: RunState
+    adapters: dict[str, Path]
+    checkpoint: Path | None
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether the run stopped before the end of the plan."""
+        return self.checkpoint is not None
+
+
+class Trainer:
+    """Trains every job of ``config`` together on one device.
+
+    Args:
+        config: The validated run config.
+        console: Where the progress bar and the summary go (stderr by default).
+        stop: Polled after every microbatch; by default the first Ctrl-C stops after the current
+            microbatch and writes a checkpoint.
+    """
+
+    def __init__(self, config: TrainerConfig, *, console: Console | None = None, stop: StopSignal | None = None):
+        from lorafusion_megatron.profiler.run import with_profiled_capacity
+
+        self.config = with_profiled_capacity(config)
+        self.console = console or Console(stderr=True)
+        self.stop = stop or StopSignal()
+
+    def train(self, *, resume: bool = False) -> TrainResult:
+        """Run (or continue, with ``resume``) the whole plan and write each job's adapter.
+
+        Raises:
+            TrainerError: Bad data, unwritable folders, no checkpoint to resume, or a checkpoint
+                from a different config.
+        """
+        config = self.config
+        self._check_outputs()
+        checkpoint_path = None
+        if resume:
+            checkpoint_path = latest_checkpoint(config.checkpoint_dir)
+            if checkpoint_path is None:
+                raise TrainerError(
+                    f"--resume: no checkpoint in {config.checkpoint_dir}; train without --resume to start afresh"
+                )
+        elif latest_checkpoint(config.checkpoint_dir) is not None:
+            raise TrainerError(
+                f"{config.checkpoint_dir} holds checkpoints of an earlier run: continue it with --resume, or "
+                "choose another output_dir (or delete that folder) to start afresh"
+            )
+        prepared = prepare_data(config)
+        session = _Session.build(config, prepared)
+        if checkpoint_path is not None:
+            loaded = load_checkpoint(
+                checkpoint_path,
+                fingerprint=config_fingerprint(config),
+                adapter_parameters=session.parameters,
+                optimizers=session.optimizers,
+            )
+            plan = plan_from_json(loaded.plan_json)
+            check_plan(plan, prepared.jobs, drop_last=config.scheduler.drop_last)
+            state = loaded.state
+            _log.info("resuming from %s at microbatch %d", checkpoint_path, state.position)
+        else:
+            plan = make_plan(config, prepared.jobs)
+            (Path(config.output_dir) / "plan.json").write_text(plan.model_dump_json(indent=1), encoding="utf-8")
+            state = RunState(
+                position=0,
+                jobs={a.name: JobProgress(name=a.name, total_steps=a.num_global_batches) for a in plan.adapters},
+            )
+        session.start(plan, state, self.console)
+        with (
+            self.stop,
+            ProgressDisplay(
+                len(plan.microbatches), state.position, enabled=config.logging.progress_bar, console=self.console
+            ) as display,
+        ):
+            session.display = display
+            position = execute_plan(plan.microbatches, session, start=state.position, should_stop=self.stop)
+        session.close()
+        if position < len(plan.microbatches):
+            path = session.save_checkpoint()
+            self.console.print(f"Stopped at microbatch {position}/{len(plan.microbatches)}; checkpoint: {path}")
+            self.console.print("Continue with: lorafusion-megatron train CONFIG --resume")
+            return TrainResult(state=session.state, adapters={}, checkpoint=path)
+        outputs = session.save_adapters()
+        self._write_summary(session.state, outputs)
+        self.console.print(summary_table(session.state, outputs, Path(config.output_dir)))
+        return TrainResult(state=session.state, adapters=outputs, checkpoint=None)
+
+    def _check_outputs(self) -> None:
+        config = self.config
+        check_writable(Path(config.output_dir), "output_dir")
+        for job in config.jobs:
+            check_writable(config.job_output_dir(job).parent, f"output folder of job {job.name}")
+        if config.logging.tensorboard_dir is not None:
+            check_writable(Path(config.logging.tensorboard_dir), "logging.tensorboard_dir")
+
+    def _write_summary(self, state: RunState, outputs: Mapping[str, Path]) -> None:
+        summary = {**state.to_json(), "adapters": {name: str(path) for name, path in outputs.items()}}
+        path = Path(self.config.output_dir) / "summary.json"
+        path.write_text(json.dumps(summary, indent=2, sort_keys=True), encoding="utf-8")
+
+
+class _Session:
+    """The model, optimizers and counters of one training process; the executor's hooks."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        data: dict[str, JobData],
+        model: PeftModel,
+        runner: MicrobatchRunner,
+        parameters: dict[str, dict[str, torch.nn.Parameter]],
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.data = data
+        self.model = model
+        self.runner = runner
+        self.parameters = parameters
+        self.device = device
+        self.optimizers: dict[str, AdapterOptimizer] = {}
+        self.display: ProgressDisplay | None = None
+        self.tensorboard = TensorBoardLogger(config.logging.tensorboard_dir, config.logging.logging_steps)
+        self._denominators: dict[tuple[str, int], int] = {}
+        self._checkpoint_due = False
+        self._clock = time.perf_counter()
+
+    @classmethod
+    def build(cls, config: TrainerConfig, prepared: PreparedData) -> _Session:
+        import torch
+
+        from lorafusion_megatron.model import (
+            attach_adapters,
+            build_base_model,
+            lora_parameters,
+            resolve_attn_implementation,
+            resolve_device,
+            torch_dtype,
+        )
+        from lorafusion_megatron.runner import MicrobatchRunner
+
+        device = resolve_device(config.runtime.device)
+        base = build_base_model(
+            config.base_model,
+            device=device,
+            seed=config.runtime.seed,
+            activation_checkpointing=config.runtime.activation_checkpointing,
+        )
+        model = attach_adapters(
+            base, config.jobs, seed=config.runtime.seed, name_or_path=config.base_model.model_name_or_path
+        )
+        fused = config.runtime.fused_kernels and _patch_kernels(model)
+        names = [job.name for job in config.jobs]
+        runner = MicrobatchRunner(
+            model,
+            names,
+            attn_implementation=resolve_attn_implementation(config.base_model.attn_implementation, device),
+            dtype=torch_dtype(config.base_model.dtype),
+            fused=fused,
+        )
+        parameters = {name: lora_parameters(model, name) for name in names}
+        # Dropout draws from the global generator; seed it apart from the weights' initialisation.
+        torch.manual_seed(job_seed(config.runtime.seed, "", "dropout") % 2**63)
+        session = cls(config, prepared.jobs, model, runner, parameters, device)
+        session._make_optimizers()
+        return session
+
+    def _make_optimizers(self) -> None:
+        from lorafusion_megatron.optim import AdapterOptimizer
+
+        for job in self.config.jobs:
+            steps = self.data[job.name].num_global_batches(drop_last=self.config.scheduler.drop_last)
+            self.optimizers[job.name] = AdapterOptimizer(job, self.parameters[job.name], steps)
+
+    def start(self, plan: Plan, state: RunState, console: Console) -> None:
+        """Bind the plan and the counters (fresh or restored) before executing."""
+        self.plan = plan
+        self.state = state
+        self.console = console
+        self._plan_json = plan.model_dump_json()
+        self._seconds_before = state.seconds
+        self._clock = time.perf_counter()
+
+    def close(self) -> None:
+        """Release TensorBoard files."""
+        self.tensorboard.close()
+
+    def _denominator(self, adapter: str, global_batch: int) -> int:
+        key = (adapter, global_batch)
+        if key not in self._denominators:
+            self._denominators[key] = self.data[adapter].global_batch_targets(global_batch)
+        return self._denominators[key]
+
+    # ---- executor hooks -------------------------------------------------------------------------
+
+    def run_microbatch(self, index: int, microbatch: Microbatch) -> None:
+        from lorafusion_megatron.packing import pack_microbatch
+
+        batch = pack_microbatch(microbatch, self.data).to(self.device)
+        denominators = {
+            (span.adapter, span.global_batch): self._denominator(span.adapter, span.global_batch)
+            for span in batch.segments
+        }
+        for result in self.runner.forward_backward(batch, denominators):
+            job = self.state.jobs[result.adapter]
+            job.tokens += result.tokens
+            job.targets += result.targets
+            job.pending_loss[result.global_batch] = job.pending_loss.get(result.global_batch, 0.0) + result.loss_sum
+            job.pending_targets[result.global_batch] = job.pending_targets.get(result.global_batch, 0) + result.targets
+
+    def step_adapter(self, index: int, adapter: str) -> None:
+        job = self.state.jobs[adapter]
+        global_batch = job.steps_done
+        expected = self._denominator(adapter, global_batch)
+        seen = job.pending_targets.pop(global_batch, 0)
+        if seen != expected:
+            raise RuntimeError(
+                f"plan microbatch {index} steps {adapter} after {seen} of the {expected} trained tokens of its "
+                f"global batch {global_batch}: the plan does not match the data"
+            )
+        job.last_loss = job.pending_loss.pop(global_batch) / expected
+        if job.first_loss is None:
+            job.first_loss = job.last_loss
+        stats = self.optimizers[adapter].step()
+        job.steps_done = stats.step
+        job.learning_rate = stats.learning_rate
+        job.grad_norm = stats.grad_norm
+        self.state.total_optimizer_steps += 1
+        self.tensorboard.log_step(job, stats, self._elapsed())
+        if stats.step % self.config.logging.logging_steps == 0 or job.finished:
+            _log.info(
+                "%s %d/%d  loss %.4f  lr %.3g  grad norm %.3g",
+                adapter,
+                stats.step,
+                job.total_steps,
+                job.last_loss,
+                stats.learning_rate,
+                stats.grad_norm,
+            )
+        save_steps = self.config.save_steps
+        if save_steps is not None and self.state.total_optimizer_steps % save_steps == 0:
+            self._checkpoint_due = True
+
+    def after_microbatch(self, index: int) -> None:
+        self.state.position = index + 1
+        self.state.seconds = self._elapsed()
+        if self.display is not None:
+            self.display.update(self.state)
+        if self._checkpoint_due and self.state.position < len(self.plan.microbatches):
+            self._checkpoint_due = False
+            self.save_checkpoint()
+
+    # ---- outputs --------------------------------------------------------------------------------
+
+    def _elapsed(self) -> float:
+        return self._seconds_before + time.perf_counter() - self._clock
+
+    def save_checkpoint(self) -> Path:
+        """Write a checkpoint of the current position."""
+        return save_checkpoint(
+            self.config.checkpoint_dir,
+            state=self.state,
+            plan_json=self._plan_json,
+            fingerprint=config_fingerprint(self.config),
+            model=self.model,
+            adapter_parameters=self.parameters,
+            optimizers=self.optimizers,
+            keep=self.config.save_total_limit,
+        )
+
+    def save_adapters(self) -> dict[str, Path]:
+        """Write every job's final adapter in PEFT format."""
+        outputs = {}
+        for job in self.config.jobs:
+            directory = self.config.job_output_dir(job)
+            save_adapter(self.model, job.name, directory)
+            outputs[job.name] = directory
+        return outputs
+
+
+def _patch_kernels(model: Any) -> bool:
+    """Route LoRA layers through ``lorafusion_kernels``; ``False`` (plain PEFT) if it cannot."""
+    import lorafusion_kernels
+
+    patch = getattr(lorafusion_kernels, "patch_peft_model", None)
+    if patch is None or not hasattr(lorafusion_kernels, "multi_lora_batch"):
+        _log.warning(
+            "lorafusion-kernels %s has no multi-adapter PEFT patch: running plain PEFT, one pass per adapter segment",
+            lorafusion_kernels.__version__,
+        )
+        return False
+    patch(model)
+    return True

@@ -1,0 +1,108 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lorafusion_megatron.cli import main
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+
+
+def _write(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_validate_accepts_a_good_config(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(EXAMPLES / "tiny-synthetic.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "valid" in out
+    assert "short-docs" in out
+    assert "long-docs" in out
+
+
+def test_validate_names_the_bad_keys(tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]) -> None:
+    data = config_dict()
+    data["jobs"][0]["r"] = -1
+    data["jobs"][1]["target_modules"] = ["q_proj", "qkv"]
+    data["jobs"][1]["dataset"] = {"path": "missing.jsonl"}
+    path = _write(tmp_path / "bad.yaml", data)
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "jobs.0.r: Input should be greater than 0 (got -1)" in err
+    data["jobs"][0]["r"] = 4
+    _write(path, data)
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "jobs.1 (second).dataset.path:" in err
+    assert "missing.jsonl does not exist" in err
+    assert "jobs.1 (second).target_modules: ['qkv'] are not linear layers of this model" in err
+
+
+def test_validate_does_not_import_torch(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from lorafusion_megatron.cli import main; "
+        f"status = main(['validate', {str(EXAMPLES / 'tiny-synthetic.yaml')!r}]); "
+        "heavy = {'torch', 'transformers', 'peft', 'megatron'} & set(sys.modules); "
+        "assert status == 0 and not heavy, (status, sorted(heavy))"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_set_overrides_and_bad_override(capsys: pytest.CaptureFixture[str]) -> None:
+    config = str(EXAMPLES / "tiny-synthetic.yaml")
+    assert main(["validate", config, "--set", "jobs.0.r=0"]) == 2
+    assert "jobs.0.r: Input should be greater than 0" in capsys.readouterr().err
+    assert main(["validate", config, "--set", "oops"]) == 2
+    assert "write KEY=VALUE" in capsys.readouterr().err
+
+
+def test_plan_prints_statistics_and_writes_json(
+    tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _write(tmp_path / "run.yaml", config_dict())
+    assert main(["plan", str(path), "-o", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    assert "microbatches" in out
+    assert "bubble ratio" in out
+    assert "first: samples / optimizer steps" in out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["schema_version"] == 1
+    assert plan["capacity"] == 256
+
+
+def test_train_then_export_merged_model(tmp_path: Path, config_dict, tiny_base: Path) -> None:
+    data = config_dict(base_model={"model_name_or_path": str(tiny_base), "dtype": "float32"})
+    path = _write(tmp_path / "run.yaml", data)
+    assert main(["train", str(path)]) == 0
+    adapter = Path(data["output_dir"]) / "adapters" / "first"
+    assert main(["export", str(adapter), "--output", str(tmp_path / "merged")]) == 0
+    assert (tmp_path / "merged" / "config.json").is_file()
+    assert (tmp_path / "merged" / "tokenizer.json").is_file()
+
+
+def test_export_refuses_a_preset_base(tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]) -> None:
+    data = config_dict()
+    assert main(["train", str(_write(tmp_path / "run.yaml", data))]) == 0
+    adapter = Path(data["output_dir"]) / "adapters" / "first"
+    assert main(["export", str(adapter), "--output", str(tmp_path / "merged")]) == 2
+    assert "presets have random weights" in capsys.readouterr().err
+
+
+def test_demo_writes_base_config_and_adapters(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--output", str(tmp_path / "demo"), "--samples-per-job", "16", "--epochs", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "LoRAFusion training summary" in err
+    for job in ("copy", "reverse", "sort", "shout"):
+        assert (tmp_path / "demo" / "adapters" / job / "adapter_model.safetensors").is_file()
+        assert job in err
+    assert (tmp_path / "demo" / "base" / "tokenizer.json").is_file()
+    first_line = (tmp_path / "demo" / "demo.yaml").read_text().splitlines()[0]
+    assert first_line.startswith("# lorafusion-megatron train ")
+    assert main(["validate", str(tmp_path / "demo" / "demo.yaml")]) == 0

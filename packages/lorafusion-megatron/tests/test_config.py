@@ -1,0 +1,149 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lorafusion_megatron.config import (
+    JobConfig,
+    TrainerConfig,
+    config_fingerprint,
+    load_config,
+    parse_config,
+)
+from lorafusion_megatron.errors import TrainerError
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+
+
+def _error(data: dict) -> str:
+    with pytest.raises(TrainerError) as info:
+        parse_config(data)
+    return str(info.value)
+
+
+def test_minimal_config_has_documented_defaults(config_dict) -> None:
+    config = parse_config(config_dict())
+    assert config.jobs[0].name == "first"
+    assert config.scheduler.resolved_capacity == 256
+    assert config.job_output_dir(config.jobs[0]) == Path(config.output_dir) / "adapters" / "first"
+    for model in (TrainerConfig, JobConfig):
+        undocumented = [name for name, field in model.model_fields.items() if not field.description]
+        assert not undocumented, f"{model.__name__} fields without a docstring: {undocumented}"
+
+
+def test_unknown_key_names_the_key_and_suggests(config_dict) -> None:
+    data = config_dict()
+    data["jobs"][1]["learning_rat"] = 1e-4
+    data["base_model"]["dtyp"] = "float32"
+    message = _error(data)
+    assert "jobs.1.learning_rat: unknown key; did you mean 'learning_rate'?" in message
+    assert "base_model.dtyp: unknown key; did you mean 'dtype'?" in message
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"r": 0}, "jobs.0.r: Input should be greater than 0 (got 0)"),
+        ({"lora_dropout": 1.0}, "jobs.0.lora_dropout"),
+        ({"target_modules": []}, "target_modules is empty"),
+        ({"name": "a b"}, "job name 'a b' must start with a letter or digit"),
+        ({"name": "ora"}, "part of PEFT's parameter prefix"),
+        ({"dataset": {"path": "x.jsonl", "synthetic": "xsum"}}, "give exactly one of `path`"),
+        ({"dataset": {}}, "give exactly one of `path`"),
+        ({"dataset": {"synthetic": "het"}}, "jobs.0.dataset.synthetic"),
+    ],
+)
+def test_bad_job_values_are_named(config_dict, change, expected) -> None:
+    data = config_dict()
+    data["jobs"][0].update(change)
+    assert expected in _error(data)
+
+
+def test_duplicate_job_names(config_dict) -> None:
+    data = config_dict()
+    data["jobs"][1]["name"] = "first"
+    assert "job name 'first' appears twice" in _error(data)
+
+
+def test_two_jobs_cannot_share_an_adapter_folder(config_dict) -> None:
+    data = config_dict()
+    data["jobs"][0]["output_dir"] = "/tmp/same"
+    data["jobs"][1]["output_dir"] = "/tmp/same"
+    assert "jobs 'first' and 'second' both write their adapter to /tmp/same" in _error(data)
+
+
+def test_capacity_must_be_a_multiple_of_padding(config_dict) -> None:
+    message = _error(config_dict(scheduler={"capacity": 100, "padding_multiple": 64}))
+    assert "capacity = 100 is not a multiple of padding_multiple = 64: use 64 or 128" in message
+
+
+def test_missing_required_keys(config_dict) -> None:
+    data = config_dict()
+    del data["output_dir"]
+    assert "output_dir: required key is missing" in _error(data)
+    assert "jobs: List should have at least 1 item" in _error(config_dict(jobs=[]))
+
+
+def test_yaml_duplicate_key_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("output_dir: a\noutput_dir: b\n")
+    with pytest.raises(TrainerError, match="key 'output_dir' appears twice"):
+        load_config(path)
+
+
+def test_relative_paths_resolve_against_the_config_file(tmp_path: Path) -> None:
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    (folder / "run.yaml").write_text(
+        "output_dir: out\nbase_model: {model_name_or_path: tiny}\n"
+        "jobs:\n  - name: one\n    dataset: {path: data/one.jsonl}\n"
+    )
+    config = load_config(folder / "run.yaml")
+    assert config.output_dir == str(folder / "out")
+    assert config.jobs[0].dataset.path == str(folder / "data" / "one.jsonl")
+    assert config.base_model.model_name_or_path == "tiny"
+
+
+def test_overrides_set_dotted_keys(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "output_dir: out\nbase_model: {model_name_or_path: tiny}\njobs:\n  - {name: one, dataset: {synthetic: xsum}}\n"
+    )
+    config = load_config(path, {"jobs.0.r": 4, "scheduler.capacity": 512})
+    assert config.jobs[0].r == 4
+    assert config.scheduler.capacity == 512
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    with pytest.raises(TrainerError, match="cannot read config"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_fingerprint_ignores_logging_and_outputs_only(config_dict) -> None:
+    base = parse_config(config_dict())
+    assert config_fingerprint(base) == config_fingerprint(
+        parse_config(config_dict(logging={"tensorboard_dir": "tb"}, save_steps=3, output_dir="elsewhere"))
+    )
+    changed = config_dict()
+    changed["jobs"][0]["learning_rate"] = 5e-4
+    assert config_fingerprint(base) != config_fingerprint(parse_config(changed))
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_examples_validate_and_start_with_their_command(example: Path) -> None:
+    first = example.read_text().splitlines()[0]
+    assert first.startswith("# lorafusion-megatron ")
+    assert example.name in first
+    load_config(example)
+
+
+def test_config_module_imports_no_torch() -> None:
+    code = (
+        "import sys, lorafusion_megatron.config, lorafusion_megatron.checks; "
+        "heavy = {'torch', 'transformers', 'peft', 'megatron'} & set(sys.modules); "
+        "assert not heavy, sorted(heavy)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,162 @@
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lorafusion_megatron.config import parse_config
+from lorafusion_megatron.data.job_data import JobData, load_job_data, training_order
+from lorafusion_megatron.data.records import read_records
+from lorafusion_megatron.data.samples import IGNORE_INDEX, Sample, fit_to_capacity, tokenize_records
+from lorafusion_megatron.data.tokenizer import byte_level_tokenizer, load_tokenizer
+from lorafusion_megatron.errors import TrainerError
+
+ROWS = [{"prompt": "ab", "response": "cd"}, {"prompt": "x", "response": "yz!"}]
+
+
+def test_reads_jsonl_json_array_parquet_and_saved_dataset(tmp_path: Path) -> None:
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    (tmp_path / "d.json").write_text('[{"prompt": "ab", "response": "cd"}, {"prompt": "x", "response": "yz!"}]')
+    pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "d.parquet")
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(tmp_path / "dict"))
+    for name in ("d.jsonl", "d.json", "d.parquet", "saved", "dict"):
+        assert read_records(tmp_path / name) == ROWS, name
+    assert read_records(tmp_path / "d.jsonl", max_samples=1) == ROWS[:1]
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("missing.jsonl", None, "does not exist"),
+        ("bad.jsonl", '{"prompt": 1}\nnot json\n', "bad.jsonl:2 is not a JSON object"),
+        ("list.jsonl", "[1, 2]\n", "record 0 is int"),
+        ("data.csv", "a,b\n", "unknown kind '.csv'"),
+        ("empty-folder", "", "not a folder written by datasets' save_to_disk"),
+    ],
+)
+def test_bad_dataset_files(tmp_path: Path, name: str, content: str | None, message: str) -> None:
+    path = tmp_path / name
+    if name == "empty-folder":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(TrainerError, match=message):
+        read_records(path)
+
+
+def test_prompt_tokens_are_masked_and_targets_shifted() -> None:
+    tokenizer = byte_level_tokenizer()
+    [sample, _] = tokenize_records(
+        ROWS, tokenizer, prompt_field="prompt", response_field="response", text_field="text", source="t"
+    )
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    ids = sample.input_ids.tolist()
+    assert ids[0] == bos
+    assert ids[-1] == eos
+    assert len(ids) == 1 + 2 + 2 + 1
+    # Positions 0..1 (BOS, 'a') predict prompt tokens: ignored; 'b' predicts 'c', ..., 'd' predicts EOS.
+    assert sample.targets.tolist() == [IGNORE_INDEX, IGNORE_INDEX, ids[3], ids[4], eos, IGNORE_INDEX]
+    assert sample.num_targets == 3
+
+
+def test_text_records_train_on_everything_after_the_first_token() -> None:
+    tokenizer = byte_level_tokenizer()
+    [sample] = tokenize_records(
+        [{"text": "hey"}], tokenizer, prompt_field="prompt", response_field="response", text_field="text", source="t"
+    )
+    assert sample.targets.tolist() == [*sample.input_ids.tolist()[1:], IGNORE_INDEX]
+
+
+def test_records_without_the_fields_are_refused() -> None:
+    with pytest.raises(TrainerError, match=r"records need `prompt` and `response`, or `text`; the first has \['q'\]"):
+        tokenize_records(
+            [{"q": "x"}],
+            byte_level_tokenizer(),
+            prompt_field="prompt",
+            response_field="response",
+            text_field="text",
+            source="t",
+        )
+    with pytest.raises(TrainerError, match="record 1: `response` is None"):
+        tokenize_records(
+            [{"prompt": "a", "response": "b"}, {"prompt": "a", "response": None}],
+            byte_level_tokenizer(),
+            prompt_field="prompt",
+            response_field="response",
+            text_field="text",
+            source="t",
+        )
+
+
+def _sample(prompt: int, response: int) -> Sample:
+    return Sample.from_tokens(list(range(prompt)), list(range(100, 100 + response)))
+
+
+def test_fit_to_capacity_truncates_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    samples = [_sample(2, 3), _sample(2, 10), _sample(9, 3)]
+    with caplog.at_level(logging.WARNING):
+        kept, report = fit_to_capacity(samples, 8, "truncate", source="d")
+    # The third sample's response starts after the capacity: nothing is left to train on.
+    assert [len(s) for s in kept] == [5, 8]
+    assert (report.truncated, report.dropped_long, report.dropped_empty) == (2, 0, 1)
+    assert "2 sample(s) longer than the capacity of 8 tokens were truncated" in caplog.text
+
+
+def test_fit_to_capacity_drops_by_switch_and_refuses_nothing_usable() -> None:
+    kept, report = fit_to_capacity([_sample(2, 3), _sample(2, 10)], 8, "drop", source="d")
+    assert [len(s) for s in kept] == [5]
+    assert report.dropped_long == 1
+    with pytest.raises(TrainerError, match="has no usable samples: 1 read, 1 longer than the capacity"):
+        fit_to_capacity([_sample(2, 10)], 8, "drop", source="d")
+
+
+def test_training_order_epochs_and_max_steps() -> None:
+    order = training_order(5, global_batch_size=2, num_train_epochs=2, max_steps=None, shuffle=True, seed=3)
+    assert sorted(order[:5].tolist()) == list(range(5))
+    assert sorted(order[5:].tolist()) == list(range(5))
+    assert order[:5].tolist() != order[5:].tolist()
+    cycled = training_order(5, global_batch_size=4, num_train_epochs=1, max_steps=3, shuffle=False, seed=0)
+    assert cycled.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1]
+
+
+def test_job_data_global_batches() -> None:
+    samples = [_sample(1, n) for n in (2, 3, 4)]
+    job = JobData(name="j", samples=samples, order=np.array([2, 0, 1]), global_batch_size=2)
+    assert job.sample_tokens == (5, 3, 4)
+    assert job.num_global_batches(drop_last=False) == 2
+    assert job.num_global_batches(drop_last=True) == 1
+    assert job.global_batch_targets(0) == 4 + 2
+    assert job.global_batch_targets(1) == 3
+
+
+def test_load_job_data_from_jsonl_and_synthetic(config_dict, jsonl_factory) -> None:
+    path = jsonl_factory("words", 10)
+    jobs = [
+        {"name": "words", "dataset": {"path": str(path)}, "global_batch_size": 3},
+        {"name": "synth", "dataset": {"synthetic": "cnndm", "num_samples": 7, "length_scale": 0.01}},
+    ]
+    config = parse_config(config_dict(jobs=jobs))
+    tokenizer = load_tokenizer(config.base_model, vocab_size=512)
+    words = load_job_data(config, config.jobs[0], tokenizer, 512)
+    synth = load_job_data(config, config.jobs[1], None, 512)
+    assert len(words) == 10
+    assert words.num_global_batches(drop_last=False) == 4
+    assert len(synth) == 7
+    assert all(len(s) >= 2 for s in synth.samples)
+    assert max(int(s.input_ids.max()) for s in synth.samples) < 512
+    again = load_job_data(config, config.jobs[1], None, 512)
+    assert synth.sample_tokens == again.sample_tokens
+
+
+def test_tokenizer_must_fit_the_vocabulary(config_dict) -> None:
+    config = parse_config(config_dict())
+    with pytest.raises(TrainerError, match="the tokenizer has 259 tokens but the model's vocabulary only 100"):
+        load_tokenizer(config.base_model, vocab_size=100)

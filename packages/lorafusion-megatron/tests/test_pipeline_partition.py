@@ -1,0 +1,66 @@
+"""Balanced stage partition of a decoder (torch-free)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lorafusion_megatron.errors import TrainerError
+from lorafusion_megatron.pipeline.partition import balanced_partition, decoder_costs, partition_model
+from lorafusion_megatron.presets import PRESETS
+
+
+def _brute_force(costs: list[float], stages: int, extra: float) -> float:
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, len(costs)), stages - 1):
+        bounds = [0, *cuts, len(costs)]
+        loads = [sum(costs[a:b]) for a, b in itertools.pairwise(bounds)]
+        loads[-1] += extra
+        best = min(best, max(loads))
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    costs=st.lists(st.integers(1, 20), min_size=1, max_size=8),
+    stages=st.integers(1, 4),
+    extra=st.integers(0, 30),
+)
+def test_partition_is_contiguous_non_empty_and_optimal(costs: list[int], stages: int, extra: int) -> None:
+    stages = min(stages, len(costs))
+    ranges = balanced_partition([float(c) for c in costs], stages, last_extra=float(extra))
+    assert len(ranges) == stages
+    assert ranges[0][0] == 0
+    assert ranges[-1][1] == len(costs)
+    assert all(start < stop for start, stop in ranges)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    loads = [float(sum(costs[a:b])) for a, b in ranges]
+    loads[-1] += extra
+    assert max(loads) == pytest.approx(_brute_force([float(c) for c in costs], stages, float(extra)))
+
+
+def test_layers_need_not_divide_by_stages_and_the_head_counts() -> None:
+    # 5 equal layers, a head worth 3 layers: the last stage gets one layer.
+    assert balanced_partition([1.0] * 5, 2, last_extra=3.0) == [(0, 4), (4, 5)]
+    assert balanced_partition([1.0] * 5, 2) in ([(0, 2), (2, 5)], [(0, 3), (3, 5)])
+
+
+def test_more_stages_than_layers_is_refused() -> None:
+    with pytest.raises(TrainerError, match="pipeline_stages = 3"):
+        balanced_partition([1.0, 1.0], 3)
+
+
+def test_llama_70b_on_four_stages() -> None:
+    specs = partition_model(PRESETS["llama-3.1-70b"].config, 4)
+    assert [s.stage for s in specs] == [0, 1, 2, 3]
+    assert specs[0].is_first
+    assert specs[-1].is_last
+    assert not specs[1].is_first
+    assert sum(len(s.layers) for s in specs) == 80
+    layers, head = decoder_costs(PRESETS["llama-3.1-70b"].config)
+    # The LM head is worth about 2.4 layers here, so the last stage holds fewer layers.
+    assert len(specs[-1].layers) < len(specs[0].layers)
+    assert max(s.cost for s in specs) <= (sum(layers) + head) / 4 + max(layers)

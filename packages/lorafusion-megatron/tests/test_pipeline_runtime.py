@@ -1,0 +1,252 @@
+"""The pipeline runtime end to end: adapters equal to the single-process trainer's, for every schedule.
+
+One in-process run per schedule on a single-rank gloo group (cheap), and one real 2-process
+pipeline over gloo running the demo (``lorafusion-megatron demo --pipeline-stages 2``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lorafusion_megatron.config import TrainerConfig, parse_config
+from lorafusion_megatron.pipeline.options import ParallelConfig
+from lorafusion_megatron.trainer import Trainer
+
+
+def _adapters(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {job.name: load_file(job / "adapter_model.safetensors") for job in sorted(folder.iterdir())}
+
+
+def _assert_same_adapters(got: Path, want: Path) -> None:
+    got_tensors, want_tensors = _adapters(got), _adapters(want)
+    assert got_tensors.keys() == want_tensors.keys()
+    for job, tensors in want_tensors.items():
+        assert got_tensors[job].keys() == tensors.keys()
+        for key, tensor in tensors.items():
+            torch.testing.assert_close(got_tensors[job][key], tensor, rtol=1e-4, atol=2e-5, msg=f"{job}: {key}")
+        configs = [json.loads((root / job / "adapter_config.json").read_text()) for root in (got, want)]
+        for config in configs:
+            config.pop("base_model_name_or_path")
+            config["target_modules"] = sorted(config["target_modules"])
+        assert configs[0] == configs[1]
+
+
+def _config(tiny_base: Path, output: Path) -> TrainerConfig:
+    jobs: list[dict[str, Any]] = [
+        {
+            "name": name,
+            "dataset": {"synthetic": dataset, "num_samples": samples, "length_scale": 0.03},
+            "r": 4,
+            "lora_alpha": 8,
+            "target_modules": ["q_proj", "v_proj", "down_proj"],
+            "learning_rate": 1e-2,
+            "global_batch_size": batch,
+            "max_grad_norm": 0.05,
+        }
+        for name, dataset, samples, batch in (("first", "xsum", 10, 3), ("second", "wikisum", 7, 2))
+    ]
+    return parse_config(
+        {
+            "output_dir": str(output),
+            "base_model": {"model_name_or_path": str(tiny_base), "dtype": "float32", "attn_implementation": "sdpa"},
+            "jobs": jobs,
+            "scheduler": {"capacity": 256, "padding_multiple": 16},
+            "runtime": {"device": "cpu", "seed": 0},
+            "logging": {"progress_bar": False},
+        }
+    )
+
+
+@pytest.mark.parametrize("schedule", ["lorafusion", "megatron-1f1b", "mlora"])
+def test_every_schedule_ends_with_the_trainers_adapters(tiny_base: Path, tmp_path: Path, schedule: str) -> None:
+    from lorafusion_megatron.pipeline.worker import run_rank
+
+    reference = _config(tiny_base, tmp_path / "trainer")
+    Trainer(reference).train()
+    config = _config(tiny_base, tmp_path / "pipeline")
+    parallel = ParallelConfig.model_validate({"schedule": schedule, "baseline_microbatch_samples": 2})
+    summary = run_rank(
+        config, parallel, backend="gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1
+    )
+    assert summary is not None
+    assert summary["schedule"] == schedule
+    assert summary["tokens"] > 0
+    assert len(summary["bubble_ratio_per_stage"]) == 1
+    steps = summary["steps"]
+    assert sorted((s["adapter"], s["step"]) for s in steps) == sorted(
+        [("first", k) for k in range(1, 5)] + [("second", k) for k in range(1, 5)]
+    )
+    assert (Path(config.output_dir) / "pipeline_summary.json").is_file()
+    _assert_same_adapters(Path(config.output_dir) / "adapters", Path(reference.output_dir) / "adapters")
+
+
+def test_demo_on_two_pipeline_stages_ends_with_the_single_process_adapters(tmp_path: Path) -> None:
+    """Two processes over gloo, the plan made for S = 2 (with its no-ops), against the trainer."""
+    from rich.console import Console
+
+    from lorafusion_megatron.demo import build_demo
+    from lorafusion_megatron.pipeline import commands
+
+    console = Console(record=True, width=120)
+    parallel = ParallelConfig(pipeline_stages=2)
+    assert commands.demo(tmp_path / "pipeline", parallel, console, samples_per_job=12, epochs=1) == 0
+    assert "bubble ratio, stage 1" in console.export_text()
+    summary = json.loads((tmp_path / "pipeline" / "pipeline_summary.json").read_text())
+    assert summary["pipeline_stages"] == 2
+    assert len(summary["bubble_ratio_per_stage"]) == 2
+    config = build_demo(tmp_path / "single", samples_per_job=12, epochs=1)
+    Trainer(config.model_copy(update={"logging": config.logging.model_copy(update={"progress_bar": False})})).train()
+    _assert_same_adapters(tmp_path / "pipeline" / "adapters", tmp_path / "single" / "adapters")
+
+
+def test_two_data_parallel_replicas_end_with_the_trainers_adapters(tiny_base: Path, tmp_path: Path) -> None:
+    """Two processes over gloo, one stage each: gradients summed over replicas before every step."""
+    from lorafusion_megatron.pipeline.launch import launch
+
+    reference = _config(tiny_base, tmp_path / "trainer")
+    Trainer(reference).train()
+    config = _config(tiny_base, tmp_path / "pipeline")
+    summary = launch(config, ParallelConfig(data_parallel=2), backend="gloo")
+    assert summary is not None
+    assert summary["data_parallel"] == 2
+    _assert_same_adapters(Path(config.output_dir) / "adapters", Path(reference.output_dir) / "adapters")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["lorafusion", "megatron-1f1b", "mlora"])
+def test_two_stages_times_two_replicas(tiny_base: Path, tmp_path: Path, schedule: str) -> None:
+    """Four processes over gloo (slow on two cores: about 20 s each)."""
+    from lorafusion_megatron.pipeline.launch import launch
+
+    reference = _config(tiny_base, tmp_path / "trainer")
+    Trainer(reference).train()
+    config = _config(tiny_base, tmp_path / "pipeline")
+    parallel = ParallelConfig(pipeline_stages=2, data_parallel=2, schedule=schedule, baseline_microbatch_samples=2)
+    summary = launch(config, parallel, backend="gloo")
+    assert summary is not None
+    assert len(summary["bubble_ratio_per_stage"]) == 2
+    _assert_same_adapters(Path(config.output_dir) / "adapters", Path(reference.output_dir) / "adapters")
+
+
+def _with_checkpoints(config: TrainerConfig) -> TrainerConfig:
+    """Checkpoints every 3 steps; capacity 64, so the first one falls inside a global batch."""
+    scheduler = config.scheduler.model_copy(update={"capacity": 64})
+    return config.model_copy(update={"save_steps": 3, "save_total_limit": None, "scheduler": scheduler})
+
+
+def _resume_from_first_checkpoint(config: TrainerConfig, run: Any) -> None:
+    """Train straight through with checkpoints, then resume from the first one; the adapters must be identical."""
+    import shutil
+
+    run(resume=False)
+    adapters = Path(config.output_dir) / "adapters"
+    straight = {job: dict(tensors) for job, tensors in _adapters(adapters).items()}
+    checkpoints = sorted(config.checkpoint_dir.iterdir(), key=lambda p: int(p.name.split("-")[1]))
+    assert len(checkpoints) >= 2
+    # The first checkpoint falls inside a global batch: its accumulated gradients are saved too.
+    assert torch.load(checkpoints[0] / "rank-00000.pt", weights_only=True)["grads"]
+    for later in checkpoints[1:]:
+        shutil.rmtree(later)
+    shutil.rmtree(adapters)
+    run(resume=True)
+    for job, tensors in _adapters(adapters).items():
+        for key, tensor in tensors.items():
+            assert torch.equal(tensor, straight[job][key]), f"{job}: {key}"
+
+
+def test_a_resumed_run_ends_with_the_same_adapters(tiny_base: Path, tmp_path: Path) -> None:
+    from lorafusion_megatron.pipeline.worker import run_rank
+
+    config = _with_checkpoints(_config(tiny_base, tmp_path / "run"))
+
+    def run(*, resume: bool) -> None:
+        store = (tmp_path / f"store-{resume}").as_uri()
+        run_rank(config, ParallelConfig(), resume=resume, backend="gloo", init_method=store, rank=0, world_size=1)
+
+    _resume_from_first_checkpoint(config, run)
+
+
+@pytest.mark.slow
+def test_a_resumed_two_stage_run_ends_with_the_same_adapters(tiny_base: Path, tmp_path: Path) -> None:
+    """Two processes over gloo, twice (slow on two loaded cores: about 20 s)."""
+    from lorafusion_megatron.pipeline.launch import launch
+
+    config = _with_checkpoints(_config(tiny_base, tmp_path / "run"))
+
+    def run(*, resume: bool) -> None:
+        launch(config, ParallelConfig(pipeline_stages=2), backend="gloo", resume=resume)
+
+    _resume_from_first_checkpoint(config, run)
+
+
+def test_resume_refuses_another_layout(tiny_base: Path, tmp_path: Path) -> None:
+    from lorafusion_megatron.errors import TrainerError
+    from lorafusion_megatron.pipeline.worker import run_rank
+
+    config = _config(tiny_base, tmp_path / "run").model_copy(update={"save_steps": 3})
+    store = (tmp_path / "store").as_uri()
+    run_rank(config, ParallelConfig(), backend="gloo", init_method=store, rank=0, world_size=1)
+    with pytest.raises(TrainerError, match="parallel settings"):
+        run_rank(
+            config,
+            ParallelConfig(schedule="mlora"),
+            resume=True,
+            backend="gloo",
+            init_method=(tmp_path / "again").as_uri(),
+            rank=0,
+            world_size=1,
+        )
+
+
+@pytest.fixture(scope="module")
+def four_layer_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny LLaMA with 4 decoder layers, saved as a local folder (enough for 4 stages)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lorafusion_megatron.presets import PRESETS
+
+    folder = tmp_path_factory.mktemp("four-layer")
+    preset = PRESETS["tiny"]
+    config = AutoConfig.for_model(preset.model_type, **{**preset.config, "num_hidden_layers": 4})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["lorafusion", "mlora"])
+def test_four_stages(four_layer_base: Path, tmp_path: Path, schedule: str) -> None:
+    """Four processes over gloo, one layer each (slow on two cores: about 20 s each)."""
+    from lorafusion_megatron.pipeline.launch import launch
+
+    reference = _config(four_layer_base, tmp_path / "trainer")
+    Trainer(reference).train()
+    config = _config(four_layer_base, tmp_path / "pipeline")
+    parallel = ParallelConfig(pipeline_stages=4, schedule=schedule, baseline_microbatch_samples=1)
+    summary = launch(config, parallel, backend="gloo")
+    assert summary is not None
+    assert len(summary["bubble_ratio_per_stage"]) == 4
+    _assert_same_adapters(Path(config.output_dir) / "adapters", Path(reference.output_dir) / "adapters")
+
+
+@pytest.mark.multigpu(gpus=2)
+def test_two_gpu_pipeline_over_nccl_ends_with_the_single_gpu_adapters(tiny_base: Path, tmp_path: Path) -> None:
+    from lorafusion_megatron.pipeline.launch import launch
+
+    def on_gpu(output: Path) -> TrainerConfig:
+        config = _config(tiny_base, output)
+        return config.model_copy(update={"runtime": config.runtime.model_copy(update={"device": "cuda"})})
+
+    reference = on_gpu(tmp_path / "trainer")
+    Trainer(reference).train()
+    config = on_gpu(tmp_path / "pipeline")
+    summary = launch(config, ParallelConfig(pipeline_stages=2), backend="nccl")
+    assert summary is not None
+    assert summary["pipeline_stages"] == 2
+    _assert_same_adapters(Path(config.output_dir) / "adapters", Path(reference.output_dir) / "adapters")

@@ -1,0 +1,61 @@
+"""Fitting the scheduler's cost model and choosing the capacity (torch-free)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafusion_megatron.profiler.capacity import choose_capacity, predicted_peak_bytes
+from lorafusion_megatron.profiler.fit import fit_cost_model, fit_line
+from lorafusion_megatron.profiler.measure import Measurement
+from lorafusion_sched import AdapterJob
+
+
+def _measurements(peak_per_token: float | None = None) -> list[Measurement]:
+    out = []
+    for stage, factor in ((0, 0.8), (1, 1.2)):
+        for tokens in (1024, 2048, 4096):
+            forward = factor * (1e-3 + 2e-6 * tokens)
+            peak = None if peak_per_token is None else int(1e9 + peak_per_token * tokens)
+            out.append(Measurement(stage, tokens, forward, 2.5 * forward, peak))
+    return out
+
+
+def test_fit_recovers_the_model_that_made_the_times() -> None:
+    cost = fit_cost_model(_measurements())
+    assert cost.stage_factors == pytest.approx((0.8, 1.2))
+    assert cost.forward_fixed_s == pytest.approx(1e-3)
+    assert cost.forward_per_token_s == pytest.approx(2e-6)
+    assert cost.backward_factor == pytest.approx(2.5)
+    assert cost.forward_seconds(4096, 1) == pytest.approx(1.2 * (1e-3 + 2e-6 * 4096))
+
+
+def test_fit_line_never_goes_negative() -> None:
+    assert fit_line([1.0, 2.0], [3.0, 1.0]) == (2.0, 0.0)
+    assert fit_line([5.0, 5.0], [1.0, 3.0]) == (2.0, 0.0)
+
+
+def test_peak_memory_counts_the_microbatches_in_flight_on_each_stage() -> None:
+    # Stage 0 of 2 keeps two microbatches' activations, stage 1 one.
+    peak = predicted_peak_bytes(_measurements(peak_per_token=1000.0), 2, 8192)
+    assert peak == pytest.approx(1e9 + 2 * 1000.0 * 8192, rel=1e-6)
+    assert predicted_peak_bytes(_measurements(), 2, 8192) is None
+
+
+def test_the_largest_capacity_that_fits_memory_wins_when_throughput_grows_with_it() -> None:
+    jobs = [AdapterJob(name=n, sample_tokens=tuple([700, 300, 1500, 900] * 8), global_batch_size=8) for n in "xy"]
+    measurements = _measurements(peak_per_token=1e5)
+    candidates = [2048, 4096, 8192]
+    chosen, options = choose_capacity(
+        jobs,
+        fit_cost_model(measurements),
+        measurements,
+        candidates=candidates,
+        stages=2,
+        data_parallel=1,
+        padding_multiple=64,
+        memory_limit_bytes=1e9 + 2 * 1e5 * 4096 + 1,
+    )
+    assert [o.capacity for o in options] == candidates
+    assert [o.fits for o in options] == [True, True, False]
+    assert chosen == 4096
+    assert options[1].tokens_per_s >= options[0].tokens_per_s

@@ -1,0 +1,220 @@
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lorafusion_megatron.checkpoint import latest_checkpoint
+from lorafusion_megatron.config import parse_config
+from lorafusion_megatron.errors import TrainerError
+from lorafusion_megatron.executor import StopSignal
+from lorafusion_megatron.trainer import Trainer
+
+
+class StopAfter(StopSignal):
+    """Stops the run after ``count`` microbatches, as a first Ctrl-C would."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.count = count
+
+    def __call__(self) -> bool:
+        self.count -= 1
+        return self.count <= 0 or super().__call__()
+
+
+def _jobs(data: Path, *, dropout: float = 0.0) -> list[dict]:
+    return [
+        {
+            "name": "first",
+            "dataset": {"path": str(data / "first.jsonl")},
+            "r": 4,
+            "lora_alpha": 8,
+            "lora_dropout": dropout,
+            "target_modules": ["q_proj", "v_proj", "down_proj"],
+            "learning_rate": 1e-2,
+            "warmup_ratio": 0.25,
+            "global_batch_size": 4,
+            "num_train_epochs": 2,
+        },
+        {
+            "name": "second",
+            "dataset": {"synthetic": "wikisum", "num_samples": 10, "length_scale": 0.02},
+            "r": 2,
+            "lora_alpha": 4,
+            "lora_dropout": dropout,
+            "use_rslora": True,
+            "target_modules": "all-linear",
+            "learning_rate": 5e-3,
+            "lr_scheduler_type": "linear",
+            "global_batch_size": 3,
+            "max_steps": 3,
+        },
+    ]
+
+
+@pytest.fixture
+def make_config(config_dict, tiny_base: Path, jsonl_factory, tmp_path: Path):
+    jsonl_factory("first", 10, seed=1)
+
+    def make(*, dropout: float = 0.0, **top):
+        base = {"model_name_or_path": str(tiny_base), "dtype": "float32", "attn_implementation": "sdpa"}
+        return parse_config(config_dict(jobs=_jobs(tmp_path / "data", dropout=dropout), base_model=base, **top))
+
+    return make
+
+
+def _adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "adapter_model.safetensors")
+
+
+# PEFT (0.21) still calls transformers' deprecated `is_gradient_checkpointing` when loading an adapter.
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+def test_train_writes_peft_adapters_that_load_and_match(make_config, tiny_base: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    config = make_config()
+    result = Trainer(config).train()
+    assert not result.interrupted
+    jobs = result.state.jobs
+    assert (jobs["first"].steps_done, jobs["first"].total_steps) == (5, 5)  # 20 positions / 4
+    assert (jobs["second"].steps_done, jobs["second"].total_steps) == (3, 3)
+    assert jobs["first"].last_loss is not None
+    assert jobs["first"].last_loss < jobs["first"].first_loss
+    summary = json.loads((Path(config.output_dir) / "summary.json").read_text())
+    assert summary["total_optimizer_steps"] == 8
+
+    ids = torch.tensor([[1, 70, 80, 90, 100, 33, 2]])
+    for name in ("first", "second"):
+        folder = result.adapters[name]
+        assert folder == Path(config.output_dir) / "adapters" / name
+        assert {p.name for p in folder.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+        adapter_config = json.loads((folder / "adapter_config.json").read_text())
+        assert adapter_config["base_model_name_or_path"] == str(tiny_base)
+        assert any("lora_B" in key and float(t.abs().sum()) > 0 for key, t in _adapter_tensors(folder).items())
+        base = AutoModelForCausalLM.from_pretrained(tiny_base, dtype=torch.float32)
+        plain = base(input_ids=ids).logits
+        loaded = PeftModel.from_pretrained(base, folder).eval()
+        with torch.no_grad():
+            tuned = loaded(input_ids=ids).logits
+        assert not torch.allclose(tuned, plain, atol=1e-4)
+        merged = loaded.merge_and_unload()
+        with torch.no_grad():
+            torch.testing.assert_close(merged(input_ids=ids).logits, tuned, rtol=1e-4, atol=1e-4)
+
+
+def test_resume_ends_with_the_same_weights_as_an_uninterrupted_run(make_config, tmp_path: Path) -> None:
+    """Stopped mid-run (inside a global batch, dropout on), then resumed: bit-identical adapters."""
+    straight = make_config(dropout=0.1, output_dir=str(tmp_path / "straight"))
+    Trainer(straight).train()
+
+    resumed = make_config(dropout=0.1, output_dir=str(tmp_path / "resumed"), save_total_limit=None)
+    first = Trainer(resumed, stop=StopAfter(3)).train()
+    assert first.interrupted
+    assert first.state.position == 3
+    assert first.checkpoint is not None
+    assert (first.checkpoint / "adapters" / "first" / "adapter_config.json").is_file()
+    assert not (Path(resumed.output_dir) / "adapters" / "first").exists()
+    second = Trainer(resumed).train(resume=True)
+    assert not second.interrupted
+    assert second.state.total_optimizer_steps == 8
+    for name in ("first", "second"):
+        expected = _adapter_tensors(Path(straight.output_dir) / "adapters" / name)
+        actual = _adapter_tensors(second.adapters[name])
+        assert expected.keys() == actual.keys()
+        for key in expected:
+            torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=0, msg=key)
+
+
+class CtrlCAfter(StopSignal):
+    """Sends the process a real SIGINT (as Ctrl-C does) when polled after ``count`` microbatches."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.count = count
+
+    def __call__(self) -> bool:
+        self.count -= 1
+        if self.count == 0:
+            os.kill(os.getpid(), signal.SIGINT)
+        return super().__call__()
+
+
+def test_ctrl_c_writes_a_checkpoint_and_resume_finishes(make_config) -> None:
+    config = make_config()
+    stopped = Trainer(config, stop=CtrlCAfter(2)).train()
+    assert stopped.interrupted
+    assert stopped.state.position == 2
+    assert stopped.checkpoint == latest_checkpoint(config.checkpoint_dir)
+    finished = Trainer(config).train(resume=True)
+    assert not finished.interrupted
+    assert finished.state.total_optimizer_steps == 8
+
+
+def test_periodic_checkpoints_keep_the_newest(make_config) -> None:
+    config = make_config(save_steps=2, save_total_limit=2)
+    Trainer(config).train()
+    names = sorted(p.name for p in config.checkpoint_dir.iterdir())
+    assert names == ["checkpoint-4", "checkpoint-6"]
+    state = json.loads((config.checkpoint_dir / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["state"]["total_optimizer_steps"] == 6
+
+
+def test_resume_refuses_a_checkpoint_of_another_config(make_config, tmp_path: Path) -> None:
+    config = make_config(output_dir=str(tmp_path / "run"))
+    Trainer(config, stop=StopAfter(2)).train()
+    changed = config.model_copy(update={"runtime": config.runtime.model_copy(update={"seed": 7})})
+    with pytest.raises(TrainerError, match="written by a run with a different config"):
+        Trainer(changed).train(resume=True)
+
+
+def test_a_fresh_run_refuses_an_output_dir_with_checkpoints(make_config, tmp_path: Path) -> None:
+    config = make_config(output_dir=str(tmp_path / "run"))
+    Trainer(config, stop=StopAfter(2)).train()
+    with pytest.raises(TrainerError, match="holds checkpoints of an earlier run: continue it with --resume"):
+        Trainer(config).train()
+
+
+def test_resume_without_a_checkpoint(make_config) -> None:
+    with pytest.raises(TrainerError, match="--resume: no checkpoint in"):
+        Trainer(make_config()).train(resume=True)
+
+
+def test_unwritable_output_folder(make_config, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(TrainerError, match=r"output_dir .*a-file/run cannot be written"):
+        Trainer(make_config(output_dir=str(blocker / "run"))).train()
+
+
+def test_unknown_target_module(make_config) -> None:
+    config = make_config()
+    jobs = [config.jobs[0].model_copy(update={"target_modules": ["q_proj", "qkv_proj"]}), config.jobs[1]]
+    with pytest.raises(TrainerError, match=r"job first: target_modules \['qkv_proj'\] are not linear layers"):
+        Trainer(config.model_copy(update={"jobs": jobs})).train()
+
+
+def test_fused_and_plain_peft_runs_agree(make_config, tmp_path: Path) -> None:
+    fused = make_config(output_dir=str(tmp_path / "fused"))
+    plain = make_config(output_dir=str(tmp_path / "plain"), runtime={"device": "cpu", "fused_kernels": False})
+    Trainer(fused).train()
+    Trainer(plain).train()
+    for name in ("first", "second"):
+        a = _adapter_tensors(Path(fused.output_dir) / "adapters" / name)
+        b = _adapter_tensors(Path(plain.output_dir) / "adapters" / name)
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_tensorboard_scalars_per_job(make_config, tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    config = make_config(logging={"tensorboard_dir": str(tmp_path / "tb"), "logging_steps": 1, "progress_bar": False})
+    Trainer(config).train()
+    for name in ("first", "second"):
+        assert list((tmp_path / "tb" / name).glob("events.out.tfevents.*"))
