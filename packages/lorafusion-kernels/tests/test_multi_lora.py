@@ -12,7 +12,9 @@ import math
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
+import lorafusion_kernels.lora as lora_module
 import lorafusion_kernels.multi_lora as multi_lora_module
 from lorafusion_kernels._kernels._common import interpreting
 from lorafusion_kernels.errors import LoRAFusionKernelsError
@@ -362,6 +364,79 @@ def test_single_adapter_batch_takes_the_fused_lora_path(monkeypatch: pytest.Monk
         seed=8,
     )
     assert rel_rms(y, ref) < 1e-5
+
+
+@INTERPRET
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize(
+    ("deterministic", "env", "expected"),
+    [(True, "0", True), (False, "1", False), (None, "1", True)],
+    ids=["flag-on", "flag-off-beats-env", "none-follows-env"],
+)
+def test_single_adapter_batch_passes_deterministic_on(
+    deterministic: bool | None, env: str, expected: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: ``deterministic=`` was dropped when a one-adapter batch took the FusedLoRA path."""
+    monkeypatch.setenv("LORAFUSION_DETERMINISTIC", env)
+    calls = []
+    real = lora_module.lora_dys_dyb
+
+    def spy(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(kwargs["deterministic"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lora_module, "lora_dys_dyb", spy)
+    case = dataclasses.replace(MIXED, lengths=(4, 0, 9), adapters=(1, 0, 1), n=16, k=16)
+    inputs = make_inputs(case, torch.float32)
+    run_fused(case, inputs, torch.ones(case.t, case.n), seed=8, deterministic=deterministic)
+    assert calls == [expected]
+
+
+@INTERPRET
+@pytest.mark.usefixtures("interpreter")
+def test_torch_compile_traces_the_custom_ops() -> None:
+    """A compiled function runs the ``lorafusion::fused_multi_lora_*`` ops: same output and gradients as eager.
+
+    Three batches with different segments, with and without dropout: the second recompiles (Dynamo
+    then makes the segment lengths dynamic), the third may reuse that graph.
+    """
+    case = dataclasses.replace(MIXED, n=20, k=24)
+    inputs = make_inputs(case, torch.float32)
+    weight, bias = inputs["weight"], inputs["bias"]
+    leaves = [inputs["x"], *inputs["lora_a"], *inputs["lora_b"]]
+
+    def fn(batch: MultiLoRABatch, dropout_p: float, x: torch.Tensor, *ab: torch.Tensor) -> torch.Tensor:
+        a, b = list(ab[:4]), list(ab[4:])
+        y = fused_multi_lora_linear(
+            x, weight, a, b, scaling=case.scaling, dropout_p=dropout_p, bias=bias, seed=5, batch=batch
+        )
+        return y.sin()
+
+    def op_calls() -> int:
+        """Calls of the custom ops' implementations (only they look batches up by segment lists)."""
+        info = multi_lora_module._batch_of.cache_info()
+        return info.hits + info.misses
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled_fn = torch.compile(fn, backend=counter)
+    batches = [(case.lengths, case.adapters, 0.2), ((20, 4, 19), (2, 1, 0), 0.0), ((9, 30, 4), (1, 3, 2), 0.1)]
+    for lengths, adapters, p in batches:
+        batch = MultiLoRABatch.from_segments(lengths, adapters, num_adapters=4)
+        eager = fn(batch, p, *leaves)
+        g_eager = torch.autograd.grad(eager.sum(), leaves)
+        before = op_calls()
+        compiled = compiled_fn(batch, p, *leaves)
+        g_comp = torch.autograd.grad(compiled.sum(), leaves)
+        assert op_calls() == before + 2, "the compiled forward and backward run the custom ops"
+        torch.testing.assert_close(compiled, eager)
+        for got, want in zip(g_comp, g_eager, strict=True):
+            torch.testing.assert_close(got, want)
+    assert any("lorafusion.fused_multi_lora_forward" in graph.code for graph in counter.graphs)
+
+
+def test_custom_ops_are_registered() -> None:
+    assert hasattr(torch.ops.lorafusion, "fused_multi_lora_forward")
+    assert hasattr(torch.ops.lorafusion, "fused_multi_lora_backward")
 
 
 def test_scaling_and_p_stay_fp32_values() -> None:

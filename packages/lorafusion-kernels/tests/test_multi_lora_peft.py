@@ -8,6 +8,7 @@ the Triton kernels in bf16.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterator
 
@@ -19,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from lorafusion_kernels import (  # noqa: E402
     LoRAFusionKernelsError,
+    LoRAFusionKernelsWarning,
     MultiLoRABatch,
     multi_lora_batch,
     multi_lora_checkpoint_contexts,
@@ -309,3 +311,58 @@ def test_dora_adapters_are_refused_in_mixed_batches() -> None:
         pytest.raises(LoRAFusionKernelsError, match="DoRA"),
     ):
         model(torch.randn(15, 12))
+
+
+def per_segment_reference(
+    model: torch.nn.Module, call: object, x: torch.Tensor, batch: MultiLoRABatch, names: list[str]
+) -> torch.Tensor:
+    """``call(x_segment)`` with the segment's adapter active, outside the context: PEFT's own result."""
+    pieces = []
+    for start, length, adapter in batch.nonempty_segments():
+        model.set_adapter(names[adapter])
+        pieces.append(call(x[start : start + length]))  # type: ignore[operator]
+    return torch.cat(pieces)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"), [((0.5,), {}), ((), {"scale": 2.0})], ids=["positional-arg", "keyword-arg"]
+)
+def test_extra_arguments_inside_the_context_route_per_segment(
+    args: tuple[float, ...], kwargs: dict[str, float]
+) -> None:
+    """Regression: extra arguments made the patched layer fall back to PEFT's forward (one adapter for
+    every segment) or were dropped; they go to the base layer, as in PEFT, and segments keep their adapter."""
+    model = two_layer_model()
+    patch_peft_model(model)
+    layer = model.base_model.model.up
+    base = layer.base_layer
+
+    def base_forward(x: torch.Tensor, shift: float = 0.0, *, scale: float = 1.0) -> torch.Tensor:
+        return torch.nn.functional.linear(x, base.weight, base.bias) * scale + shift
+
+    base.forward = base_forward  # a base layer taking extra arguments, as a hook wrapper may
+    x = torch.randn(15, 12, generator=torch.Generator().manual_seed(3))
+    batch, names = MultiLoRABatch.from_segments([5, 10], [1, 0]), ["default", "other"]
+    with torch.no_grad():
+        with multi_lora_batch(batch, names):
+            got = layer(x, *args, **kwargs)
+        peft_forward = type(layer).forward  # PEFT's own, not the patched instance forward
+        expected = per_segment_reference(model, lambda xs: peft_forward(layer, xs, *args, **kwargs), x, batch, names)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_layers_wrapped_before_patching_route_per_segment() -> None:
+    """Regression: a layer left unpatched because hooks already wrapped its ``forward`` computed PEFT's
+    active adapter for every token inside the context; its output is now the per-segment result."""
+    model = two_layer_model()
+    up = model.base_model.model.up
+    up.forward = functools.partial(type(up).forward, up)  # an instance-level forward, as accelerate's hooks set
+    with pytest.warns(LoRAFusionKernelsWarning, match="already wrapped by hooks"):
+        patch_peft_model(model)
+    x = torch.randn(15, 12, generator=torch.Generator().manual_seed(4))
+    batch, names = MultiLoRABatch.from_segments([6, 4, 5], [1, 0, 1]), ["default", "other"]
+    with torch.no_grad():
+        with multi_lora_batch(batch, names):
+            got = model(x)
+        expected = per_segment_reference(model, model, x, batch, names)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

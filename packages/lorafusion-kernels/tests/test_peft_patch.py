@@ -151,3 +151,26 @@ def tiny_model_base() -> torch.nn.Module:
         max_position_embeddings=64,
     )
     return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"), [((0.5,), {}), ((), {"scale": 2.0})], ids=["positional-arg", "keyword-arg"]
+)
+def test_extra_arguments_go_to_peft_forward_and_the_base_layer(args, kwargs, force_fused):
+    """Regression: a fused call dropped extra keyword arguments; with any extra argument PEFT's own
+    forward runs (it passes them to the base layer), with one warning."""
+    model = tiny_model()
+    lorafusion_kernels.patch_peft_model(model)
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    base = layer.base_layer
+
+    def base_forward(x: torch.Tensor, shift: float = 0.0, *, scale: float = 1.0) -> torch.Tensor:
+        return torch.nn.functional.linear(x, base.weight, base.bias) * scale + shift
+
+    base.forward = base_forward  # a base layer taking extra arguments, as a hook wrapper may
+    x = torch.randn(5, 48, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = type(layer).forward(layer, x, *args, **kwargs)
+        with pytest.warns(LoRAFusionKernelsWarning, match="extra arguments for the base layer"):
+            got = layer(x, *args, **kwargs)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

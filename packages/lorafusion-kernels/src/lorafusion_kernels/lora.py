@@ -116,8 +116,12 @@ def _forward_impl(
     seed: torch.Tensor,
     scaling: float,
     dropout_p: float,
+    deterministic: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, S')`` for 2-D ``x [M, K]``: ``y [M, N]``, ``S' = scaling * x_hat A^T [M, r]``."""
+    """``(y, S')`` for 2-D ``x [M, K]``: ``y [M, N]``, ``S' = scaling * x_hat A^T [M, r]``.
+
+    ``deterministic`` is read by the backward only (its autograd context keeps it).
+    """
     if not runs_triton(x) or x.shape[0] == 0:
         return _torch_forward(x, weight, lora_a, lora_b, bias, seed, scaling, dropout_p)
     s = lora_xa(
@@ -177,7 +181,7 @@ _forward_op = torch.library.custom_op(
     _forward_impl,
     mutates_args=(),
     schema="(Tensor x, Tensor weight, Tensor lora_a, Tensor lora_b, Tensor? bias, Tensor seed, "
-    "float scaling, float dropout_p) -> (Tensor, Tensor)",
+    "float scaling, float dropout_p, bool? deterministic=None) -> (Tensor, Tensor)",
 )
 
 
@@ -191,6 +195,7 @@ def _forward_fake(
     seed: torch.Tensor,
     scaling: float,
     dropout_p: float,
+    deterministic: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty((x.shape[0], weight.shape[0])), x.new_empty((x.shape[0], lora_a.shape[0]))
 
@@ -223,12 +228,12 @@ def _backward_fake(
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
-    x, weight, lora_a, lora_b, bias, seed, scaling, dropout_p = inputs
+    x, weight, lora_a, lora_b, bias, seed, scaling, dropout_p, deterministic = inputs
     ctx.save_for_backward(x, weight, lora_a, lora_b, output[1], seed)
     ctx.scaling = scaling
     ctx.dropout_p = dropout_p
     ctx.has_bias = bias is not None
-    ctx.deterministic = deterministic_mode()
+    ctx.deterministic = deterministic_mode() if deterministic is None else bool(deterministic)
 
 
 def _backward(ctx: Any, dy: torch.Tensor, *_unused: Any, opaque: bool = True) -> tuple[torch.Tensor | None, ...]:
@@ -241,7 +246,8 @@ def _backward(ctx: Any, dy: torch.Tensor, *_unused: Any, opaque: bool = True) ->
     else:
         dx, da, db = _backward_impl(*args)
     dbias = dy.sum(dim=0, dtype=torch.float32).to(dy.dtype) if ctx.has_bias and ctx.needs_input_grad[4] else None
-    return (dx if need_dx else None), None, da, db, dbias, None, None, None
+    grads = ((dx if need_dx else None), None, da, db, dbias)
+    return grads + (None,) * (len(ctx.needs_input_grad) - len(grads))
 
 
 class FusedLoRAFunction(torch.autograd.Function):
@@ -265,15 +271,19 @@ class FusedLoRAFunction(torch.autograd.Function):
         seed: torch.Tensor,
         scaling: float,
         dropout_p: float,
+        deterministic: bool | None = None,
     ) -> torch.Tensor:
-        """``y [M, N]``; saves x, S' and the seed (plus references to the parameters)."""
+        """``y [M, N]``; saves x, S' and the seed (plus references to the parameters).
+
+        ``deterministic`` picks the backward without atomics; None follows :func:`deterministic_mode`.
+        """
         y, s = _forward_impl(x, weight, lora_a, lora_b, bias, seed, scaling, dropout_p)
-        _setup_context(ctx, (x, weight, lora_a, lora_b, bias, seed, scaling, dropout_p), (y, s))
+        _setup_context(ctx, (x, weight, lora_a, lora_b, bias, seed, scaling, dropout_p, deterministic), (y, s))
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        """``(dx, None, dA, dB, dbias, None, None, None)`` by the chain rule of the module docstring."""
+        """``(dx, None, dA, dB, dbias, None, ...)`` by the chain rule of the module docstring."""
         return _backward(ctx, dy, opaque=False)
 
 
@@ -339,6 +349,7 @@ def fused_lora_linear(
     dropout_p: float = 0.0,
     bias: torch.Tensor | None = None,
     seed: int | None = None,
+    deterministic: bool | None = None,
 ) -> torch.Tensor:
     """``y = x W^T + bias + scaling * dropout_p(x) A^T B^T``, fused; gradients for x, A, B and bias.
 
@@ -353,6 +364,10 @@ def fused_lora_linear(
         seed: Dropout seed; None draws one from torch's generator of ``x``'s device
             (so ``torch.manual_seed`` reproduces it). The same seed gives the same mask
             (see :func:`lorafusion_kernels.dropout.dropout_keep_mask`).
+        deterministic: Sum ``dB`` (and a split ``dS``) without atomics: run-to-run identical
+            gradients, one more read of ``dy``. None follows :func:`deterministic_mode`
+            (``torch.use_deterministic_algorithms(True)`` or ``LORAFUSION_DETERMINISTIC=1``) when the
+            forward runs; True or False overrides it for this call.
 
     Returns:
         ``[..., N]`` in ``x.dtype``.
@@ -370,11 +385,11 @@ def fused_lora_linear(
     seed_t = _seed_for(x, float(dropout_p), seed)
     if torch.compiler.is_compiling():
         y, _ = torch.ops.lorafusion.fused_lora_forward(
-            x2, weight, lora_a, lora_b, bias, seed_t, float(scaling), float(dropout_p)
+            x2, weight, lora_a, lora_b, bias, seed_t, float(scaling), float(dropout_p), deterministic
         )
     else:
         y = FusedLoRAFunction.apply(  # type: ignore[no-untyped-call]
-            x2, weight, lora_a, lora_b, bias, seed_t, float(scaling), float(dropout_p)
+            x2, weight, lora_a, lora_b, bias, seed_t, float(scaling), float(dropout_p), deterministic
         )
     return cast(torch.Tensor, y).reshape(*lead, weight.shape[0])
 

@@ -29,7 +29,7 @@ import contextvars
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -217,7 +217,7 @@ def fused_multi_lora_linear(
             across layers. Built here from the segment lists when None.
         deterministic: Sum ``dB``/``dS`` without atomics (run-to-run identical gradients, slower);
             None follows FusedLoRA's ``deterministic_mode()`` (``torch.use_deterministic_algorithms``
-            or ``LORAFUSION_DETERMINISTIC=1``).
+            or ``LORAFUSION_DETERMINISTIC=1``). A one-adapter batch passes it on to FusedLoRA.
 
     Returns:
         ``[..., N]`` in ``x.dtype``.
@@ -243,17 +243,20 @@ def fused_multi_lora_linear(
     if batch.total_tokens == 0:
         y = functional.linear(x2, weight, bias)
     elif only is not None:
-        y = _single_adapter(x2, weight, lora_a[only], lora_b[only], scales[only], ps[only], bias, seed)
+        y = _single_adapter(x2, weight, lora_a[only], lora_b[only], scales[only], ps[only], bias, seed, deterministic)
     elif runs_triton(x2):
         params = _AdapterParams(tuple(a.shape[0] for a in lora_a), scales, ps)
         a_cat = torch.cat([a.to(x.dtype) for a in lora_a], dim=0)
         b_cat = torch.cat([b.to(x.dtype) for b in lora_b], dim=1)
-        seed_t = _seed_for(seed, x2.device) if params.has_dropout else _device_params(params, x2.device).zero_seed
         if deterministic is None:
             deterministic = deterministic_mode()
-        y = _FusedMultiLoRA.apply(  # type: ignore[no-untyped-call]
-            x2, weight, bias, a_cat, b_cat, batch, params, seed_t, deterministic
-        )
+        if torch.compiler.is_compiling():
+            y = _compiled_forward(x2, weight, bias, a_cat, b_cat, batch, params, seed, deterministic)
+        else:
+            seed_t = _seed_for(seed, x2.device) if params.has_dropout else _device_params(params, x2.device).zero_seed
+            y = _FusedMultiLoRA.apply(  # type: ignore[no-untyped-call]
+                x2, weight, bias, a_cat, b_cat, seed_t, batch, params, deterministic
+            )
     else:
         y = _multi_lora_torch(x2, weight, lora_a, lora_b, batch, scales, ps, bias, seed)
     return y.reshape(*lead, weight.shape[0])
@@ -261,6 +264,44 @@ def fused_multi_lora_linear(
 
 def _seed_for(seed: int | None, device: torch.device) -> torch.Tensor:
     return draw_seed(device) if seed is None else seed_tensor(seed, device)
+
+
+def _compiled_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    a_cat: torch.Tensor,
+    b_cat: torch.Tensor,
+    batch: MultiLoRABatch,
+    params: _AdapterParams,
+    seed: int | None,
+    deterministic: bool,
+) -> torch.Tensor:
+    """The Triton path as ``torch.compile`` sees it: the ``lorafusion::fused_multi_lora_forward`` custom op.
+
+    The batch reaches the op as its host segment lists, which Dynamo guards on (a batch with other
+    segments recompiles once, then Dynamo makes the lengths dynamic); the op looks the batch's
+    device tables up by those lists, built once per distinct batch.
+    """
+    # Without dropout the seed is never read: a traced zeros op, not the cached tensor of `_device_params`.
+    no_seed = not params.has_dropout
+    seed_t = torch.zeros(1, dtype=torch.int64, device=x.device) if no_seed else _seed_for(seed, x.device)
+    y, _ = torch.ops.lorafusion.fused_multi_lora_forward(
+        x,
+        weight,
+        bias,
+        a_cat,
+        b_cat,
+        seed_t,
+        list(batch.segment_lengths),
+        list(batch.segment_adapters),
+        batch.num_adapters,
+        list(params.ranks),
+        list(params.scaling),
+        list(params.dropout_p),
+        deterministic,
+    )
+    return cast(torch.Tensor, y)
 
 
 def _single_adapter(
@@ -272,11 +313,14 @@ def _single_adapter(
     p: float,
     bias: torch.Tensor | None,
     seed: int | None,
+    deterministic: bool | None,
 ) -> torch.Tensor:
     """One adapter owns every token: FusedLoRA (row ``t`` of x is token ``t``, so the mask is the same)."""
     if a.shape[0] == 0:
         return functional.linear(x, weight, bias)
-    return fused_lora_linear(x, weight, a, b, scaling=scaling, dropout_p=p, bias=bias, seed=seed)
+    return fused_lora_linear(
+        x, weight, a, b, scaling=scaling, dropout_p=p, bias=bias, seed=seed, deterministic=deterministic
+    )
 
 
 def _multi_lora_torch(
@@ -313,8 +357,275 @@ def _multi_lora_torch(
     return y + torch.cat(pieces, dim=0)
 
 
+def _forward_core(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    a_cat: torch.Tensor,
+    b_cat: torch.Tensor,
+    seed: torch.Tensor,
+    batch: MultiLoRABatch,
+    params: _AdapterParams,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y [T, N], S' [T, BLOCK_R])`` of the Triton path; ``S'`` is what the backward needs besides ``x``."""
+    x = x.contiguous()
+    dev = _device_params(params, x.device)
+    s = multi_lora_shrink(
+        x,
+        a_cat.contiguous(),
+        batch,
+        block_r=params.block_r,
+        max_rank=params.max_rank,
+        ranks=dev.ranks,
+        thresholds=dev.thresholds,
+        s_scale=dev.s_scale,
+        seed=seed,
+        has_dropout=params.has_dropout,
+    )
+    y = multi_lora_linear(x, weight, bias, s, b_cat.contiguous(), batch, ranks=dev.ranks, max_rank=params.max_rank)
+    return y, s
+
+
+def _backward_core(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    a_cat: torch.Tensor,
+    b_cat: torch.Tensor,
+    s: torch.Tensor,
+    seed: torch.Tensor,
+    batch: MultiLoRABatch,
+    params: _AdapterParams,
+    need_dx: bool,
+    need_da: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx [T, K], dA_cat [R_tot, K], dB_cat [N, R_tot])``; ``dx``/``dA_cat`` are empty ``[0]`` when not needed."""
+    x, a_cat, b_cat = x.contiguous(), a_cat.contiguous(), b_cat.contiguous()
+    dev = _device_params(params, x.device)
+    dy = dy.contiguous()
+    if deterministic:
+        ds, db = _dys_dyb_by_segment(dy, b_cat, s, batch, params)
+    else:
+        ds, db = multi_lora_dys_dyb(dy, b_cat, s, batch, ranks=dev.ranks, scaling=dev.scaling, max_rank=params.max_rank)
+    dropout: dict[str, Any] = {
+        "max_rank": params.max_rank,
+        "ranks": dev.ranks,
+        "thresholds": dev.thresholds,
+        "inv_keep": dev.inv_keep,
+        "seed": seed,
+        "has_dropout": params.has_dropout,
+    }
+    dx = multi_lora_dyw_dsa(dy, weight, ds, a_cat, batch, **dropout) if need_dx else dy.new_empty(0)
+    da = multi_lora_dsx(ds, x, batch, r_tot=a_cat.shape[0], **dropout) if need_da else x.new_empty(0)
+    return dx, da, db.to(b_cat.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _batch_of(
+    segment_lengths: tuple[int, ...], segment_adapters: tuple[int, ...], num_adapters: int, device: torch.device
+) -> MultiLoRABatch:
+    """The batch a custom-op call describes by its segment lists; cached, so every layer reuses its tables."""
+    return MultiLoRABatch(segment_lengths, segment_adapters, num_adapters, device)
+
+
+def _op_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    a_cat: torch.Tensor,
+    b_cat: torch.Tensor,
+    seed: torch.Tensor,
+    segment_lengths: Sequence[int],
+    segment_adapters: Sequence[int],
+    num_adapters: int,
+    ranks: Sequence[int],
+    scaling: Sequence[float],
+    dropout_p: Sequence[float],
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lorafusion::fused_multi_lora_forward``: :func:`_forward_core` with the batch given as its segment lists.
+
+    ``deterministic`` is read by the backward only (its autograd context keeps it).
+    """
+    batch = _batch_of(tuple(segment_lengths), tuple(segment_adapters), num_adapters, x.device)
+    return _forward_core(
+        x, weight, bias, a_cat, b_cat, seed, batch, _AdapterParams(tuple(ranks), tuple(scaling), tuple(dropout_p))
+    )
+
+
+def _op_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    a_cat: torch.Tensor,
+    b_cat: torch.Tensor,
+    s: torch.Tensor,
+    seed: torch.Tensor,
+    segment_lengths: Sequence[int],
+    segment_adapters: Sequence[int],
+    num_adapters: int,
+    ranks: Sequence[int],
+    scaling: Sequence[float],
+    dropout_p: Sequence[float],
+    need_dx: bool,
+    need_da: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``lorafusion::fused_multi_lora_backward``: :func:`_backward_core` with the batch given as its segment lists."""
+    batch = _batch_of(tuple(segment_lengths), tuple(segment_adapters), num_adapters, x.device)
+    params = _AdapterParams(tuple(ranks), tuple(scaling), tuple(dropout_p))
+    return _backward_core(dy, x, weight, a_cat, b_cat, s, seed, batch, params, need_dx, need_da, deterministic)
+
+
+_SEGMENTS_SCHEMA = (
+    "int[] segment_lengths, int[] segment_adapters, int num_adapters, int[] ranks, float[] scaling, float[] dropout_p"
+)
+
+_multi_forward_op = torch.library.custom_op(
+    "lorafusion::fused_multi_lora_forward",
+    _op_forward,
+    mutates_args=(),
+    schema=f"(Tensor x, Tensor weight, Tensor? bias, Tensor a_cat, Tensor b_cat, Tensor seed, {_SEGMENTS_SCHEMA}, "
+    "bool deterministic) -> (Tensor, Tensor)",
+)
+
+
+@_multi_forward_op.register_fake
+def _op_forward_fake(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    a_cat: torch.Tensor,
+    b_cat: torch.Tensor,
+    seed: torch.Tensor,
+    segment_lengths: Sequence[int],
+    segment_adapters: Sequence[int],
+    num_adapters: int,
+    ranks: Sequence[int],
+    scaling: Sequence[float],
+    dropout_p: Sequence[float],
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    block_r = rank_block(max(1, *ranks))
+    return x.new_empty((x.shape[0], weight.shape[0])), x.new_empty((x.shape[0], block_r))
+
+
+_multi_backward_op = torch.library.custom_op(
+    "lorafusion::fused_multi_lora_backward",
+    _op_backward,
+    mutates_args=(),
+    schema="(Tensor dy, Tensor x, Tensor weight, Tensor a_cat, Tensor b_cat, Tensor s, Tensor seed, "
+    f"{_SEGMENTS_SCHEMA}, bool need_dx, bool need_da, bool deterministic) -> (Tensor, Tensor, Tensor)",
+)
+
+
+@_multi_backward_op.register_fake
+def _op_backward_fake(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    a_cat: torch.Tensor,
+    b_cat: torch.Tensor,
+    s: torch.Tensor,
+    seed: torch.Tensor,
+    segment_lengths: Sequence[int],
+    segment_adapters: Sequence[int],
+    num_adapters: int,
+    ranks: Sequence[int],
+    scaling: Sequence[float],
+    dropout_p: Sequence[float],
+    need_dx: bool,
+    need_da: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx = dy.new_empty((dy.shape[0], weight.shape[1])) if need_dx else dy.new_empty(0)
+    da = x.new_empty(a_cat.shape) if need_da else x.new_empty(0)
+    return dx, da, torch.empty_like(b_cat)
+
+
+def _save_for_backward(
+    ctx: Any,
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor],
+    s: torch.Tensor,
+    segments: tuple[tuple[int, ...], tuple[int, ...], int],
+    params: _AdapterParams,
+    deterministic: bool,
+) -> None:
+    """Saves ``x``, ``S'`` and the seed (no mask, no ``x_hat``).
+
+    Args:
+        ctx: The autograd context.
+        inputs: ``(x, W, bias, A_cat, B_cat, seed)``.
+        s: ``S' [T, BLOCK_R]`` from the forward.
+        segments: ``(segment_lengths, segment_adapters, num_adapters)`` of the batch.
+        params: Per-adapter ranks, scaling and p.
+        deterministic: Whether the backward avoids atomics.
+    """
+    x, weight, bias, a_cat, b_cat, seed = inputs
+    ctx.save_for_backward(x, weight, a_cat, b_cat, s, seed)
+    ctx.segments = segments
+    ctx.params = params
+    ctx.deterministic = deterministic
+    ctx.has_bias = bias is not None
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """``setup_context`` of ``lorafusion::fused_multi_lora_forward`` (inputs in its schema's order).
+
+    It also runs on fake tensors while AOTAutograd traces, so it builds no batch (no device tables).
+    """
+    x, weight, bias, a_cat, b_cat, seed, lengths, adapters, num_adapters, ranks, scaling, dropout_p, deterministic = (
+        inputs
+    )
+    segments = (tuple(lengths), tuple(adapters), num_adapters)
+    params = _AdapterParams(tuple(ranks), tuple(scaling), tuple(dropout_p))
+    _save_for_backward(ctx, (x, weight, bias, a_cat, b_cat, seed), output[1], segments, params, deterministic)
+
+
+def _backward(ctx: Any, dy: torch.Tensor, *_unused: Any, opaque: bool = True) -> tuple[torch.Tensor | None, ...]:
+    """Shared backward; ``opaque`` routes through the custom op (always, when AOTAutograd traces it)."""
+    x, weight, a_cat, b_cat, s, seed = ctx.saved_tensors
+    params: _AdapterParams = ctx.params
+    need_dx, need_da = bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[3])
+    if opaque:
+        lengths, adapters, num_adapters = ctx.segments
+        dx, da, db = torch.ops.lorafusion.fused_multi_lora_backward(
+            dy,
+            x,
+            weight,
+            a_cat,
+            b_cat,
+            s,
+            seed,
+            list(lengths),
+            list(adapters),
+            num_adapters,
+            list(params.ranks),
+            list(params.scaling),
+            list(params.dropout_p),
+            need_dx,
+            need_da,
+            ctx.deterministic,
+        )
+    else:
+        dx, da, db = _backward_core(
+            dy, x, weight, a_cat, b_cat, s, seed, ctx.batch, params, need_dx, need_da, ctx.deterministic
+        )
+    dw = dy.t().mm(x) if ctx.needs_input_grad[1] else None
+    dbias = dy.sum(dim=0, dtype=torch.float32).to(dy.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    grads = (dx if need_dx else None, dw, dbias, da if need_da else None, db if ctx.needs_input_grad[4] else None)
+    return grads + (None,) * (len(ctx.needs_input_grad) - len(grads))
+
+
 class _FusedMultiLoRA(torch.autograd.Function):
-    """Autograd of the Triton path; saves ``x``, ``S' = scaling * S`` and the seed (no mask, no ``x_hat``)."""
+    """Autograd of the Triton path for eager calls; saves ``x``, ``S' = scaling * S`` and the seed.
+
+    Eager calls use this Function, which takes the :class:`MultiLoRABatch` object itself (no Python
+    dispatch of a custom op, no lookup of the batch); under ``torch.compile`` the same forward and
+    backward run as the custom ops ``lorafusion::fused_multi_lora_forward`` / ``fused_multi_lora_backward``,
+    which take the batch as its segment lists.
+    """
 
     @staticmethod
     def forward(
@@ -324,62 +635,25 @@ class _FusedMultiLoRA(torch.autograd.Function):
         bias: torch.Tensor | None,
         a_cat: torch.Tensor,
         b_cat: torch.Tensor,
+        seed: torch.Tensor,
         batch: MultiLoRABatch,
         params: _AdapterParams,
-        seed: torch.Tensor,
         deterministic: bool,
     ) -> torch.Tensor:
-        x = x.contiguous()
-        a_cat = a_cat.contiguous()
-        b_cat = b_cat.contiguous()
-        dev = _device_params(params, x.device)
-        s = multi_lora_shrink(
-            x,
-            a_cat,
-            batch,
-            block_r=params.block_r,
-            max_rank=params.max_rank,
-            ranks=dev.ranks,
-            thresholds=dev.thresholds,
-            s_scale=dev.s_scale,
-            seed=seed,
-            has_dropout=params.has_dropout,
-        )
-        y = multi_lora_linear(x, weight, bias, s, b_cat, batch, ranks=dev.ranks, max_rank=params.max_rank)
-        ctx.save_for_backward(x, weight, a_cat, b_cat, s, seed)
+        """``y [T, N]``."""
+        y, s = _forward_core(x, weight, bias, a_cat, b_cat, seed, batch, params)
+        segments = (batch.segment_lengths, batch.segment_adapters, batch.num_adapters)
+        _save_for_backward(ctx, (x, weight, bias, a_cat, b_cat, seed), s, segments, params, deterministic)
         ctx.batch = batch
-        ctx.params = params
-        ctx.deterministic = deterministic
-        ctx.has_bias = bias is not None
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight, a_cat, b_cat, s, seed = ctx.saved_tensors
-        batch: MultiLoRABatch = ctx.batch
-        params: _AdapterParams = ctx.params
-        dev = _device_params(params, x.device)
-        dy = dy.contiguous()
-        if ctx.deterministic:
-            ds, db = _dys_dyb_by_segment(dy, b_cat, s, batch, params)
-        else:
-            ds, db = multi_lora_dys_dyb(
-                dy, b_cat, s, batch, ranks=dev.ranks, scaling=dev.scaling, max_rank=params.max_rank
-            )
-        dropout = {
-            "max_rank": params.max_rank,
-            "ranks": dev.ranks,
-            "thresholds": dev.thresholds,
-            "inv_keep": dev.inv_keep,
-            "seed": seed,
-            "has_dropout": params.has_dropout,
-        }
-        dx = multi_lora_dyw_dsa(dy, weight, ds, a_cat, batch, **dropout) if ctx.needs_input_grad[0] else None
-        da = multi_lora_dsx(ds, x, batch, r_tot=a_cat.shape[0], **dropout) if ctx.needs_input_grad[3] else None
-        dw = dy.t().mm(x) if ctx.needs_input_grad[1] else None
-        dbias = dy.sum(dim=0, dtype=torch.float32).to(dy.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        db_out = db.to(b_cat.dtype) if ctx.needs_input_grad[4] else None
-        return dx, dw, dbias, da, db_out, None, None, None, None
+        """``(dx, dW, dbias, dA_cat, dB_cat, None, ...)`` by the chain rule of the module docstring."""
+        return _backward(ctx, dy, opaque=False)
+
+
+_multi_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _dys_dyb_by_segment(
@@ -530,8 +804,9 @@ def peft_multi_lora_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: A
     its result when it is not None. It applies when :func:`multi_lora_batch` is active or PEFT passed
     ``adapter_names=`` (one name per row of ``x``; consecutive rows of one adapter form a segment).
     Eligible layers (plain ``nn.Linear`` base in ``x``'s dtype, no ``fan_in_fan_out``, no
-    ``lora_bias``, ranks the kernels take) run :func:`fused_multi_lora_linear`; others run a
-    per-segment eager loop with PEFT's own modules. DoRA and other LoRA variants, and merged
+    ``lora_bias``, ranks the kernels take) run :func:`fused_multi_lora_linear`; others, and calls
+    with extra arguments, run a per-segment eager loop with PEFT's own modules (the extra arguments
+    go to the base layer, as in PEFT's forward). DoRA and other LoRA variants, and merged
     adapters, are refused, as PEFT refuses them for mixed batches.
 
     Args:
@@ -687,21 +962,22 @@ def multi_lora_router(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -> An
     """Router for ``peft_integration``: claims the calls that carry mixed-adapter segments.
 
     Those are the calls made under :func:`multi_lora_batch` or with PEFT's ``adapter_names=``; any
-    other call returns None, so the next router (single adapter) decides.
+    other call returns None, so the next router (single adapter) decides. The route takes the
+    call's extra arguments (passed on to the base layer, as PEFT does): PEFT's own forward would
+    apply the one active adapter to every segment.
     """
     from lorafusion_kernels.peft_integration import Route
 
-    adapter_names = kwargs.get("adapter_names")
-    if adapter_names is None and _ACTIVE.get() is None:
+    if kwargs.get("adapter_names") is None and _ACTIVE.get() is None:
         return None
+    return Route(_routed_forward, extra_args=True)
 
-    def routed(module: Any, inputs: torch.Tensor) -> torch.Tensor:
-        extra = {} if adapter_names is None else {"adapter_names": adapter_names}
-        out = peft_multi_lora_forward(module, inputs, **extra)
-        assert out is not None
-        return out
 
-    return Route(routed)
+def _routed_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """:func:`peft_multi_lora_forward` for a call that :func:`multi_lora_router` claimed (never None)."""
+    out = peft_multi_lora_forward(layer, x, *args, **kwargs)
+    assert out is not None, "multi_lora_router claimed a call without multi-adapter routing"
+    return out
 
 
 def _unpatched_guard(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
@@ -709,11 +985,17 @@ def _unpatched_guard(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
 
     Inside :func:`multi_lora_batch` their output (PEFT's active adapter on every token) would be
     wrong, so it is replaced by the per-segment result, or refused for LoRA layer types other than
-    ``lora.Linear``.
+    ``lora.Linear``. This includes layers whose ``forward`` hooks (e.g. accelerate's) wrapped before
+    patching: the forward hook still sees the call's arguments.
     """
-    if kwargs.get("adapter_names") is not None or _ACTIVE.get() is None or "forward" in vars(module):
+    if kwargs.get("adapter_names") is not None or _ACTIVE.get() is None:
         return None
     from peft.tuners.lora.layer import Linear
+
+    from lorafusion_kernels.peft_integration import is_patched
+
+    if is_patched(module):
+        return None
 
     if type(module) is not Linear:
         raise LoRAFusionKernelsError(
@@ -728,15 +1010,16 @@ def install_peft_mixed_batches(model: nn.Module) -> None:
 
     Called by ``patch_peft_model`` after it patched the layers: registers :func:`multi_lora_router`
     (asked before the single-adapter router), lets PEFT's ``adapter_names=`` through in training
-    mode, and hooks the LoRA layers left unpatched so that they never compute a silent wrong
-    result inside :func:`multi_lora_batch`. Calling it twice is harmless.
+    mode, and hooks the LoRA layers left unpatched (whatever the reason, a ``forward`` already
+    wrapped by hooks included) so that they never compute a silent wrong result inside
+    :func:`multi_lora_batch`. Calling it twice is harmless.
 
     Args:
         model: A ``PeftModel`` or a module holding PEFT LoRA layers.
     """
     from peft.tuners.lora.layer import LoraLayer
 
-    from lorafusion_kernels.peft_integration import register_router
+    from lorafusion_kernels.peft_integration import is_patched, register_router
 
     register_router(multi_lora_router)
     lora_model = _lora_model(model)
@@ -744,7 +1027,7 @@ def install_peft_mixed_batches(model: nn.Module) -> None:
         original = lora_model._enable_peft_forward_hooks
         lora_model._enable_peft_forward_hooks = functools.partial(_mixed_batch_hooks, lora_model, original)
     for module in model.modules():
-        if isinstance(module, LoraLayer) and "forward" not in vars(module) and not hasattr(module, _GUARD_HOOKS):
+        if isinstance(module, LoraLayer) and not is_patched(module) and not hasattr(module, _GUARD_HOOKS):
             handle = module.register_forward_hook(_unpatched_guard, with_kwargs=True)
             setattr(module, _GUARD_HOOKS, handle)
 

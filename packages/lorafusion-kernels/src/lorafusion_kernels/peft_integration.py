@@ -51,10 +51,15 @@ class Route:
         forward: ``(layer, x) -> y`` computing the layer fused, or None for PEFT's own forward.
         reason: Why PEFT's path is taken (warned once); None for a silent fallback (adapters
             disabled or merged, where PEFT's path is already the plain base layer).
+        extra_args: Whether ``forward`` also takes the call's extra positional and keyword
+            arguments, as ``forward(layer, x, *args, **kwargs)``. A route without them serves only
+            calls that have none; other calls run PEFT's own forward, so a route for which PEFT's
+            forward would be wrong (mixed-adapter segments) must set this.
     """
 
-    forward: Callable[[Any, torch.Tensor], torch.Tensor] | None
+    forward: Callable[..., torch.Tensor] | None
     reason: str | None = None
+    extra_args: bool = False
 
 
 Router = Callable[[Any, torch.Tensor, dict[str, Any]], Route | None]
@@ -140,12 +145,22 @@ def _patched_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> t
         route = router(self, x, kwargs)
         if route is not None:
             break
-    if route is None or route.forward is None or args:
-        if route is not None and route.reason is not None:
-            _warn_once(route.reason)
-        peft_forward: Callable[..., torch.Tensor] = type(self).forward
-        return peft_forward(self, x, *args, **kwargs)
-    return route.forward(self, x)
+    if route is not None and route.forward is not None:
+        if route.extra_args:
+            return route.forward(self, x, *args, **kwargs)
+        if not args and not kwargs:
+            return route.forward(self, x)
+        # Extra arguments are meant for the base layer, which PEFT's forward passes them to.
+        _warn_once("calls with extra arguments for the base layer")
+    elif route is not None and route.reason is not None:
+        _warn_once(route.reason)
+    peft_forward: Callable[..., torch.Tensor] = type(self).forward
+    return peft_forward(self, x, *args, **kwargs)
+
+
+def is_patched(module: nn.Module) -> bool:
+    """Whether :func:`patch_peft_model` routed ``module`` through the patched forward."""
+    return bool(getattr(module, _PATCHED, False))
 
 
 def _lora_linear_class() -> type[nn.Module]:
