@@ -1,46 +1,65 @@
 """Tokens/s of the trainer's microbatch loop on a random-weight preset, 4 jobs on the Het workload.
 
-Forward + backward (no optimizer) over packed microbatches of 4,096 tokens (the capacity):
+Forward + backward (no optimizer) over packed microbatches of at most 4,096 tokens (the capacity),
+four ways through the same samples:
 
 * ``frozen``: the joint plan's microbatches through the base model alone, gradients through the
   activations only (the floor);
 * ``peft-sequential``: each job alone, as a plain HF + PEFT loop would train the four one after
-  another: the job's own plan (single-adapter microbatches), plain PEFT LoRA layers;
-* ``peft-mixed``: the joint plan's mixed microbatches with plain PEFT, one pass per adapter segment
-  (PEFT refuses mixed batches in training);
-* ``lorafusion``: the joint plan, one pass per mixed microbatch through lorafusion-kernels.
+  another: the job's own plan (single-adapter microbatches), PEFT's own LoRA layers;
+* ``peft-mixed``: the joint plan's mixed microbatches with PEFT's own LoRA layers, one pass per
+  adapter segment (PEFT refuses mixed batches in training);
+* ``lorafusion``: the joint plan, one pass per mixed microbatch through lorafusion-kernels (the
+  model is patched for this mode only: the PEFT modes never run a fused kernel).
 
-Every microbatch runs once untimed first (kernels compile and tune per token count). Then, with
-``--trainer``, the full trainer (optimizer steps included) on the same config, end to end.
+Every mode times every microbatch of its plan, so every mode times every sample of the run, the
+same real tokens (checked, and reported per mode); ``--samples`` sets the size of the run. Each
+mode first runs each distinct microbatch shape once untimed (kernels compile and tune per shape),
+then ``--repeats`` timed passes with the modes interleaved (frozen, peft-sequential, peft-mixed,
+lorafusion, frozen, ...), the device synchronised around each pass. The report gives the median
+tokens/s per mode, the min and max over the repeats and the peak memory of the timed passes.
+With ``--trainer``, the full trainer (optimizer steps included) then runs the same config end to
+end, and the report says how many distinct microbatch token counts it ran.
 
     python packages/lorafusion-megatron/benchmarks/bench_trainer.py --preset llama-3.1-8b --out bench.json
-    python packages/lorafusion-megatron/benchmarks/bench_trainer.py --preset tiny --device cpu --capacity 512 \\
-        --length-scale 0.05 --microbatches 4   # a smoke test on a CPU
+    python packages/lorafusion-megatron/benchmarks/bench_trainer.py --preset tiny --device cpu --dtype float32 \\
+        --capacity 512 --length-scale 0.05 --samples 16 --global-batch-size 4   # a smoke test on a CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
-import math
 import platform
+import statistics
+import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+import lorafusion_kernels
 from lorafusion_megatron.config import TrainerConfig, parse_config
 from lorafusion_megatron.data.job_data import JobData
 from lorafusion_megatron.model import attach_adapters, build_base_model, resolve_attn_implementation
 from lorafusion_megatron.packing import PackedBatch, pack_microbatch
-from lorafusion_megatron.planning import make_plan
+from lorafusion_megatron.planning import make_plan, plan_from_json
 from lorafusion_megatron.runner import MicrobatchRunner
 from lorafusion_megatron.trainer import Trainer, prepare_data
+from lorafusion_sched.models import Plan
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 HET = ("xsum", "cnndm", "wikisum", "mixed")
+MODES = ("frozen", "peft-sequential", "peft-mixed", "lorafusion")
 
 
-def het_config(args: argparse.Namespace, output: Path) -> dict:
+def het_config(args: argparse.Namespace, output: Path) -> dict[str, Any]:
     return {
         "output_dir": str(output),
         "base_model": {"model_name_or_path": args.preset, "dtype": args.dtype, "attn_implementation": args.attn},
@@ -62,17 +81,38 @@ def het_config(args: argparse.Namespace, output: Path) -> dict:
     }
 
 
-def packed(config: TrainerConfig, data: dict[str, JobData], count: int, device: torch.device):
-    """The first ``count`` non-no-op microbatches of ``config``'s plan, packed, and their denominators."""
+@dataclass
+class Workload:
+    """The packed microbatches a mode runs, their loss denominators and the samples they hold."""
+
+    batches: list[PackedBatch] = field(default_factory=list)
+    denominators: dict[tuple[str, int], int] = field(default_factory=dict)
+    samples: set[tuple[str, int]] = field(default_factory=set)
+
+    @property
+    def tokens(self) -> int:
+        return sum(batch.num_tokens for batch in self.batches)
+
+    def extend(self, other: Workload) -> None:
+        self.batches += other.batches
+        self.denominators |= other.denominators
+        self.samples |= other.samples
+
+
+def planned(config: TrainerConfig, data: dict[str, JobData], device: torch.device) -> tuple[Plan, Workload]:
+    """``config``'s plan and every non-no-op microbatch of it, packed."""
     plan = make_plan(config, data)
-    chosen = [mb for mb in plan.microbatches if not mb.noop][:count]
-    batches = [pack_microbatch(mb, data).to(device) for mb in chosen]
-    denominators = {
-        (seg.adapter, seg.global_batch): data[seg.adapter].global_batch_targets(seg.global_batch)
-        for mb in chosen
-        for seg in mb.segments
-    }
-    return plan, batches, denominators
+    chosen = [mb for mb in plan.microbatches if not mb.noop]
+    segments = [seg for mb in chosen for seg in mb.segments]
+    work = Workload(
+        batches=[pack_microbatch(mb, data).to(device) for mb in chosen],
+        denominators={
+            (seg.adapter, seg.global_batch): data[seg.adapter].global_batch_targets(seg.global_batch)
+            for seg in segments
+        },
+        samples={(seg.adapter, sample) for seg in segments for sample in seg.samples},
+    )
+    return plan, work
 
 
 def synchronize(device: torch.device) -> None:
@@ -80,30 +120,119 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def time_mode(mode: str, model, runner_args: dict, batches: list[PackedBatch], denominators, device) -> dict:
-    """Run every batch once untimed, then time them all."""
-    runner = MicrobatchRunner(model, fused=mode == "lorafusion", **runner_args)
+def shape(batch: PackedBatch) -> tuple[int, ...]:
+    """What the kernels of every mode see of a microbatch: its segments' token counts."""
+    return tuple(span.length for span in batch.segments)
 
-    def one_pass() -> None:
-        for batch in batches:
-            if mode == "frozen":
-                with model.disable_adapter():
-                    runner.forward_backward(batch, denominators)
-            else:
-                runner.forward_backward(batch, denominators)
-        model.zero_grad(set_to_none=True)
 
-    one_pass()
-    synchronize(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    one_pass()
-    synchronize(device)
-    seconds = time.perf_counter() - start
-    tokens = sum(batch.num_tokens for batch in batches)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "peak_gib": peak}
+class ModeRun:
+    """One mode's microbatches through the shared model, untimed (warm-up) or timed."""
+
+    def __init__(
+        self, mode: str, model: PeftModel, runner_args: dict[str, Any], work: Workload, device: torch.device
+    ) -> None:
+        self.mode = mode
+        self.model = model
+        self.runner_args = runner_args
+        self.work = work
+        self.device = device
+        self.warmup = list({shape(batch): batch for batch in work.batches}.values())
+        self.seconds: list[float] = []
+        self.peaks: list[float] = []
+
+    def _run(self, batches: list[PackedBatch]) -> float:
+        fused = self.mode == "lorafusion"
+        if fused:
+            lorafusion_kernels.patch_peft_model(self.model)
+        else:
+            lorafusion_kernels.unpatch_peft_model(self.model)
+        # A fresh runner: the one of the mode run before may have left other adapters active.
+        runner = MicrobatchRunner(self.model, fused=fused, **self.runner_args)
+        adapters = self.model.disable_adapter() if self.mode == "frozen" else contextlib.nullcontext()
+        synchronize(self.device)
+        start = time.perf_counter()
+        with adapters:
+            for batch in batches:
+                runner.forward_backward(batch, self.work.denominators)
+        synchronize(self.device)
+        seconds = time.perf_counter() - start
+        self.model.zero_grad(set_to_none=True)
+        return seconds
+
+    def warm_up(self) -> None:
+        self._run(self.warmup)
+
+    def timed(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        self.seconds.append(self._run(self.work.batches))
+        if self.device.type == "cuda":
+            self.peaks.append(torch.cuda.max_memory_allocated() / 2**30)
+
+    def result(self) -> dict[str, Any]:
+        tokens = self.work.tokens
+        rates = [tokens / seconds for seconds in self.seconds]
+        median = statistics.median(rates)
+        return {
+            "tokens": tokens,
+            "samples": len(self.work.samples),
+            "microbatches": len(self.work.batches),
+            "warmup_microbatches": len(self.warmup),
+            "seconds": statistics.median(self.seconds),
+            "seconds_per_repeat": self.seconds,
+            "tokens_per_s": median,
+            "tokens_per_s_median": median,
+            "tokens_per_s_min": min(rates),
+            "tokens_per_s_max": max(rates),
+            "peak_gib": max(self.peaks) if self.peaks else None,
+        }
+
+
+def time_modes(
+    args: argparse.Namespace, config: TrainerConfig, joint: Workload, sequential: Workload, device: torch.device
+) -> dict[str, dict[str, Any]]:
+    """Warm every mode up, then time ``args.repeats`` passes of each, the modes interleaved."""
+    base = build_base_model(config.base_model, device=device, seed=0, activation_checkpointing=args.checkpointing)
+    # The frozen floor needs a gradient path through the activations.
+    base.enable_input_require_grads()  # type: ignore[no-untyped-call]
+    model = attach_adapters(base, config.jobs, seed=0, name_or_path=args.preset)
+    runner_args = {
+        "adapters": [job.name for job in config.jobs],
+        "attn_implementation": resolve_attn_implementation(config.base_model.attn_implementation, device),
+        "dtype": getattr(torch, args.dtype),
+    }
+    runs = [
+        ModeRun(mode, model, runner_args, sequential if mode == "peft-sequential" else joint, device) for mode in MODES
+    ]
+    for run in runs:
+        run.warm_up()
+    for _ in range(args.repeats):
+        for run in runs:
+            run.timed()
+    return {run.mode: run.result() for run in runs}
+
+
+def run_trainer(args: argparse.Namespace, device: torch.device, warmed_token_counts: set[int]) -> dict[str, Any]:
+    """The whole trainer, end to end, on the same config; and the microbatch token counts it ran."""
+    with tempfile.TemporaryDirectory(prefix="bench-trainer-") as output:
+        config = parse_config(het_config(args, Path(output)))
+        gc.collect()  # the modes' model: the kernels' PEFT hooks hold it in a reference cycle
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        result = Trainer(config).train()
+        plan = plan_from_json((Path(output) / "plan.json").read_text(encoding="utf-8"))
+    token_counts = {mb.tokens for mb in plan.microbatches if not mb.noop}
+    tokens = sum(job.tokens for job in result.state.jobs.values())
+    return {
+        "tokens": tokens,
+        "seconds": result.state.seconds,
+        "tokens_per_s": tokens / result.state.seconds,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "microbatches": result.state.position,
+        "distinct_token_counts": len(token_counts),
+        "distinct_token_counts_not_warmed": len(token_counts - warmed_token_counts),
+    }
 
 
 def main() -> None:
@@ -112,66 +241,48 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--capacity", type=int, default=4096)
-    parser.add_argument("--samples", type=int, default=64, help="samples per job")
+    parser.add_argument("--samples", type=int, default=64, help="samples per job: every one is timed in every mode")
     parser.add_argument("--length-scale", type=float, default=1.0, help="scales the synthetic lengths")
     parser.add_argument("--global-batch-size", type=int, default=16)
-    parser.add_argument("--microbatches", type=int, default=16, help="microbatches timed per mode")
+    parser.add_argument("--repeats", type=int, default=3, help="timed passes per mode, the modes interleaved")
     parser.add_argument("--attn", default="auto")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--trainer", action="store_true", help="also time the full trainer end to end")
     parser.add_argument("--out", type=Path, default=Path("bench_trainer.json"))
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
 
     import peft
     import transformers
 
-    import lorafusion_kernels
-
     device = torch.device(args.device)
-    config = parse_config(het_config(args, Path("/tmp/bench-trainer")))
+    config = parse_config(het_config(args, Path(tempfile.gettempdir()) / "bench-trainer"))
     data = prepare_data(config).jobs
-    plan, batches, denominators = packed(config, data, args.microbatches, device)
-    alone = [config.model_copy(update={"jobs": [job]}) for job in config.jobs]
-    per_job = math.ceil(args.microbatches / len(alone))
-    sequential: list[PackedBatch] = []
-    sequential_denominators: dict[tuple[str, int], int] = {}
-    for single in alone:
-        _, job_batches, job_denominators = packed(
-            single, {single.jobs[0].name: data[single.jobs[0].name]}, per_job, device
-        )
-        sequential += job_batches
-        sequential_denominators |= job_denominators
+    plan, joint = planned(config, data, device)
+    sequential = Workload()
+    sequential_microbatches = 0
+    for job in config.jobs:
+        job_plan, work = planned(config.model_copy(update={"jobs": [job]}), {job.name: data[job.name]}, device)
+        sequential_microbatches += len(job_plan.microbatches)
+        sequential.extend(work)
+    if sequential.samples != joint.samples:
+        raise SystemExit("the jobs' own plans and the joint plan hold different samples: no comparison possible")
 
-    base = build_base_model(config.base_model, device=device, seed=0, activation_checkpointing=args.checkpointing)
-    base.enable_input_require_grads()  # the frozen floor needs a gradient path through the activations
-    model = attach_adapters(base, config.jobs, seed=0, name_or_path=args.preset)
-    lorafusion_kernels.patch_peft_model(model)
-    runner_args = {
-        "adapters": [job.name for job in config.jobs],
-        "attn_implementation": resolve_attn_implementation(config.base_model.attn_implementation, device),
-        "dtype": getattr(torch, args.dtype),
-    }
-    results = {
-        "frozen": time_mode("frozen", model, runner_args, batches, denominators, device),
-        "peft-sequential": time_mode("peft", model, runner_args, sequential, sequential_denominators, device),
-        "peft-mixed": time_mode("peft", model, runner_args, batches, denominators, device),
-        "lorafusion": time_mode("lorafusion", model, runner_args, batches, denominators, device),
-    }
+    results = time_modes(args, config, joint, sequential, device)
     for mode, r in results.items():
         peak = "" if r["peak_gib"] is None else f"  peak {r['peak_gib']:.1f} GiB"
-        print(f"{mode:>16}: {r['tokens_per_s']:>9,.0f} tokens/s{peak}")
+        print(
+            f"{mode:>16}: {r['tokens_per_s']:>9,.0f} tokens/s median of {args.repeats} "
+            f"({r['tokens_per_s_min']:,.0f} to {r['tokens_per_s_max']:,.0f}), {r['tokens']:,} tokens{peak}"
+        )
     if args.trainer:
-        del model, base
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        result = Trainer(config).train()
-        tokens = sum(j.tokens for j in result.state.jobs.values())
-        results["trainer"] = {
-            "tokens": tokens,
-            "seconds": result.state.seconds,
-            "tokens_per_s": tokens / result.state.seconds,
-        }
-        print(f"{'trainer':>16}: {tokens / result.state.seconds:>9,.0f} tokens/s, {result.state.position} microbatches")
+        r = results["trainer"] = run_trainer(args, device, {batch.num_tokens for batch in joint.batches})
+        print(
+            f"{'trainer':>16}: {r['tokens_per_s']:>9,.0f} tokens/s, {r['microbatches']} microbatches, "
+            f"{r['distinct_token_counts']} distinct token counts, "
+            f"{r['distinct_token_counts_not_warmed']} of them not warmed up by the modes above"
+        )
     report = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "versions": {
@@ -181,9 +292,14 @@ def main() -> None:
             "peft": peft.__version__,
             "lorafusion_kernels": lorafusion_kernels.__version__,
         },
-        "attn_implementation": runner_args["attn_implementation"],
+        "attn_implementation": resolve_attn_implementation(config.base_model.attn_implementation, device),
         "args": {k: str(v) for k, v in vars(args).items()},
-        "plan": {"microbatches": plan.stats.num_microbatches, "fill_ratio": plan.stats.fill_ratio},
+        "method": {"repeats": args.repeats, "order": list(MODES), "timed": "every microbatch of each mode's plan"},
+        "plan": {
+            "microbatches": plan.stats.num_microbatches,
+            "fill_ratio": plan.stats.fill_ratio,
+            "sequential_microbatches": sequential_microbatches,
+        },
         "results": results,
     }
     args.out.write_text(json.dumps(report, indent=2, sort_keys=True))

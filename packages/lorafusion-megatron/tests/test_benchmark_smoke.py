@@ -10,14 +10,23 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "bench_trainer.py"
+MODES = {"frozen", "peft-sequential", "peft-mixed", "lorafusion"}
 
 
 @pytest.mark.slow
 def test_bench_trainer_runs_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     args = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--capacity", "512", "--length-scale", "0.05"]
-    args += ["--samples", "16", "--global-batch-size", "4", "--microbatches", "4", "--trainer", "--out", str(out)]
+    args += ["--samples", "8", "--global-batch-size", "4", "--repeats", "2", "--trainer", "--out", str(out)]
     subprocess.run([sys.executable, str(SCRIPT), *args], check=True, cwd=tmp_path, capture_output=True)
     results = json.loads(out.read_text())["results"]
-    assert set(results) == {"frozen", "peft-sequential", "peft-mixed", "lorafusion", "trainer"}
+    assert set(results) == MODES | {"trainer"}
     assert all(r["tokens_per_s"] > 0 for r in results.values())
+    # Every mode times the same samples, so the same tokens; the trainer runs them too.
+    assert len({r["tokens"] for r in results.values()}) == 1
+    assert len({results[mode]["samples"] for mode in MODES}) == 1
+    for mode in MODES:
+        r = results[mode]
+        assert len(r["seconds_per_repeat"]) == 2
+        assert r["tokens_per_s_min"] <= r["tokens_per_s_median"] == r["tokens_per_s"] <= r["tokens_per_s_max"]
+    assert results["trainer"]["distinct_token_counts"] >= 1
