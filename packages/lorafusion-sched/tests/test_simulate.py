@@ -62,3 +62,11 @@ def test_data_parallel_simulation_runs() -> None:
     p = plan(jobs, PlanOptions(capacity=4096, pipeline_stages=2, data_parallel=2, use_milp=False))
     result = simulate(p)
     assert all(r.makespan_s > 0 for r in result.runs)
+
+
+def test_single_stage_has_no_negative_bubble() -> None:
+    jobs = synthetic_jobs("mixed", 96, num_adapters=3, global_batch_size=8, seed=2)
+    p = plan(jobs, PlanOptions(capacity=4096, pipeline_stages=1, use_milp=False))
+    for run in simulate(p).runs:
+        assert all(ratio >= 0.0 for ratio in run.bubble_ratio_per_stage), run
+        assert run.bubble_ratio >= 0.0

@@ -187,7 +187,9 @@ def _mlora_pipelines(plan: Plan, per_mb: dict[str, int]) -> list[list[list[_Item
 
 def _stats(name: str, pipelines: list[list[list[_Item]]], plan: Plan, cost: CostModel, tokens: int) -> RunStats:
     makespan, busy = run_sequences(pipelines, plan.pipeline_stages, cost)
-    per_stage = tuple(1.0 - b / makespan if makespan > 0 else 0.0 for b in busy)
+    # A stage is never busy longer than the makespan; max() only removes rounding below zero,
+    # which printed as "-0.0%" for a single-stage pipeline.
+    per_stage = tuple(max(0.0, 1.0 - b / makespan) if makespan > 0 else 0.0 for b in busy)
     return RunStats(
         name=name,
         num_microbatches=sum(len(seq) for p in pipelines for seq in p),
