@@ -7,6 +7,7 @@ The folder holds ``adapter_config.json`` and ``adapter_model.safetensors`` exact
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -71,4 +72,17 @@ def save_adapter(model: PeftModel, adapter: str, directory: Path) -> None:
             for item in Path(tmp).iterdir():
                 if item != written:
                     os.replace(item, written / item.name)
+        _sort_target_modules(written / "adapter_config.json")
         replace_dir(written, directory)
+
+
+def _sort_target_modules(config_file: Path) -> None:
+    """Rewrite ``config_file`` with ``target_modules`` sorted.
+
+    PEFT keeps them in a set, whose order differs per process, so the same adapter would otherwise
+    be written differently by different runs or pipeline ranks.
+    """
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    if isinstance(config.get("target_modules"), list):
+        config["target_modules"] = sorted(config["target_modules"])
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
