@@ -9,7 +9,8 @@ from lorafusion_kernels.__about__ import __version__
 from lorafusion_kernels.errors import LoRAFusionKernelsError, LoRAFusionKernelsWarning
 from lorafusion_kernels.lora import FusedLoRALinear, fused_lora_linear
 from lorafusion_kernels.metadata import MultiLoRABatch
-from lorafusion_kernels.multi_lora import fused_multi_lora_linear, multi_lora_batch, multi_lora_checkpoint_contexts
+from lorafusion_kernels.multi_lora import fused_multi_lora_linear
+from lorafusion_kernels.multi_lora_routing import multi_lora_batch, multi_lora_checkpoint_contexts
 from lorafusion_kernels.peft_integration import patch_peft_model, unpatch_peft_model
 
 __all__ = [

@@ -36,7 +36,7 @@ from torch import nn
 from lorafusion_kernels._kernels._common import runs_triton
 from lorafusion_kernels.errors import LoRAFusionKernelsWarning
 from lorafusion_kernels.lora import SUPPORTED_DTYPES, fused_lora_linear
-from lorafusion_kernels.multi_lora import install_peft_mixed_batches, uninstall_peft_mixed_batches
+from lorafusion_kernels.multi_lora_routing import install_peft_mixed_batches, uninstall_peft_mixed_batches
 
 __all__ = ["Route", "patch_peft_model", "register_router", "unpatch_peft_model"]
 

@@ -1,0 +1,415 @@
+"""Mixed-adapter microbatches through PEFT models: the runtime hook and the PEFT routing.
+
+:func:`multi_lora_batch` tells every PEFT ``lora.Linear`` of a model patched with
+``patch_peft_model`` that its tokens are consecutive segments of several adapters, and routes them
+through :func:`~lorafusion_kernels.multi_lora.fused_multi_lora_linear`. The same routing serves
+PEFT's own ``adapter_names=`` mixed batches, which PEFT itself refuses in training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lorafusion_kernels._kernels._common import runs_triton
+from lorafusion_kernels.errors import LoRAFusionKernelsError
+from lorafusion_kernels.metadata import MultiLoRABatch
+from lorafusion_kernels.multi_lora import fused_multi_lora_linear
+
+__all__ = [
+    "BASE_ADAPTER",
+    "install_peft_mixed_batches",
+    "multi_lora_batch",
+    "multi_lora_checkpoint_contexts",
+    "multi_lora_router",
+    "peft_multi_lora_forward",
+    "uninstall_peft_mixed_batches",
+]
+
+BASE_ADAPTER = "__base__"
+"""PEFT's name for "no adapter" in ``adapter_names``: those tokens get the frozen layer only."""
+
+
+@dataclass
+class _Routing:
+    batch: MultiLoRABatch
+    adapter_names: tuple[str, ...]
+    on_device: dict[torch.device, MultiLoRABatch]
+
+    def batch_on(self, device: torch.device) -> MultiLoRABatch:
+        if device not in self.on_device:
+            self.on_device[device] = self.batch.to(device)
+        return self.on_device[device]
+
+
+_ACTIVE: contextvars.ContextVar[_Routing | None] = contextvars.ContextVar("lorafusion_multi_lora_batch", default=None)
+
+
+@contextlib.contextmanager
+def multi_lora_batch(batch: MultiLoRABatch, adapter_names: Sequence[str]) -> Iterator[MultiLoRABatch]:
+    """Route every patched PEFT ``lora.Linear`` through FusedMultiLoRA for one microbatch's forward.
+
+    Inside the block, each PEFT ``lora.Linear`` of a model patched with
+    :func:`lorafusion_kernels.patch_peft_model` flattens its input ``[..., K]`` to ``[T, K]`` (``T``
+    must equal ``batch.total_tokens``, else :class:`LoRAFusionKernelsError`) and treats it as the
+    batch's segments: segment ``j`` uses the PEFT adapter named
+    ``adapter_names[batch.segment_adapters[j]]`` with that layer's own ``lora_A``/``lora_B``
+    weights, ``scaling`` and ``lora_dropout`` p (p applies only while the layer is in training mode).
+    The name ``"__base__"``, or an adapter that a layer does not have, means "frozen layer only" for
+    those tokens (as in PEFT's ``adapter_names=``). Works in training and eval mode, on CPU (plain
+    torch) and CUDA fp16/bf16 (Triton). Autograd saves what the backward needs: the context is needed
+    only while the forward runs, so ``loss.backward()`` may run after the block.
+
+    Trainer usage (one microbatch, adapters of the run listed once in a fixed order)::
+
+        batch = MultiLoRABatch.from_segments(lengths, adapter_ids, num_adapters=len(names), device="cuda")
+        with lorafusion_kernels.multi_lora_batch(batch, names):
+            logits = model(input_ids=packed_ids, position_ids=position_ids)  # [1, T] packed tokens
+        loss.backward()
+
+    Recomputed forwards (activation checkpointing) must see the same segments: pass
+    ``context_fn=multi_lora_checkpoint_contexts`` to ``torch.utils.checkpoint.checkpoint``
+    (``use_reentrant=False``), which replays the routing that was active at forward time; with HF
+    models: ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+    "context_fn": multi_lora_checkpoint_contexts})``.
+
+    Args:
+        batch: The microbatch's segments, built once with :meth:`MultiLoRABatch.from_segments`.
+        adapter_names: PEFT adapter name of each adapter index (at least ``batch.num_adapters`` names).
+
+    Yields:
+        ``batch``.
+
+    Raises:
+        LoRAFusionKernelsError: Fewer names than the batch's adapters.
+    """
+    names = tuple(adapter_names)
+    if isinstance(adapter_names, str) or len(names) < batch.num_adapters:
+        raise LoRAFusionKernelsError(
+            f"adapter_names must list one PEFT adapter name per adapter index "
+            f"({batch.num_adapters} needed), got {adapter_names!r}"
+        )
+    token = _ACTIVE.set(_Routing(batch, names, {batch.device: batch}))
+    try:
+        yield batch
+    finally:
+        _ACTIVE.reset(token)
+
+
+def multi_lora_checkpoint_contexts() -> tuple[
+    contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]
+]:
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint``: the recomputation sees the same segments.
+
+    Called by the checkpoint at forward time, it captures the routing active then (if any) and
+    re-enters it around the recomputation in the backward, when :func:`multi_lora_batch` has long
+    exited (and another microbatch's routing may be active)::
+
+        torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False, context_fn=multi_lora_checkpoint_contexts)
+
+    Returns:
+        ``(forward context, recompute context)``.
+    """
+    return contextlib.nullcontext(), _reenter(_ACTIVE.get())
+
+
+@contextlib.contextmanager
+def _reenter(routing: _Routing | None) -> Iterator[None]:
+    token = _ACTIVE.set(routing)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _rows_to_batch(x: torch.Tensor, adapter_names: Sequence[str]) -> tuple[MultiLoRABatch, tuple[str, ...]]:
+    """PEFT's per-sample ``adapter_names`` (one per row of ``x [B, ..., K]``) as consecutive segments."""
+    rows = x.shape[0] if x.dim() >= 2 else 0
+    if len(adapter_names) != rows:
+        raise LoRAFusionKernelsError(
+            f"Length of `adapter_names` should be the same as the number of inputs, but got "
+            f"{len(adapter_names)} and {rows} respectively."
+        )
+    names = tuple(dict.fromkeys(adapter_names))
+    index = {name: i for i, name in enumerate(names)}
+    per_row = x.numel() // (rows * x.shape[-1]) if x.shape[-1] else 0
+    return _row_batch(tuple(index[n] for n in adapter_names), per_row, x.device, len(names)), names
+
+
+@functools.lru_cache(maxsize=64)
+def _row_batch(row_adapters: tuple[int, ...], per_row: int, device: torch.device, num_adapters: int) -> MultiLoRABatch:
+    lengths: list[int] = []
+    adapters: list[int] = []
+    for a in row_adapters:
+        if adapters and adapters[-1] == a:
+            lengths[-1] += per_row
+        else:
+            lengths.append(per_row)
+            adapters.append(a)
+    return MultiLoRABatch.from_segments(lengths, adapters, num_adapters=num_adapters, device=device)
+
+
+def peft_multi_lora_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """The routed forward of a PEFT ``lora.Linear``, or None when no multi-adapter routing applies.
+
+    The patched ``lora.Linear.forward`` calls this first, for every layer (fused or not), and returns
+    its result when it is not None. It applies when :func:`multi_lora_batch` is active or PEFT passed
+    ``adapter_names=`` (one name per row of ``x``; consecutive rows of one adapter form a segment).
+    Eligible layers (plain ``nn.Linear`` base in ``x``'s dtype, no ``fan_in_fan_out``, no
+    ``lora_bias``, ranks the kernels take) run :func:`fused_multi_lora_linear`; others, and calls
+    with extra arguments, run a per-segment eager loop with PEFT's own modules (the extra arguments
+    go to the base layer, as in PEFT's forward). DoRA and other LoRA variants, and merged
+    adapters, are refused, as PEFT refuses them for mixed batches.
+
+    Args:
+        layer: A PEFT ``lora.Linear``.
+        x: Its input ``[..., K]``.
+        *args: Extra positional arguments of the forward (passed to the base layer).
+        **kwargs: Extra keyword arguments; ``adapter_names`` is consumed here.
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``, or None.
+
+    Raises:
+        LoRAFusionKernelsError: Token count differs from the batch, too few names, DoRA/variants, or
+            merged adapters.
+    """
+    adapter_names = kwargs.pop("adapter_names", None)
+    if adapter_names is not None:
+        batch, names = _rows_to_batch(x, adapter_names)
+    else:
+        routing = _ACTIVE.get()
+        if routing is None:
+            return None
+        batch, names = routing.batch_on(x.device), routing.adapter_names
+    if layer.disable_adapters:
+        frozen: torch.Tensor = layer.base_layer(x, *args, **kwargs)
+        return frozen
+    if layer.merged:
+        raise LoRAFusionKernelsError("mixed-adapter batches need unmerged adapters: call `unmerge_adapter()` first")
+    k_in = x.shape[-1]
+    tokens = x.numel() // k_in if k_in else 0
+    if tokens != batch.total_tokens:
+        raise LoRAFusionKernelsError(
+            f"{type(layer).__name__} got {tokens} tokens (input {list(x.shape)}) but the multi-LoRA batch "
+            f"holds {batch.total_tokens}; every LoRA layer inside `multi_lora_batch` must see the packed tokens"
+        )
+    present = [_layer_adapter(layer, names[a]) for a in range(batch.num_adapters)]
+    for name in filter(None, present):
+        if layer.use_dora.get(name, False) or name in getattr(layer, "lora_variant", {}):
+            raise LoRAFusionKernelsError(
+                f"adapter {name!r} uses DoRA or another LoRA variant, which mixed-adapter batches do not support"
+            )
+    if _fusable(layer, x, present, args, kwargs):
+        return _fused_layer_forward(layer, x, batch, present)
+    return _eager_layer_forward(layer, x, batch, present, args, kwargs)
+
+
+def _layer_adapter(layer: Any, name: str) -> str | None:
+    """``name`` if this layer holds that adapter, else None (base only, as PEFT does)."""
+    return name if name != BASE_ADAPTER and name in layer.lora_A else None
+
+
+def _dropout_p(layer: Any, name: str) -> float:
+    drop = layer.lora_dropout[name]
+    return float(drop.p) if isinstance(drop, nn.Dropout) and drop.training else 0.0
+
+
+def _fusable(
+    layer: Any, x: torch.Tensor, present: list[str | None], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> bool:
+    base = layer.base_layer
+    if args or kwargs or type(base) is not nn.Linear or getattr(layer, "fan_in_fan_out", False):
+        return False
+    if base.weight.dtype != x.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    if torch.is_autocast_enabled(x.device.type):
+        return False
+    if runs_triton(x) and not x.is_cuda and x.dtype == torch.bfloat16:
+        return False
+    for name in filter(None, present):
+        if layer.lora_B[name].bias is not None:
+            return False
+        if not isinstance(layer.lora_dropout[name], nn.Dropout | nn.Identity):
+            return False
+        if runs_triton(x) and layer.r[name] > 128:
+            return False
+    return True
+
+
+def _fused_layer_forward(layer: Any, x: torch.Tensor, batch: MultiLoRABatch, present: list[str | None]) -> torch.Tensor:
+    k_in = x.shape[-1]
+    base = layer.base_layer
+    lora_a, lora_b, scaling, ps = [], [], [], []
+    for name in present:
+        if name is None:
+            lora_a.append(x.new_zeros(0, k_in))
+            lora_b.append(x.new_zeros(base.out_features, 0))
+            scaling.append(0.0)
+            ps.append(0.0)
+        else:
+            lora_a.append(layer.lora_A[name].weight.to(x.dtype))
+            lora_b.append(layer.lora_B[name].weight.to(x.dtype))
+            scaling.append(float(layer.scaling[name]))
+            ps.append(_dropout_p(layer, name))
+    return fused_multi_lora_linear(
+        x, base.weight, lora_a, lora_b, scaling=scaling, dropout_p=ps, bias=base.bias, batch=batch
+    )
+
+
+def _eager_layer_forward(
+    layer: Any,
+    x: torch.Tensor,
+    batch: MultiLoRABatch,
+    present: list[str | None],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """PEFT's own modules, one segment at a time (what ``_mixed_batch_forward`` does per sample)."""
+    result = layer.base_layer(x, *args, **kwargs)
+    flat_x = x.reshape(-1, x.shape[-1])
+    out_features = result.shape[-1]
+    pieces = []
+    for start, length, adapter in batch.nonempty_segments():
+        name = present[adapter]
+        if name is None:
+            pieces.append(result.new_zeros(length, out_features))
+            continue
+        lora_a = layer.lora_A[name]
+        xs = flat_x[start : start + length].to(lora_a.weight.dtype)
+        delta = layer.lora_B[name](lora_a(layer.lora_dropout[name](xs))) * layer.scaling[name]
+        pieces.append(delta.to(result.dtype))
+    out: torch.Tensor = result + torch.cat(pieces, dim=0).reshape(result.shape)
+    return out
+
+
+@contextlib.contextmanager
+def _mixed_batch_hooks(lora_model: Any, original: Any, *args: Any, **kwargs: Any) -> Iterator[None]:
+    """``LoraModel._enable_peft_forward_hooks`` that also admits ``adapter_names=`` in training mode.
+
+    PEFT refuses per-sample adapters in training only because its ``_mixed_batch_forward`` is an
+    inference path; the patched layers route them through FusedMultiLoRA (or a per-segment loop)
+    with dropout and gradients, so the check is skipped while PEFT registers its per-layer hooks.
+    """
+    if kwargs.get("adapter_names") is None or not lora_model.training:
+        with original(*args, **kwargs):
+            yield
+        return
+    lora_model.training = False
+    try:
+        hooks = original(*args, **kwargs)
+        hooks.__enter__()
+    finally:
+        lora_model.training = True
+    try:
+        yield
+    finally:
+        hooks.__exit__(None, None, None)
+
+
+_GUARD_HOOKS = "_lorafusion_mixed_batch_guards"
+
+
+def multi_lora_router(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+    """Router for ``peft_integration``: claims the calls that carry mixed-adapter segments.
+
+    Those are the calls made under :func:`multi_lora_batch` or with PEFT's ``adapter_names=``; any
+    other call returns None, so the next router (single adapter) decides. The route takes the
+    call's extra arguments (passed on to the base layer, as PEFT does): PEFT's own forward would
+    apply the one active adapter to every segment.
+    """
+    from lorafusion_kernels.peft_integration import Route
+
+    if kwargs.get("adapter_names") is None and _ACTIVE.get() is None:
+        return None
+    return Route(_routed_forward, extra_args=True)
+
+
+def _routed_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """:func:`peft_multi_lora_forward` for a call that :func:`multi_lora_router` claimed (never None)."""
+    out = peft_multi_lora_forward(layer, x, *args, **kwargs)
+    assert out is not None, "multi_lora_router claimed a call without multi-adapter routing"
+    return out
+
+
+def _unpatched_guard(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+    """Forward hook on the LoRA layers that ``patch_peft_model`` left alone.
+
+    Inside :func:`multi_lora_batch` their output (PEFT's active adapter on every token) would be
+    wrong, so it is replaced by the per-segment result, or refused for LoRA layer types other than
+    ``lora.Linear``. This includes layers whose ``forward`` hooks (e.g. accelerate's) wrapped before
+    patching: the forward hook still sees the call's arguments.
+    """
+    if kwargs.get("adapter_names") is not None or _ACTIVE.get() is None:
+        return None
+    from peft.tuners.lora.layer import Linear
+
+    from lorafusion_kernels.peft_integration import is_patched
+
+    if is_patched(module):
+        return None
+
+    if type(module) is not Linear:
+        raise LoRAFusionKernelsError(
+            f"{type(module).__name__} LoRA layers cannot route multi_lora_batch segments; "
+            "target only linear layers with the adapters trained in mixed batches"
+        )
+    return peft_multi_lora_forward(module, *args, **kwargs)
+
+
+def install_peft_mixed_batches(model: nn.Module) -> None:
+    """Route mixed-adapter batches of a PEFT model: :func:`multi_lora_batch` and ``adapter_names=``.
+
+    Called by ``patch_peft_model`` after it patched the layers: registers :func:`multi_lora_router`
+    (asked before the single-adapter router), lets PEFT's ``adapter_names=`` through in training
+    mode, and hooks the LoRA layers left unpatched (whatever the reason, a ``forward`` already
+    wrapped by hooks included) so that they never compute a silent wrong result inside
+    :func:`multi_lora_batch`. Calling it twice is harmless.
+
+    Args:
+        model: A ``PeftModel`` or a module holding PEFT LoRA layers.
+    """
+    from peft.tuners.lora.layer import LoraLayer
+
+    from lorafusion_kernels.peft_integration import is_patched, register_router
+
+    register_router(multi_lora_router)
+    lora_model = _lora_model(model)
+    if lora_model is not None and "_enable_peft_forward_hooks" not in vars(lora_model):
+        original = lora_model._enable_peft_forward_hooks
+        lora_model._enable_peft_forward_hooks = functools.partial(_mixed_batch_hooks, lora_model, original)
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and not is_patched(module) and not hasattr(module, _GUARD_HOOKS):
+            handle = module.register_forward_hook(_unpatched_guard, with_kwargs=True)
+            setattr(module, _GUARD_HOOKS, handle)
+
+
+def uninstall_peft_mixed_batches(model: nn.Module) -> None:
+    """Undo :func:`install_peft_mixed_batches` on ``model`` (called by ``unpatch_peft_model``)."""
+    lora_model = _lora_model(model)
+    if lora_model is not None and "_enable_peft_forward_hooks" in vars(lora_model):
+        del lora_model._enable_peft_forward_hooks
+    for module in model.modules():
+        handle = getattr(module, _GUARD_HOOKS, None)
+        if handle is not None:
+            handle.remove()
+            delattr(module, _GUARD_HOOKS)
+
+
+def _lora_model(model: nn.Module) -> Any:
+    """The PEFT ``LoraModel`` of ``model`` (itself or its ``base_model``), or None."""
+    try:
+        from peft.tuners.lora import LoraModel
+    except ImportError:
+        return None
+    for candidate in (model, getattr(model, "base_model", None)):
+        if isinstance(candidate, LoraModel):
+            return candidate
+    return None
