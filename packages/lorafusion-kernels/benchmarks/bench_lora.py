@@ -188,6 +188,24 @@ def summarize(rows: list[dict[str, object]], field: str = "fwd_bwd_ms") -> dict[
     }
 
 
+def provenance(script: str, argv: list[str] | None) -> dict[str, object]:
+    """Device, GPU key, versions, date and command line: the header of every results file."""
+    name = torch.cuda.get_device_name()
+    return {
+        "device": name,
+        "gpu_key": gpu_key(name),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "cuda": torch.version.cuda,
+            "lorafusion_kernels": lorafusion_kernels.__version__,
+        },
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+        "command": " ".join([script, *(argv if argv is not None else sys.argv[1:])]),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments, run the grid, write ``<out>/<gpu-key>.json``."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -204,17 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = run(layers, args.m, args.providers, args.r, args.p, args.rep, not args.no_graphs)
     name = torch.cuda.get_device_name()
     result = {
-        "device": name,
-        "gpu_key": gpu_key(name),
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "cuda": torch.version.cuda,
-            "lorafusion_kernels": lorafusion_kernels.__version__,
-        },
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
-        "command": " ".join(["bench_lora.py", *(argv if argv is not None else sys.argv[1:])]),
+        **provenance("bench_lora.py", argv),
         "summary": {
             "fwd_bwd": summarize(rows),
             "fwd_bwd_graph": summarize(rows, "fwd_bwd_graph_ms"),

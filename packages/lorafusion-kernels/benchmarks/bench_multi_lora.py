@@ -20,20 +20,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
-import platform
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import triton
-from bench_lora import LAYERS, M_VALUES, saved_bytes
+from bench_lora import LAYERS, M_VALUES, provenance, saved_bytes
 from triton.testing import do_bench
 
-import lorafusion_kernels
 from lorafusion_kernels import MultiLoRABatch, fused_lora_linear, fused_multi_lora_linear
 from lorafusion_kernels.reference import per_segment_lora_linear
 from lorafusion_kernels.tuning.config import KernelConfig, ShapeKey, lookup_config, override_configs
@@ -295,17 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = run(layers, args.m, args.adapters, args.distributions, providers, args.r, args.p, args.rep)
     name = torch.cuda.get_device_name()
     result = {
-        "device": name,
-        "gpu_key": gpu_key(name),
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "cuda": torch.version.cuda,
-            "lorafusion_kernels": lorafusion_kernels.__version__,
-        },
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
-        "command": " ".join(["bench_multi_lora.py", *(argv if argv is not None else sys.argv[1:])]),
+        **provenance("bench_multi_lora.py", argv),
         "summary": {"fwd_bwd": summarize(rows), "fwd": summarize(rows, "fwd_ms")},
         "kernel_breakdown_ms": kernel_times,
         "rows": rows,
