@@ -10,9 +10,13 @@ The virtualenv + pip backend is deliberate: pip finds the CPU build of torch on 
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import os
 import re
+import shutil
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import assert_never
 
@@ -90,6 +94,21 @@ def _version(package: Package) -> Version:
     return Version(match.group(1))
 
 
+@contextlib.contextmanager
+def _venv_removed_afterwards(session: nox.Session) -> Iterator[None]:
+    """Delete the session's virtualenv when the session ends, passed or failed.
+
+    Four sessions hold torch + triton (about 2.5 GB each) and nox recreates every venv on the next
+    run anyway, so keeping them only fills the disk: a CI run once died of "No space left on device".
+    Set ``LORAFUSION_KEEP_NOX_VENVS=1`` to keep them for ``nox -r`` while iterating.
+    """
+    try:
+        yield
+    finally:
+        if not os.environ.get("LORAFUSION_KEEP_NOX_VENVS"):
+            shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+
+
 def _pytest(session: nox.Session, package: Package, *extra: str) -> None:
     session.run("pytest", str(package.path / "tests"), *extra, *session.posargs, env=package.test_env)
 
@@ -103,6 +122,11 @@ def _pytest(session: nox.Session, package: Package, *extra: str) -> None:
 @nox.parametrize("package", list(Package), ids=[p.value for p in Package])
 def tests(session: nox.Session, package: Package) -> None:
     """One package alone: a fresh venv with only that package and its declared dependencies."""
+    with _venv_removed_afterwards(session):
+        _test_alone(session, package)
+
+
+def _test_alone(session: nox.Session, package: Package) -> None:
     session.install(*CPU_CONSTRAINTS, *nox.project.dependency_groups(PYPROJECT, "test"))
     # Siblings come from the tree (they are not on an index in development); the package itself is
     # installed as a built wheel, not editable, so a file missing from the wheel fails here.
@@ -118,11 +142,12 @@ def tests(session: nox.Session, package: Package) -> None:
 @nox.session(tags=["tests"])
 def tests_together(session: nox.Session) -> None:
     """All three packages in one venv: every package's tests, then ``integration-tests/``."""
-    session.install(*CPU_CONSTRAINTS, *nox.project.dependency_groups(PYPROJECT, "test"))
-    session.install(*CPU_CONSTRAINTS, *[arg for p in Package for arg in ("-e", p.editable_spec)])
-    for package in Package:
-        _pytest(session, package, "-m", "not slow")
-    session.run("pytest", str(ROOT / "integration-tests"), "-m", "not slow", *session.posargs)
+    with _venv_removed_afterwards(session):
+        session.install(*CPU_CONSTRAINTS, *nox.project.dependency_groups(PYPROJECT, "test"))
+        session.install(*CPU_CONSTRAINTS, *[arg for p in Package for arg in ("-e", p.editable_spec)])
+        for package in Package:
+            _pytest(session, package, "-m", "not slow")
+        session.run("pytest", str(ROOT / "integration-tests"), "-m", "not slow", *session.posargs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -141,9 +166,10 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """Mypy over every package's ``src/`` (strict for the scheduler)."""
-    session.install(*CPU_CONSTRAINTS, *nox.project.dependency_groups(PYPROJECT, "typing"))
-    session.install(*CPU_CONSTRAINTS, *[arg for p in Package for arg in ("-e", str(p.path))])
-    session.run("mypy", *[str(p.path / "src") for p in Package])
+    with _venv_removed_afterwards(session):
+        session.install(*CPU_CONSTRAINTS, *nox.project.dependency_groups(PYPROJECT, "typing"))
+        session.install(*CPU_CONSTRAINTS, *[arg for p in Package for arg in ("-e", str(p.path))])
+        session.run("mypy", *[str(p.path / "src") for p in Package])
 
 
 @nox.session
