@@ -30,9 +30,11 @@ from bench_lora import LAYERS, M_VALUES, provenance, saved_bytes
 from triton.testing import do_bench
 
 from lorafusion_kernels import MultiLoRABatch, fused_lora_linear, fused_multi_lora_linear
+from lorafusion_kernels._kernels import multi_lora_bwd, multi_lora_fwd
 from lorafusion_kernels.reference import per_segment_lora_linear
 from lorafusion_kernels.tuning.config import KernelConfig, ShapeKey, lookup_config, override_configs
 from lorafusion_kernels.tuning.device import capability, device_name, gpu_key
+from lorafusion_kernels.tuning.launches import LayerProblem, multi_adapter_launches
 
 ADAPTER_COUNTS = [1, 2, 4, 8]
 DISTRIBUTIONS = ["even", "skewed"]
@@ -100,10 +102,10 @@ def make_provider(
 
 
 def tma_overrides(m: int, n: int, k: int, r: int) -> dict[str, KernelConfig]:
-    """The looked-up configs of the two GEMMs (FusedLoRA's, shared by FusedMultiLoRA) with ``tma=True``."""
+    """The looked-up configs of FusedMultiLoRA's two GEMMs with ``tma=True``."""
     index = torch.cuda.current_device()
     out = {}
-    for kernel in ("xw_sb", "dyw_dsa"):
+    for kernel in (multi_lora_fwd.LINEAR_KERNEL, multi_lora_bwd.DX_KERNEL):
         key = ShapeKey(m=m, n=n, k=k, r=r, dtype="bfloat16")
         cfg = lookup_config(kernel, key, device_name=device_name(index), capability=capability(index))
         out[kernel] = dataclasses.replace(cfg, tma=True)
@@ -220,47 +222,26 @@ def summarize(rows: list[dict[str, object]], field: str = "fwd_bwd_ms") -> dict[
     }
 
 
-def breakdown(m: int, n: int, k: int, r: int, p: float, lengths: list[int], rep: int) -> dict[str, float]:
-    """Median ms of each FusedMultiLoRA kernel alone (and the frozen GEMMs), for one problem."""
-    from lorafusion_kernels._kernels import multi_lora_bwd, multi_lora_fwd
-    from lorafusion_kernels.multi_lora import _AdapterParams, _device_params
+def breakdown(m: int, n: int, k: int, r: int, p: float, adapters: int, rep: int) -> dict[str, float]:
+    """Median ms of each FusedMultiLoRA kernel alone (looked-up configs) and of the frozen GEMMs.
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    dtype = torch.bfloat16
-    x = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
-    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) / math.sqrt(k)
-    dy = torch.randn(m, n, device="cuda", dtype=dtype, generator=gen)
-    count = len(lengths)
-    a_cat = torch.randn(r * count, k, device="cuda", dtype=dtype, generator=gen) / math.sqrt(k)
-    b_cat = torch.randn(n, r * count, device="cuda", dtype=dtype, generator=gen) / math.sqrt(r)
-    batch = MultiLoRABatch.from_segments(lengths, list(range(count)), device="cuda")
-    params = _AdapterParams(ranks=(r,) * count, scaling=(2.0,) * count, dropout_p=(p,) * count)
-    dev = _device_params(params, x.device)
-    seed = torch.zeros(1, dtype=torch.int64, device="cuda")
-    drop = {"ranks": dev.ranks, "thresholds": dev.thresholds, "seed": seed, "has_dropout": p > 0.0}
-    common = {"block_r": params.block_r, "max_rank": r}
-    s = multi_lora_fwd.multi_lora_shrink(x, a_cat, batch, s_scale=dev.s_scale, **common, **drop)
-    ds, _ = multi_lora_bwd.multi_lora_dys_dyb(dy, b_cat, s, batch, ranks=dev.ranks, scaling=dev.scaling, max_rank=r)
+    The kernels run on the tuner's inputs (:mod:`lorafusion_kernels.tuning.launches`): ``adapters``
+    adapters of rank ``r`` splitting the ``m`` tokens evenly.
+    """
+    problem = LayerProblem(m=m, n=n, k=k, r=r, dtype=torch.bfloat16, p=p, adapters=adapters, device="cuda")
+    x = torch.randn(m, k, device="cuda", dtype=problem.dtype)
+    w = torch.randn(n, k, device="cuda", dtype=problem.dtype)
+    dy = torch.randn(m, n, device="cuda", dtype=problem.dtype)
     kernels: dict[str, Callable[[], object]] = {
         "frozen_fwd": lambda: torch.nn.functional.linear(x, w),
         "frozen_dx": lambda: dy @ w,
-        "shrink": lambda: multi_lora_fwd.multi_lora_shrink(x, a_cat, batch, s_scale=dev.s_scale, **common, **drop),
-        "xw_sb": lambda: multi_lora_fwd.multi_lora_linear(x, w, None, s, b_cat, batch, ranks=dev.ranks, max_rank=r),
-        "dys_dyb": lambda: multi_lora_bwd.multi_lora_dys_dyb(
-            dy, b_cat, s, batch, ranks=dev.ranks, scaling=dev.scaling, max_rank=r
-        ),
-        "dsx": lambda: multi_lora_bwd.multi_lora_dsx(
-            ds, x, batch, r_tot=r * count, max_rank=r, inv_keep=dev.inv_keep, **drop
-        ),
-        "dyw_dsa": lambda: multi_lora_bwd.multi_lora_dyw_dsa(
-            dy, w, ds, a_cat, batch, max_rank=r, inv_keep=dev.inv_keep, **drop
-        ),
+        **{name: launch(None) for name, launch in multi_adapter_launches(problem).items()},
     }
     out = {}
     for name, fn in kernels.items():
         fn()
         out[name] = round(float(do_bench(fn, warmup=25, rep=rep, return_mode="median")), 5)
-        print(f"breakdown m={m} n={n} k={k} adapters={count} {name:10s} {out[name]:8.4f} ms", flush=True)
+        print(f"breakdown m={m} n={n} k={k} adapters={adapters} {name:14s} {out[name]:8.4f} ms", flush=True)
     return out
 
 
@@ -285,8 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.breakdown:
         _, n, k = layers[0]
         for count in [c for c in args.adapters if c > 1]:
-            lengths = segment_lengths(args.m[0], count, "even")
-            kernel_times[f"adapters={count}"] = breakdown(args.m[0], n, k, args.r, args.p, lengths, args.rep)
+            kernel_times[f"adapters={count}"] = breakdown(args.m[0], n, k, args.r, args.p, count, args.rep)
     rows = run(layers, args.m, args.adapters, args.distributions, providers, args.r, args.p, args.rep)
     name = torch.cuda.get_device_name()
     result = {

@@ -2,6 +2,11 @@
 # One device call: environment, GPU tests, Triton API probe, benchmark, tuner. Writes logs/JSON to $OUT.
 #   STAGES="tests tune bench" (default all, run in that order); TEST_K (a pytest -k expression),
 #   TUNE_ARGS, BENCH_ARGS (passed through); *_TIMEOUT (seconds per stage).
+# A device call ends after 600 s: run the tune stage alone (STAGES=tune). By default it tunes the
+# FusedMultiLoRA kernels (multi_*) on LLaMa-3.1-8B's layers, M = 4K and 8K, r = 16, merged into
+# this GPU's shipped file: $OUT/configs/<gpu-key>.json is the file to commit. The tuner starts no
+# new shape after TUNE_LIMIT seconds (default 400) and prints each winner, the time of the config
+# the kernel launches with now, and the elapsed time.
 # Run from the repository root; the package is used from source (PYTHONPATH), not installed.
 set -uo pipefail
 export PYTHONPATH="$PWD/packages/lorafusion-kernels/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -33,8 +38,14 @@ if [[ " $STAGES " == *" tests "* ]]; then
     ${TEST_K:+-k "$TEST_K"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
 fi
 if [[ " $STAGES " == *" tune "* ]]; then
-  timeout "${TUNE_TIMEOUT:-200}" python3 -m lorafusion_kernels.tuning --out "$OUT/configs" ${TUNE_ARGS:-} 2>&1 \
-    | tee "$OUT/tune.log" | tail -30
+  key=$(python3 -c "import torch; from lorafusion_kernels.tuning import gpu_key; print(gpu_key(torch.cuda.get_device_name()))")
+  shipped="packages/lorafusion-kernels/src/lorafusion_kernels/configs/$key.json"
+  multi="multi_xa multi_xw_sb multi_dys_dyb multi_dsx multi_dyw_dsa"
+  started=$SECONDS
+  timeout "${TUNE_TIMEOUT:-540}" python3 -m lorafusion_kernels.tuning --out "$OUT/configs" \
+    ${TUNE_ARGS:---models llama-3.1-8b --m 4096 8192 --r 16 --kernels $multi --time-limit ${TUNE_LIMIT:-400} --merge $shipped} \
+    2>&1 | tee "$OUT/tune.log" | tail -60
+  echo "tune stage: $((SECONDS - started)) s" | tee -a "$OUT/tune.log"
 fi
 if [[ " $STAGES " == *" bench "* ]]; then
   # Benchmark with the configs just tuned, if any.

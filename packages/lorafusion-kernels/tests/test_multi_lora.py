@@ -202,7 +202,7 @@ def test_kernels_match_reference(case: Case, dtype: torch.dtype) -> None:
 def test_tma_kernels_match_reference() -> None:
     """The sm_90 variants of the two GEMMs (TMA descriptors), which the interpreter also runs."""
     tma = KernelConfig(block_m=32, block_n=32, block_k=32, group_m=4, num_warps=4, num_stages=1, tma=True)
-    with override_configs({"xw_sb": tma, "dyw_dsa": tma}):
+    with override_configs({"multi_xw_sb": tma, "multi_dyw_dsa": tma}):
         check_against_reference(dataclasses.replace(MIXED, k=40, n=48), torch.float32)
 
 

@@ -1,4 +1,4 @@
-"""Every shipped ``configs/<gpu-key>.json`` validates and covers every single-adapter kernel."""
+"""Every shipped ``configs/<gpu-key>.json`` validates, covers every FusedLoRA kernel and serves the multi kernels."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from lorafusion_kernels.tuning import ConfigFile, gpu_key
+from lorafusion_kernels.tuning import ConfigFile, clear_caches, gpu_key, lookup_config
 from lorafusion_kernels.tuning.config import dumps
+from lorafusion_kernels.tuning.launches import MULTI_ADAPTER_KERNELS, SINGLE_ADAPTER_KERNELS
 
 CONFIG_DIR = Path(str(importlib.resources.files("lorafusion_kernels") / "configs"))
 FILES = sorted(CONFIG_DIR.glob("*.json"))
-SINGLE_ADAPTER_KERNELS = {"xa", "xw_sb", "dys_dyb", "dsx", "dyw_dsa"}
 
 
 def test_h100_and_h200_are_shipped():
@@ -26,8 +26,28 @@ def test_config_file_is_valid_and_canonical(path):
     text = path.read_text()
     parsed = ConfigFile.from_json(json.loads(text), where=str(path))
     assert parsed.device_key == path.stem == gpu_key(parsed.device_name)
-    assert set(parsed.kernels) >= SINGLE_ADAPTER_KERNELS
+    assert set(parsed.kernels) >= set(SINGLE_ADAPTER_KERNELS)
+    assert set(parsed.kernels) <= {*SINGLE_ADAPTER_KERNELS, *MULTI_ADAPTER_KERNELS}
     assert text == dumps(parsed), "written by the tuner's deterministic writer (sorted, stable format)"
     for name, table in parsed.kernels.items():
         for entry in table.entries:
             assert entry.ms > 0, (name, entry)
+
+
+@pytest.mark.parametrize("path", FILES, ids=[f.stem for f in FILES])
+def test_every_multi_adapter_kernel_resolves(path, monkeypatch):
+    """Each FusedMultiLoRA kernel gets a config at every tuned FusedLoRA shape: its own, or FusedLoRA's."""
+    import lorafusion_kernels.multi_lora  # noqa: F401  (imports the multi kernels, which register their fallbacks)
+
+    monkeypatch.delenv("LORAFUSION_KERNELS_CONFIG_DIR", raising=False)
+    clear_caches()
+    parsed = ConfigFile.from_json(json.loads(path.read_text()), where=str(path))
+    for multi in MULTI_ADAPTER_KERNELS:
+        single = multi.removeprefix("multi_")
+        for entry in parsed.kernels[single].entries:
+            found = lookup_config(multi, entry.key, device_name=parsed.device_name)
+            if multi in parsed.kernels:
+                assert found in {e.config for e in parsed.kernels[multi].entries} | {entry.config}
+            else:
+                assert found == entry.config, "no table of its own: FusedLoRA's config for the shape"
+    clear_caches()

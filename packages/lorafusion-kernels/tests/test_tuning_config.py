@@ -1,7 +1,8 @@
-"""Launch configs as data: validation, deterministic files, lookup order, overrides (CPU only, no GPU)."""
+"""Launch configs as data: validation, deterministic files, lookup order and fallbacks, overrides (CPU, no GPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 
@@ -20,6 +21,7 @@ from lorafusion_kernels.tuning import (
     override_configs,
 )
 from lorafusion_kernels.tuning.config import dumps
+from lorafusion_kernels.tuning.tune import merge
 
 GEMM_A = KernelConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
 GEMM_B = KernelConfig(block_m=64, block_n=128, block_k=32, num_warps=4, num_stages=4, tma=True)
@@ -145,3 +147,86 @@ def test_kernel_config_is_frozen_and_keyword_only():
         GEMM_A.block_m = 64  # type: ignore[misc]
     with pytest.raises(LoRAFusionKernelsError, match=">= 16"):
         KernelConfig(block_m=8, block_n=16, block_k=16)
+
+
+MULTI = KernelConfig(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=4, tma=True)
+MULTI_DEFAULT = KernelConfig(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+def with_multi_table(base: ConfigFile) -> ConfigFile:
+    """``base`` plus a ``multi_xw_sb`` table tuned at one shape (m = 8192, n = k = 4096, r = 16)."""
+    table = KernelTable(default=MULTI_DEFAULT, entries=(TunedEntry(key=key(8192), config=MULTI, ms=0.5),))
+    return dataclasses.replace(base, kernels={**base.kernels, "multi_xw_sb": table})
+
+
+@pytest.fixture
+def multi_config_dir(tmp_path, monkeypatch):
+    import lorafusion_kernels._kernels.multi_lora_fwd  # noqa: F401  (registers multi_xw_sb -> xw_sb)
+
+    (tmp_path / "nvidia_test_gpu.json").write_text(dumps(with_multi_table(sample_file())))
+    monkeypatch.setenv("LORAFUSION_KERNELS_CONFIG_DIR", str(tmp_path))
+    clear_caches()
+    yield tmp_path
+    clear_caches()
+
+
+def test_multi_kernel_own_entry_then_fusedlora_entry_then_defaults(multi_config_dir):
+    def find(k: ShapeKey) -> KernelConfig:
+        return lookup_config("multi_xw_sb", k, device_name="NVIDIA Test GPU")
+
+    assert find(key(8192)) == MULTI
+    assert find(key(1024)) == MULTI, "its own entry for (n, k, r, dtype) at the nearest m comes first"
+    assert find(key(4096, n=14336)) == GEMM_C, "no multi entry for this layer: FusedLoRA's entry for it"
+    assert find(key(4096, r=64)) == MULTI_DEFAULT, "no entry of either kernel: the multi kernel's own default"
+    assert lookup_config("xw_sb", key(8192), device_name="NVIDIA Test GPU") == GEMM_B, "FusedLoRA's is untouched"
+
+
+def test_multi_kernel_without_a_table_gets_fusedlora_configs(config_dir):
+    """Files written before the multi kernels had tables (the shipped ones) keep giving FusedLoRA's configs."""
+    import lorafusion_kernels._kernels.multi_lora_fwd  # noqa: F401
+
+    for k in (key(8192), key(1024), key(5000), key(4096, n=14336), key(4096, r=64)):
+        single = lookup_config("xw_sb", k, device_name="NVIDIA Test GPU")
+        assert lookup_config("multi_xw_sb", k, device_name="NVIDIA Test GPU") == single
+
+
+def test_multi_kernel_missing_with_its_fallback_warns_and_uses_the_fallback_heuristic(config_dir):
+    import lorafusion_kernels._kernels.multi_lora_fwd  # noqa: F401
+
+    with pytest.warns(LoRAFusionKernelsWarning, match="'multi_xa' \\(nor for its fallback 'xa'\\)"):
+        found = lookup_config("multi_xa", key(4096), device_name="NVIDIA Test GPU", capability=(9, 0))
+    assert found == lookup_config("xa", key(4096), device_name=None, capability=(9, 0))
+    assert lookup_config("multi_xa", key(64), device_name=None) == lookup_config("xa", key(64), device_name=None)
+
+
+def test_override_is_by_exact_kernel_name(multi_config_dir):
+    with override_configs({"xw_sb": GEMM_A}):
+        assert lookup_config("multi_xw_sb", key(8192), device_name="NVIDIA Test GPU") == MULTI
+    with override_configs({"multi_xw_sb": GEMM_A}):
+        assert lookup_config("multi_xw_sb", key(8192), device_name="NVIDIA Test GPU") == GEMM_A
+        assert lookup_config("xw_sb", key(8192), device_name="NVIDIA Test GPU") == GEMM_B
+
+
+def test_tuned_multi_entry_round_trips_through_the_file(tmp_path):
+    written = with_multi_table(sample_file())
+    path = tmp_path / "nvidia_test_gpu.json"
+    path.write_text(dumps(written))
+    parsed = ConfigFile.from_json(json.loads(path.read_text()), where=str(path))
+    assert parsed.kernels["multi_xw_sb"] == written.kernels["multi_xw_sb"]
+    assert dumps(parsed) == path.read_text()
+
+
+def test_merge_adds_multi_tables_and_keeps_every_sweep_on_record():
+    old = dataclasses.replace(
+        sample_file(), provenance={**sample_file().provenance, "sweep": "old sweep", "merged_from": "older"}
+    )
+    new = dataclasses.replace(
+        with_multi_table(sample_file()),
+        kernels={"multi_xw_sb": with_multi_table(sample_file()).kernels["multi_xw_sb"]},
+        provenance={**sample_file().provenance, "date": "2026-11-23", "sweep": "new sweep", "kernels": "multi_xw_sb"},
+    )
+    merged = merge(old, new)
+    assert merged.kernels["xw_sb"] == old.kernels["xw_sb"]
+    assert merged.kernels["multi_xw_sb"] == new.kernels["multi_xw_sb"]
+    assert merged.provenance["sweep"] == "new sweep"
+    assert merged.provenance["merged_from"] == "2026-11-22: old sweep kernels=?; older"

@@ -1,15 +1,16 @@
-"""Helpers shared by the kernels and launchers: tile order, configs, interpreter detection, rank padding."""
+"""Helpers shared by the kernels and launchers: tile order, GEMM loop, configs, splits, interpreter detection."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from lorafusion_kernels.errors import LoRAFusionKernelsError
-from lorafusion_kernels.tuning.config import KernelConfig, ShapeKey, dtype_name, lookup_config
+from lorafusion_kernels.tuning.config import Heuristic, KernelConfig, ShapeKey, dtype_name, lookup_config
 from lorafusion_kernels.tuning.device import capability, device_name, num_sms
 
 MAX_RANK = 128
@@ -65,6 +66,66 @@ def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+@triton.jit
+def wrapped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's ``[BLOCK_M, BLOCK_N]`` tile of an ``[M, N]`` output, in :func:`grouped_tile` order.
+
+    Returns:
+        ``(pid_m, pid_n, offs_m, offs_n, rows, cols)``: the tile's indices, its row and column
+        indices, and the same wrapped into ``[0, M)`` and ``[0, N)``. Loads through ``rows``/``cols``
+        need no masks (what a wrapped index loads is never stored), which keeps the inner loop free
+        of predicates; stores go through ``offs_m``/``offs_n`` with masks.
+    """
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M)
+    cols = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+    return pid_m, pid_n, offs_m, offs_n, rows, cols
+
+
+@triton.jit
+def dot_k_loop(acc, a_ptrs, b_ptrs, K, step_a, step_b, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``acc + A B`` over a reduction of length ``K``, ``BLOCK_K`` at a time (pointer loads).
+
+    Args:
+        acc: fp32 ``[BLOCK_M, BLOCK_N]`` accumulator.
+        a_ptrs: ``[BLOCK_M, BLOCK_K]`` pointers to the first step's A tile.
+        b_ptrs: ``[BLOCK_K, BLOCK_N]`` pointers to the first step's B tile.
+        K: Reduction length; the last step's elements beyond it load as 0.
+        step_a: Stride of A along the reduction (the pointers advance ``BLOCK_K * step_a``).
+        step_b: Stride of B along the reduction.
+        BLOCK_K: Reduction step.
+        DOT_PRECISION: ``tl.dot`` input precision.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    for k in range(tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * step_a
+        b_ptrs += BLOCK_K * step_b
+    return acc
+
+
+def gemm_meta(cfg: KernelConfig, *, block_r: int, dtype: torch.dtype) -> dict[str, Any]:
+    """The compile-time arguments of every GEMM kernel (pointer and TMA variants alike).
+
+    ``BLOCK_M x BLOCK_N`` is the output tile, ``BLOCK_K`` the reduction step, ``BLOCK_R`` the rank tile.
+    """
+    return {
+        "DOT_PRECISION": dot_precision(dtype),
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k,
+        "BLOCK_R": block_r,
+        "GROUP_M": cfg.group_m,
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+    }
+
+
 def launch_config(kernel: str, t: torch.Tensor, *, m: int, n: int, k: int, r: int) -> KernelConfig:
     """The config of ``kernel`` for this problem on ``t``'s device (heuristic, silently, off the GPU)."""
     key = ShapeKey(m=m, n=n, k=k, r=r, dtype=dtype_name(t.dtype))
@@ -72,6 +133,76 @@ def launch_config(kernel: str, t: torch.Tensor, *, m: int, n: int, k: int, r: in
         return lookup_config(kernel, key, device_name=None)
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     return lookup_config(kernel, key, device_name=device_name(index), capability=capability(index))
+
+
+def split_reduction(split: int, t: torch.Tensor, *, tiles: int, length: int, block: int) -> tuple[int, int]:
+    """``(programs, per_program)`` sharing a reduction of ``length``; ``per_program`` is a multiple of ``block``.
+
+    Args:
+        split: The config's value (0: automatic, see :func:`resolve_split`).
+        t: A tensor on the launch device.
+        tiles: Independent output tiles the grid already has.
+        length: Extent of the reduced dimension.
+        block: Step of the kernel's loop over it.
+    """
+    split = resolve_split(split, t, tiles=tiles, steps=triton.cdiv(length, block))
+    per_program = triton.cdiv(triton.cdiv(length, split), block) * block
+    return triton.cdiv(length, per_program), per_program
+
+
+def split_output(split: int, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Where a reduction split ``split`` ways writes: ``shape`` in ``dtype``, or fp32 partials ``[split, *shape]``.
+
+    :func:`reduce_split_output` turns either into the result; partials are summed in a fixed order.
+    """
+    if split == 1:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.empty((split, *shape), dtype=torch.float32, device=device)
+
+
+def partial_stride(out: torch.Tensor) -> int:
+    """Elements between the partials of :func:`split_output` (0 when there is one)."""
+    return out.stride(0) if out.dim() == 3 else 0
+
+
+def reduce_split_output(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The result in ``dtype`` from :func:`split_output`'s buffer."""
+    return out if out.dim() == 2 else out.sum(dim=0).to(dtype)
+
+
+def capability_heuristic(
+    *, interpreter: KernelConfig, gpu: KernelConfig, hopper: KernelConfig | None = None
+) -> Heuristic:
+    """A heuristic that ignores the shape and looks at the compute capability only.
+
+    Args:
+        interpreter: The config with no GPU (capability ``(0, 0)``: the interpreter's small tiles).
+        gpu: The config on a GPU.
+        hopper: The config on sm_90+, if it differs from ``gpu``.
+    """
+
+    def heuristic(key: ShapeKey, capability: tuple[int, int]) -> KernelConfig:
+        if capability == (0, 0):
+            return interpreter
+        if hopper is not None and capability >= (9, 0):
+            return hopper
+        return gpu
+
+    return heuristic
+
+
+GEMM_HEURISTIC = capability_heuristic(
+    interpreter=KernelConfig(block_m=32, block_n=32, block_k=32, group_m=4, num_warps=4, num_stages=1),
+    gpu=KernelConfig(block_m=128, block_n=128, block_k=32, group_m=8, num_warps=4, num_stages=4),
+    hopper=KernelConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
+)
+"""The built-in configs of the two GEMM kernels (``xw_sb``, ``dyw_dsa``)."""
+
+SKINNY_HEURISTIC = capability_heuristic(
+    interpreter=KernelConfig(block_m=32, block_n=32, block_k=16, split=1, num_warps=4, num_stages=1),
+    gpu=KernelConfig(block_m=64, block_n=128, block_k=16, split=0, num_warps=4, num_stages=3),
+)
+"""The built-in configs of the two backward passes over ``[M, N]`` or ``[M, K]`` (``dys_dyb``, ``dsx``)."""
 
 
 def resolve_split(split: int, t: torch.Tensor, *, tiles: int, steps: int) -> int:

@@ -73,6 +73,47 @@ def dropout_keep_tile(seed_lo, seed_hi, offs_m, k_start, keep_threshold, BLOCK_K
 
 
 @triton.jit
+def dropout_key(seed_ptr, HAS_DROPOUT: tl.constexpr):
+    """The Philox key of :func:`load_seed` with dropout; without, uint32 zeros and no load (never used then).
+
+    Lets a kernel hand the key to :func:`load_kept_tile` whether or not it was compiled with dropout.
+    """
+    if HAS_DROPOUT:
+        seed_lo, seed_hi = load_seed(seed_ptr)
+    else:
+        seed_lo = tl.full((), 0, tl.uint32)
+        seed_hi = tl.full((), 0, tl.uint32)
+    return seed_lo, seed_hi
+
+
+@triton.jit
+def load_kept_tile(
+    ptrs, seed_lo, seed_hi, offs_m, k_start, keep_threshold, HAS_DROPOUT: tl.constexpr, BLOCK_K: tl.constexpr, mask
+):
+    """``keep * x`` on one ``[BLOCK_M, BLOCK_K]`` tile of an input ``x [M, K]``: the dropped input, unscaled.
+
+    Called as ``load_kept_tile(ptrs, ..., mask=...)`` like ``tl.load(ptrs, mask=...)``: Triton evaluates
+    keyword arguments first, so the mask and pointer arithmetic keep the order of a plain load.
+
+    Args:
+        ptrs: ``[BLOCK_M, BLOCK_K]`` pointers to the tile's elements.
+        seed_lo: Philox key from :func:`dropout_key`.
+        seed_hi: Second half of the key.
+        offs_m: ``[BLOCK_M]`` rows of the tile in ``x`` (the mask's row index).
+        k_start: Column of the tile's first element, a multiple of 4.
+        keep_threshold: ``ceil(p * 2**24)``, a scalar or per row ``[BLOCK_M, 1]``.
+        HAS_DROPOUT: False loads the tile unchanged (no random numbers).
+        BLOCK_K: Tile width.
+        mask: Which elements exist (the others load as 0).
+    """
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if HAS_DROPOUT:
+        keep = dropout_keep_tile(seed_lo, seed_hi, offs_m, k_start, keep_threshold, BLOCK_K)
+        x = tl.where(keep, x, 0.0)
+    return x
+
+
+@triton.jit
 def _dropout_keep_mask_kernel(
     seed_ptr, mask_ptr, M, K, row_offset, keep_threshold, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
 ):

@@ -11,9 +11,18 @@ import torch
 import triton
 import triton.language as tl
 
-from lorafusion_kernels._kernels._common import dot_precision, launch_config, rank_block, resolve_split
-from lorafusion_kernels._kernels.dropout import dropout_keep_tile, load_seed
-from lorafusion_kernels.tuning.config import KernelConfig, ShapeKey, register_heuristic
+from lorafusion_kernels._kernels._common import (
+    SKINNY_HEURISTIC,
+    dot_precision,
+    launch_config,
+    partial_stride,
+    rank_block,
+    reduce_split_output,
+    split_output,
+    split_reduction,
+)
+from lorafusion_kernels._kernels.dropout import dropout_key, load_kept_tile
+from lorafusion_kernels.tuning.config import KernelConfig, register_heuristic
 
 KERNEL = "dsx"
 
@@ -52,8 +61,7 @@ def _lora_dsx_kernel(
     mask_r = offs_r < R
     m_begin = pid_s * m_per_split
     m_end = tl.minimum(m_begin + m_per_split, M)
-    if HAS_DROPOUT:
-        seed_lo, seed_hi = load_seed(seed_ptr)
+    seed_lo, seed_hi = dropout_key(seed_ptr, HAS_DROPOUT)
     acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
     for m in range(m_begin, m_end, BLOCK_M):
         offs_m = m + tl.arange(0, BLOCK_M)
@@ -63,14 +71,11 @@ def _lora_dsx_kernel(
             mask=mask_m[:, None] & mask_r[None, :],
             other=0.0,
         )
-        x = tl.load(
+        x = load_kept_tile(
             x_ptr + offs_m[:, None] * stride_xm + offs_c[None, :] * stride_xk,
+            seed_lo, seed_hi, offs_m, pid_k * BLOCK_N, keep_threshold, HAS_DROPOUT, BLOCK_N,
             mask=mask_m[:, None] & mask_c[None, :],
-            other=0.0,
-        )
-        if HAS_DROPOUT:
-            keep = dropout_keep_tile(seed_lo, seed_hi, offs_m, pid_k * BLOCK_N, keep_threshold, BLOCK_N)
-            x = tl.where(keep, x, 0.0)
+        )  # fmt: skip
         acc = tl.dot(tl.trans(ds), x, acc, input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
         acc = acc * inv_keep
@@ -81,13 +86,7 @@ def _lora_dsx_kernel(
     )
 
 
-def _heuristic(key: ShapeKey, capability: tuple[int, int]) -> KernelConfig:
-    if capability == (0, 0):
-        return KernelConfig(block_m=32, block_n=32, block_k=16, split=1, num_warps=4, num_stages=1)
-    return KernelConfig(block_m=64, block_n=128, block_k=16, split=0, num_warps=4, num_stages=3)
-
-
-register_heuristic(KERNEL, _heuristic)
+register_heuristic(KERNEL, SKINNY_HEURISTIC)
 
 
 def lora_dsx(
@@ -120,15 +119,8 @@ def lora_dsx(
     r = ds.shape[1]
     cfg = config or launch_config(KERNEL, x, m=m, n=r, k=k, r=r)
     tiles = triton.cdiv(k, cfg.block_n)
-    split = resolve_split(cfg.split, x, tiles=tiles, steps=triton.cdiv(m, cfg.block_m))
-    m_per_split = triton.cdiv(triton.cdiv(m, split), cfg.block_m) * cfg.block_m
-    split = triton.cdiv(m, m_per_split)
-    if split == 1:
-        out = torch.empty((r, k), dtype=out_dtype, device=x.device)
-        stride_os = 0
-    else:
-        out = torch.empty((split, r, k), dtype=torch.float32, device=x.device)
-        stride_os = out.stride(0)
+    split, m_per_split = split_reduction(cfg.split, x, tiles=tiles, length=m, block=cfg.block_m)
+    out = split_output(split, (r, k), out_dtype, x.device)
     _lora_dsx_kernel[(tiles, split)](
         ds,
         x,
@@ -142,7 +134,7 @@ def lora_dsx(
         ds.stride(1),
         x.stride(0),
         x.stride(1),
-        stride_os,
+        partial_stride(out),
         out.stride(-2),
         out.stride(-1),
         inv_keep,
@@ -155,6 +147,4 @@ def lora_dsx(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if split == 1:
-        return out
-    return out.sum(dim=0).to(out_dtype)
+    return reduce_split_output(out, out_dtype)

@@ -16,8 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-from lorafusion_kernels._kernels._common import dot_precision, launch_config, rank_block, resolve_split
-from lorafusion_kernels.tuning.config import KernelConfig, ShapeKey, register_heuristic
+from lorafusion_kernels._kernels._common import (
+    SKINNY_HEURISTIC,
+    dot_precision,
+    launch_config,
+    rank_block,
+    resolve_split,
+)
+from lorafusion_kernels.tuning.config import KernelConfig, register_heuristic
 
 KERNEL = "dys_dyb"
 
@@ -94,13 +100,7 @@ def _lora_dys_dyb_kernel(
         tl.store(ds_ptrs, ds_acc.to(ds_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_r[None, :])
 
 
-def _heuristic(key: ShapeKey, capability: tuple[int, int]) -> KernelConfig:
-    if capability == (0, 0):
-        return KernelConfig(block_m=32, block_n=32, block_k=16, split=1, num_warps=4, num_stages=1)
-    return KernelConfig(block_m=64, block_n=128, block_k=16, split=0, num_warps=4, num_stages=3)
-
-
-register_heuristic(KERNEL, _heuristic)
+register_heuristic(KERNEL, SKINNY_HEURISTIC)
 
 
 def _launch(

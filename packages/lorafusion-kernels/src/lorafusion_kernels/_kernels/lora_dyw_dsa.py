@@ -16,9 +16,18 @@ import torch
 import triton
 import triton.language as tl
 
-from lorafusion_kernels._kernels._common import dot_precision, grouped_tile, launch_config, rank_block, tma_ok
+from lorafusion_kernels._kernels._common import (
+    GEMM_HEURISTIC,
+    dot_k_loop,
+    gemm_meta,
+    grouped_tile,
+    launch_config,
+    rank_block,
+    tma_ok,
+    wrapped_tile,
+)
 from lorafusion_kernels._kernels.dropout import dropout_keep_tile, load_seed
-from lorafusion_kernels.tuning.config import KernelConfig, ShapeKey, register_heuristic
+from lorafusion_kernels.tuning.config import KernelConfig, register_heuristic
 
 KERNEL = "dyw_dsa"
 
@@ -68,12 +77,7 @@ def _lora_dyw_dsa_kernel(
     GROUP_M: tl.constexpr,
 ):
     """1-D grid over ``[M, K]`` output tiles (``BLOCK_N`` wide); the loop runs over N in ``BLOCK_K`` steps."""
-    pid_m, pid_c = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(K, BLOCK_N), GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_c = pid_c * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Wrapped indices: loads need no M/K masks, the store drops the wrapped rows/columns.
-    rows = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M)
-    cols = tl.max_contiguous(tl.multiple_of(offs_c % K, BLOCK_N), BLOCK_N)
+    _, pid_c, offs_m, offs_c, rows, cols = wrapped_tile(M, K, BLOCK_M, BLOCK_N, GROUP_M)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     ds = tl.load(ds_ptr + rows[:, None] * stride_dsm + offs_r[None, :] * stride_dsr, mask=mask_r[None, :], other=0.0)
@@ -84,13 +88,7 @@ def _lora_dyw_dsa_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     dy_ptrs = dy_ptr + rows[:, None] * stride_dym + offs_k[None, :] * stride_dyn
     w_ptrs = w_ptr + offs_k[:, None] * stride_wn + cols[None, :] * stride_wk
-    for n in range(tl.cdiv(N, BLOCK_K)):
-        n_left = N - n * BLOCK_K
-        dy = tl.load(dy_ptrs, mask=offs_k[None, :] < n_left, other=0.0)
-        w = tl.load(w_ptrs, mask=offs_k[:, None] < n_left, other=0.0)
-        acc = tl.dot(dy, w, acc, input_precision=DOT_PRECISION)
-        dy_ptrs += BLOCK_K * stride_dyn
-        w_ptrs += BLOCK_K * stride_wn
+    acc = dot_k_loop(acc, dy_ptrs, w_ptrs, N, stride_dyn, stride_wn, BLOCK_K, DOT_PRECISION)
     tl.store(
         dx_ptr + offs_m[:, None] * stride_dxm + offs_c[None, :] * stride_dxk,
         acc.to(dx_ptr.dtype.element_ty),
@@ -150,15 +148,7 @@ def _lora_dyw_dsa_tma_kernel(
     dx_desc.store([off_m, off_c], acc.to(ds.dtype))
 
 
-def _heuristic(key: ShapeKey, capability: tuple[int, int]) -> KernelConfig:
-    if capability == (0, 0):
-        return KernelConfig(block_m=32, block_n=32, block_k=32, group_m=4, num_warps=4, num_stages=1)
-    if capability >= (9, 0):
-        return KernelConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
-    return KernelConfig(block_m=128, block_n=128, block_k=32, group_m=8, num_warps=4, num_stages=4)
-
-
-register_heuristic(KERNEL, _heuristic)
+register_heuristic(KERNEL, GEMM_HEURISTIC)
 
 
 def lora_dyw_dsa(
@@ -195,6 +185,9 @@ def lora_dyw_dsa(
     cfg = config or launch_config(KERNEL, dy, m=m, n=n, k=k, r=r)
     dx = torch.empty((m, k), dtype=dy.dtype, device=dy.device)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(k, cfg.block_n),)
+    meta = gemm_meta(cfg, block_r=rank_block(r), dtype=dy.dtype)
+    sizes = (m, n, k, r)
+    dropout = (inv_keep, keep_threshold)
     if cfg.tma and ds.dtype == dy.dtype and tma_ok(dy, weight, dx):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -202,61 +195,12 @@ def lora_dyw_dsa(
             TensorDescriptor.from_tensor(dy, [cfg.block_m, cfg.block_k]),
             TensorDescriptor.from_tensor(weight, [cfg.block_k, cfg.block_n]),
             TensorDescriptor.from_tensor(dx, [cfg.block_m, cfg.block_n]),
-            ds,
-            lora_a,
-            seed,
-            m,
-            n,
-            k,
-            r,
-            ds.stride(0),
-            ds.stride(1),
-            lora_a.stride(0),
-            lora_a.stride(1),
-            inv_keep,
-            keep_threshold,
-            HAS_DROPOUT=has_dropout,
-            DOT_PRECISION=dot_precision(dy.dtype),
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            BLOCK_R=rank_block(r),
-            GROUP_M=cfg.group_m,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
+            ds, lora_a, seed, *sizes, *ds.stride(), *lora_a.stride(), *dropout, HAS_DROPOUT=has_dropout, **meta,
+        )  # fmt: skip
         return dx
     _lora_dyw_dsa_kernel[grid](
-        dy,
-        weight,
-        ds,
-        lora_a,
-        dx,
-        seed,
-        m,
-        n,
-        k,
-        r,
-        dy.stride(0),
-        dy.stride(1),
-        weight.stride(0),
-        weight.stride(1),
-        ds.stride(0),
-        ds.stride(1),
-        lora_a.stride(0),
-        lora_a.stride(1),
-        dx.stride(0),
-        dx.stride(1),
-        inv_keep,
-        keep_threshold,
-        HAS_DROPOUT=has_dropout,
-        DOT_PRECISION=dot_precision(dy.dtype),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        BLOCK_R=rank_block(r),
-        GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+        dy, weight, ds, lora_a, dx, seed, *sizes,
+        *dy.stride(), *weight.stride(), *ds.stride(), *lora_a.stride(), *dx.stride(), *dropout,
+        HAS_DROPOUT=has_dropout, **meta,
+    )  # fmt: skip
     return dx

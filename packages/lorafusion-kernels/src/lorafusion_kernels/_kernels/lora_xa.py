@@ -11,9 +11,18 @@ import torch
 import triton
 import triton.language as tl
 
-from lorafusion_kernels._kernels._common import dot_precision, launch_config, rank_block, resolve_split
-from lorafusion_kernels._kernels.dropout import dropout_keep_tile, load_seed
-from lorafusion_kernels.tuning.config import KernelConfig, ShapeKey, register_heuristic
+from lorafusion_kernels._kernels._common import (
+    capability_heuristic,
+    dot_precision,
+    launch_config,
+    partial_stride,
+    rank_block,
+    reduce_split_output,
+    split_output,
+    split_reduction,
+)
+from lorafusion_kernels._kernels.dropout import dropout_key, load_kept_tile
+from lorafusion_kernels.tuning.config import KernelConfig, register_heuristic
 
 KERNEL = "xa"
 
@@ -52,20 +61,16 @@ def _lora_xa_kernel(
     mask_r = offs_r < R
     k_begin = pid_s * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
-    if HAS_DROPOUT:
-        seed_lo, seed_hi = load_seed(seed_ptr)
+    seed_lo, seed_hi = dropout_key(seed_ptr, HAS_DROPOUT)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k in range(k_begin, k_end, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
-        x = tl.load(
+        x = load_kept_tile(
             x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+            seed_lo, seed_hi, offs_m, k, keep_threshold, HAS_DROPOUT, BLOCK_K,
             mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
-        if HAS_DROPOUT:
-            keep = dropout_keep_tile(seed_lo, seed_hi, offs_m, k, keep_threshold, BLOCK_K)
-            x = tl.where(keep, x, 0.0)
+        )  # fmt: skip
         a = tl.load(
             a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
             mask=mask_k[:, None] & mask_r[None, :],
@@ -80,13 +85,13 @@ def _lora_xa_kernel(
     )
 
 
-def _heuristic(key: ShapeKey, capability: tuple[int, int]) -> KernelConfig:
-    if capability == (0, 0):
-        return KernelConfig(block_m=32, block_n=16, block_k=32, split=1, num_warps=4, num_stages=1)
-    return KernelConfig(block_m=64, block_n=16, block_k=128, split=0, num_warps=4, num_stages=4)
-
-
-register_heuristic(KERNEL, _heuristic)
+register_heuristic(
+    KERNEL,
+    capability_heuristic(
+        interpreter=KernelConfig(block_m=32, block_n=16, block_k=32, split=1, num_warps=4, num_stages=1),
+        gpu=KernelConfig(block_m=64, block_n=16, block_k=128, split=0, num_warps=4, num_stages=4),
+    ),
+)
 
 
 def lora_xa(
@@ -116,17 +121,9 @@ def lora_xa(
     m, k = x.shape
     r = lora_a.shape[0]
     cfg = config or launch_config(KERNEL, x, m=m, n=r, k=k, r=r)
-    block_r = rank_block(r)
     tiles = triton.cdiv(m, cfg.block_m)
-    split = resolve_split(cfg.split, x, tiles=tiles, steps=triton.cdiv(k, cfg.block_k))
-    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, k_per_split)
-    if split == 1:
-        out = torch.empty((m, r), dtype=x.dtype, device=x.device)
-        stride_os = 0
-    else:
-        out = torch.empty((split, m, r), dtype=torch.float32, device=x.device)
-        stride_os = out.stride(0)
+    split, k_per_split = split_reduction(cfg.split, x, tiles=tiles, length=k, block=cfg.block_k)
+    out = split_output(split, (m, r), x.dtype, x.device)
     _lora_xa_kernel[(tiles, split)](
         x,
         lora_a,
@@ -140,7 +137,7 @@ def lora_xa(
         x.stride(1),
         lora_a.stride(0),
         lora_a.stride(1),
-        stride_os,
+        partial_stride(out),
         out.stride(-2),
         out.stride(-1),
         scale,
@@ -149,10 +146,8 @@ def lora_xa(
         DOT_PRECISION=dot_precision(x.dtype),
         BLOCK_M=cfg.block_m,
         BLOCK_K=cfg.block_k,
-        BLOCK_R=block_r,
+        BLOCK_R=rank_block(r),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if split == 1:
-        return out
-    return out.sum(dim=0).to(x.dtype)
+    return reduce_split_output(out, x.dtype)

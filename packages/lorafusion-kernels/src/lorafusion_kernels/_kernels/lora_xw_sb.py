@@ -11,8 +11,17 @@ import torch
 import triton
 import triton.language as tl
 
-from lorafusion_kernels._kernels._common import dot_precision, grouped_tile, launch_config, rank_block, tma_ok
-from lorafusion_kernels.tuning.config import KernelConfig, ShapeKey, register_heuristic
+from lorafusion_kernels._kernels._common import (
+    GEMM_HEURISTIC,
+    dot_k_loop,
+    gemm_meta,
+    grouped_tile,
+    launch_config,
+    rank_block,
+    tma_ok,
+    wrapped_tile,
+)
+from lorafusion_kernels.tuning.config import KernelConfig, register_heuristic
 
 KERNEL = "xw_sb"
 
@@ -47,14 +56,8 @@ def _lora_xw_sb_kernel(
     BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """1-D grid over ``[M, N]`` output tiles in grouped order."""
-    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Out-of-range rows/columns wrap onto valid ones: the loads need no M/N masks (their results are
-    # never stored), which keeps the inner loop free of predicates.
-    rows = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M)
-    cols = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+    """1-D grid over ``[M, N]`` output tiles in grouped order; loads through wrapped rows/columns."""
+    _, _, offs_m, offs_n, rows, cols = wrapped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     s = tl.load(s_ptr + rows[:, None] * stride_sm + offs_r[None, :] * stride_sr, mask=mask_r[None, :], other=0.0)
@@ -63,13 +66,7 @@ def _lora_xw_sb_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_ptrs = w_ptr + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    for k in range(tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
-        x = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
+    acc = dot_k_loop(acc, x_ptrs, w_ptrs, K, stride_xk, stride_wk, BLOCK_K, DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
     tl.store(
@@ -134,15 +131,7 @@ def _lora_xw_sb_tma_kernel(
     y_desc.store([off_m, off_n], acc.to(s.dtype))
 
 
-def _heuristic(key: ShapeKey, capability: tuple[int, int]) -> KernelConfig:
-    if capability == (0, 0):
-        return KernelConfig(block_m=32, block_n=32, block_k=32, group_m=4, num_warps=4, num_stages=1)
-    if capability >= (9, 0):
-        return KernelConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
-    return KernelConfig(block_m=128, block_n=128, block_k=32, group_m=8, num_warps=4, num_stages=4)
-
-
-register_heuristic(KERNEL, _heuristic)
+register_heuristic(KERNEL, GEMM_HEURISTIC)
 
 
 def lora_xw_sb(
@@ -173,6 +162,9 @@ def lora_xw_sb(
     cfg = config or launch_config(KERNEL, x, m=m, n=n, k=k, r=r)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    meta = gemm_meta(cfg, block_r=rank_block(r), dtype=x.dtype)
+    lora = (s, lora_b, bias if bias is not None else y)
+    sizes = (m, n, k, r)
     if cfg.tma and s.dtype == x.dtype and tma_ok(x, weight, y):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -180,57 +172,11 @@ def lora_xw_sb(
             TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]),
             TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]),
             TensorDescriptor.from_tensor(y, [cfg.block_m, cfg.block_n]),
-            s,
-            lora_b,
-            bias if bias is not None else y,
-            m,
-            n,
-            k,
-            r,
-            s.stride(0),
-            s.stride(1),
-            lora_b.stride(0),
-            lora_b.stride(1),
-            HAS_BIAS=bias is not None,
-            DOT_PRECISION=dot_precision(x.dtype),
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            BLOCK_R=rank_block(r),
-            GROUP_M=cfg.group_m,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
+            *lora, *sizes, *s.stride(), *lora_b.stride(), HAS_BIAS=bias is not None, **meta,
+        )  # fmt: skip
         return y
     _lora_xw_sb_kernel[grid](
-        x,
-        weight,
-        s,
-        lora_b,
-        bias if bias is not None else y,
-        y,
-        m,
-        n,
-        k,
-        r,
-        x.stride(0),
-        x.stride(1),
-        weight.stride(0),
-        weight.stride(1),
-        s.stride(0),
-        s.stride(1),
-        lora_b.stride(0),
-        lora_b.stride(1),
-        y.stride(0),
-        y.stride(1),
-        HAS_BIAS=bias is not None,
-        DOT_PRECISION=dot_precision(x.dtype),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        BLOCK_R=rank_block(r),
-        GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+        x, weight, *lora, y, *sizes, *x.stride(), *weight.stride(), *s.stride(), *lora_b.stride(), *y.stride(),
+        HAS_BIAS=bias is not None, **meta,
+    )  # fmt: skip
     return y

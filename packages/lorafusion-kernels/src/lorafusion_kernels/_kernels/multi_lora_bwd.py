@@ -10,8 +10,9 @@ Notation as in ``multi_lora_fwd``; ``dy [T, N]``, token ``t`` of adapter ``a = a
     dx[t]       = dy[t] W + keep_a(t, :) * (dS[t, :r_a] A_a) / (1 - p_a)   (one GEMM)
 
 Only the tiles of adapter ``a`` ever touch ``dA_a``/``dB_a`` (the columns/rows ``roff_a .. roff_a + r_a``
-of the stacked buffers), so nothing leaks between adapters. Configs are FusedLoRA's for the same
-layer shape ("dys_dyb", "dsx", "dyw_dsa").
+of the stacked buffers), so nothing leaks between adapters. Configs are looked up as "multi_dys_dyb",
+"multi_dsx" and "multi_dyw_dsa", which fall back to FusedLoRA's "dys_dyb", "dsx" and "dyw_dsa" for
+the same layer shape (same tiling).
 """
 
 from __future__ import annotations
@@ -20,14 +21,31 @@ import torch
 import triton
 import triton.language as tl
 
-from lorafusion_kernels._kernels._common import dot_precision, grouped_tile, launch_config, resolve_split, tma_ok
-from lorafusion_kernels._kernels.dropout import dropout_keep_tile, load_seed
+from lorafusion_kernels._kernels import lora_dsx, lora_dys_dyb, lora_dyw_dsa
+from lorafusion_kernels._kernels._common import (
+    dot_k_loop,
+    dot_precision,
+    gemm_meta,
+    grouped_tile,
+    launch_config,
+    partial_stride,
+    reduce_split_output,
+    resolve_split,
+    split_output,
+    tma_ok,
+    wrapped_tile,
+)
+from lorafusion_kernels._kernels.dropout import dropout_keep_tile, load_kept_tile, load_seed
+from lorafusion_kernels._kernels.routing import adapter_dropout, adapter_rank, segment_rows, segment_tile
 from lorafusion_kernels.metadata import MultiLoRABatch
-from lorafusion_kernels.tuning.config import KernelConfig
+from lorafusion_kernels.tuning.config import KernelConfig, register_fallback
 
-DY_KERNEL = "dys_dyb"
-DA_KERNEL = "dsx"
-DX_KERNEL = "dyw_dsa"
+DY_KERNEL = "multi_dys_dyb"
+DA_KERNEL = "multi_dsx"
+DX_KERNEL = "multi_dyw_dsa"
+register_fallback(DY_KERNEL, lora_dys_dyb.KERNEL)
+register_fallback(DA_KERNEL, lora_dsx.KERNEL)
+register_fallback(DX_KERNEL, lora_dyw_dsa.KERNEL)
 
 
 @triton.jit
@@ -54,16 +72,8 @@ def _multi_lora_dy_kernel(
 ):
     pid = tl.program_id(0)
     pid_split = tl.program_id(1)
-    row0 = tl.load(tiles_ptr + pid * 3)
-    row1 = tl.load(tiles_ptr + pid * 3 + 1)
-    adapter = tl.load(tiles_ptr + pid * 3 + 2)
-    r = tl.load(rank_ptr + adapter * 2)
-    roff = tl.load(rank_ptr + adapter * 2 + 1)
+    adapter, roff, offs_m, m_mask, offs_r, r_mask = segment_tile(tiles_ptr, rank_ptr, pid, BLOCK_M, BLOCK_R)
     scale = tl.load(scaling_ptr + adapter)
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < row1
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < r
     st = tl.load(
         s_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + offs_r[None, :],
         mask=m_mask[:, None] & r_mask[None, :],
@@ -125,15 +135,12 @@ def _multi_lora_da_kernel(
     pid_s = tl.program_id(2)
     t0 = tl.load(adapter_ptr + adapter)
     t1 = tl.load(adapter_ptr + adapter + 1)
-    r = tl.load(rank_ptr + adapter * 2)
-    roff = tl.load(rank_ptr + adapter * 2 + 1)
+    r, roff = adapter_rank(rank_ptr, adapter)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < r
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     k_mask = offs_k < K
-    if HAS_DROPOUT:
-        seed_lo, seed_hi = load_seed(seed_ptr)
-        thr = tl.load(thr_ptr + adapter)
+    seed_lo, seed_hi, thr = adapter_dropout(seed_ptr, thr_ptr, adapter, HAS_DROPOUT)
     acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
     for t in range(t0 + pid_s, t1, SPLIT):
         row0 = tl.load(tiles_ptr + t * 3)
@@ -145,14 +152,11 @@ def _multi_lora_da_kernel(
             mask=m_mask[:, None] & r_mask[None, :],
             other=0.0,
         )
-        xt = tl.load(
+        xt = load_kept_tile(
             x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
+            seed_lo, seed_hi, offs_m, pid_k * BLOCK_K, thr, HAS_DROPOUT, BLOCK_K,
             mask=m_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )
-        if HAS_DROPOUT:
-            keep = dropout_keep_tile(seed_lo, seed_hi, offs_m, pid_k * BLOCK_K, thr, BLOCK_K)
-            xt = tl.where(keep, xt, tl.zeros_like(xt))
+        )  # fmt: skip
         acc = tl.dot(tl.trans(dst.to(xt.dtype)), xt, acc, input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
         acc = acc * tl.load(inv_keep_ptr + adapter)
@@ -178,33 +182,27 @@ def _routed_dsa(
     stride_am,
     HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """``keep_a * (dS A_a) / (1 - p_a)`` on row tile ``pid_m`` (fp32 ``[BLOCK_M, BLOCK_K]``), routed per segment.
+    """``keep_a * (dS A_a) / (1 - p_a)`` on row tile ``pid_m`` (fp32 ``[BLOCK_M, BLOCK_N]``), routed per segment.
 
     The dropout mask is drawn once for the whole tile with per-row thresholds (rows of different
     segments may have different p). The caller starts its GEMM accumulator from this tile, so only
-    one ``[BLOCK_M, BLOCK_K]`` fp32 tile is ever live (see ``multi_lora_fwd._routed_sb``).
+    one ``[BLOCK_M, BLOCK_N]`` fp32 tile is ever live (see ``multi_lora_fwd._routed_sb``).
     """
     offs_r = tl.arange(0, BLOCK_R)
-    offs_k = k_start + tl.arange(0, BLOCK_K)
+    offs_k = k_start + tl.arange(0, BLOCK_N)
     k_mask = offs_k < K
     ds_rows = ds_ptr + offs_m.to(tl.int64)[:, None] * stride_dsm + offs_r[None, :]
     seg_lo = tl.load(seg_range_ptr + pid_m * 2)
     seg_hi = tl.load(seg_range_ptr + pid_m * 2 + 1)
-    lora = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    lora = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     row_thr = tl.zeros((BLOCK_M,), dtype=tl.int32)
     row_inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for j in range(seg_lo, seg_hi):
-        start = tl.load(seg_ptr + j * 3)
-        length = tl.load(seg_ptr + j * 3 + 1)
-        adapter = tl.load(seg_ptr + j * 3 + 2)
-        r = tl.load(rank_ptr + adapter * 2)
-        roff = tl.load(rank_ptr + adapter * 2 + 1)
-        rows_in = (offs_m >= start) & (offs_m < start + length)
-        r_mask = offs_r < r
+        adapter, roff, rows_in, r_mask = segment_rows(seg_ptr, rank_ptr, j, offs_m, offs_r)
         dst = tl.load(ds_rows, mask=rows_in[:, None] & r_mask[None, :], other=0.0)
         at = tl.load(
             a_ptr + (roff + offs_r).to(tl.int64)[:, None] * stride_am + offs_k[None, :],
@@ -217,7 +215,7 @@ def _routed_dsa(
             row_inv = tl.where(rows_in, tl.load(inv_keep_ptr + adapter), row_inv)
     if HAS_DROPOUT:
         seed_lo, seed_hi = load_seed(seed_ptr)
-        keep = dropout_keep_tile(seed_lo, seed_hi, offs_m, k_start, row_thr[:, None], BLOCK_K)
+        keep = dropout_keep_tile(seed_lo, seed_hi, offs_m, k_start, row_thr[:, None], BLOCK_N)
         lora = tl.where(keep, lora * row_inv[:, None], 0.0)
     return lora
 
@@ -251,27 +249,19 @@ def _multi_lora_dx_kernel(
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """1-D grid over ``[T, K]`` tiles of dx in grouped order; pointer loads (any GPU)."""
-    pid_m, pid_k = grouped_tile(tl.program_id(0), tl.cdiv(T, BLOCK_M), tl.cdiv(K, BLOCK_K), GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    # Wrapped rows/columns: the GEMM loads need no T/K masks (see multi_lora_fwd).
-    rows = tl.max_contiguous(tl.multiple_of(offs_m % T, BLOCK_M), BLOCK_M)
-    cols = tl.max_contiguous(tl.multiple_of(offs_k % K, BLOCK_K), BLOCK_K)
-    offs_n = tl.arange(0, BLOCK_N)
+    """1-D grid over ``[T, K]`` tiles of dx (``BLOCK_N`` wide) in grouped order, N looped in ``BLOCK_K`` steps.
+
+    Block names as in FusedLoRA's ``dyw_dsa``; pointer loads through wrapped rows/columns (any GPU).
+    """
+    pid_m, pid_k, offs_m, offs_k, rows, cols = wrapped_tile(T, K, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_n = tl.arange(0, BLOCK_K)
     dy_ptrs = dy_ptr + rows.to(tl.int64)[:, None] * stride_dym + offs_n[None, :]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + cols[None, :]
     acc = _routed_dsa(
         ds_ptr, a_ptr, seg_ptr, seg_range_ptr, rank_ptr, thr_ptr, inv_keep_ptr, seed_ptr, pid_m, offs_m,
-        pid_k * BLOCK_K, K, stride_dsm, stride_am, HAS_DROPOUT, BLOCK_M, BLOCK_K, BLOCK_R, DOT_PRECISION,
+        pid_k * BLOCK_N, K, stride_dsm, stride_am, HAS_DROPOUT, BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION,
     )  # fmt: skip
-    for n in range(tl.cdiv(N, BLOCK_N)):
-        n_left = N - n * BLOCK_N
-        dyt = tl.load(dy_ptrs, mask=offs_n[None, :] < n_left, other=0.0)
-        wt = tl.load(w_ptrs, mask=offs_n[:, None] < n_left, other=0.0)
-        acc = tl.dot(dyt, wt, acc, input_precision=DOT_PRECISION)
-        dy_ptrs += BLOCK_N
-        w_ptrs += BLOCK_N * stride_wn
+    acc = dot_k_loop(acc, dy_ptrs, w_ptrs, N, 1, stride_wn, BLOCK_K, DOT_PRECISION)
     dx_ptrs = dx_ptr + offs_m.to(tl.int64)[:, None] * stride_dxm + offs_k[None, :]
     tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=(offs_m[:, None] < T) & (offs_k[None, :] < K))
 
@@ -303,17 +293,17 @@ def _multi_lora_dx_tma_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """As :func:`_multi_lora_dx_kernel`, with dy, W and dx moved by TMA (sm_90+)."""
-    pid_m, pid_k = grouped_tile(tl.program_id(0), tl.cdiv(T, BLOCK_M), tl.cdiv(K, BLOCK_K), GROUP_M)
+    pid_m, pid_k = grouped_tile(tl.program_id(0), tl.cdiv(T, BLOCK_M), tl.cdiv(K, BLOCK_N), GROUP_M)
     off_m = pid_m * BLOCK_M
-    off_k = pid_k * BLOCK_K
+    off_k = pid_k * BLOCK_N
     offs_m = off_m + tl.arange(0, BLOCK_M)
     acc = _routed_dsa(
         ds_ptr, a_ptr, seg_ptr, seg_range_ptr, rank_ptr, thr_ptr, inv_keep_ptr, seed_ptr, pid_m, offs_m,
-        off_k, K, stride_dsm, stride_am, HAS_DROPOUT, BLOCK_M, BLOCK_K, BLOCK_R, DOT_PRECISION,
+        off_k, K, stride_dsm, stride_am, HAS_DROPOUT, BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION,
     )  # fmt: skip
-    for n in range(tl.cdiv(N, BLOCK_N)):
-        dyt = dy_desc.load([off_m, n * BLOCK_N])
-        wt = w_desc.load([n * BLOCK_N, off_k])
+    for n in range(tl.cdiv(N, BLOCK_K)):
+        dyt = dy_desc.load([off_m, n * BLOCK_K])
+        wt = w_desc.load([n * BLOCK_K, off_k])
         acc = tl.dot(dyt, wt, acc, input_precision=DOT_PRECISION)
     dx_desc.store([off_m, off_k], acc.to(a_ptr.dtype.element_ty))
 
@@ -427,10 +417,7 @@ def multi_lora_dsx(
     col_tiles = triton.cdiv(K, cfg.block_n)
     busiest = max(-(-n // cfg.block_m) for n in batch.adapter_tokens)
     split = resolve_split(cfg.split, x, tiles=batch.num_adapters * col_tiles, steps=max(busiest, 1))
-    if split == 1:
-        out = torch.empty((r_tot, K), dtype=x.dtype, device=x.device)
-    else:
-        out = torch.empty((split, r_tot, K), dtype=torch.float32, device=x.device)
+    out = split_output(split, (r_tot, K), x.dtype, x.device)
     _multi_lora_da_kernel[(batch.num_adapters, col_tiles, split)](
         ds,
         x,
@@ -444,7 +431,7 @@ def multi_lora_dsx(
         K,
         ds.stride(0),
         x.stride(0),
-        out.stride(0) if split > 1 else 0,
+        partial_stride(out),
         out.stride(-2),
         SPLIT=split,
         BLOCK_M=cfg.block_m,
@@ -455,9 +442,7 @@ def multi_lora_dsx(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if split == 1:
-        return out
-    return out.sum(dim=0).to(x.dtype)
+    return reduce_split_output(out, x.dtype)
 
 
 def multi_lora_dyw_dsa(
@@ -504,68 +489,23 @@ def multi_lora_dyw_dsa(
     if T == 0:
         return dx
     cfg = config or launch_config(DX_KERNEL, dy, m=T, n=N, k=K, r=max_rank)
-    block_cols, block_red = cfg.block_n, cfg.block_k
     rows = batch.row_tiles(cfg.block_m)
-    grid = (rows.num_tiles * triton.cdiv(K, block_cols),)
+    grid = (rows.num_tiles * triton.cdiv(K, cfg.block_n),)
+    meta = gemm_meta(cfg, block_r=block_r, dtype=dy.dtype)
+    routing = (batch.segments, rows.seg_range, ranks, thresholds, inv_keep, seed, T, N, K)
     if cfg.tma and a_cat.dtype == dy.dtype and tma_ok(dy, weight, dx):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         _multi_lora_dx_tma_kernel[grid](
-            TensorDescriptor.from_tensor(dy, [cfg.block_m, block_red]),
-            TensorDescriptor.from_tensor(weight, [block_red, block_cols]),
-            TensorDescriptor.from_tensor(dx, [cfg.block_m, block_cols]),
-            ds,
-            a_cat,
-            batch.segments,
-            rows.seg_range,
-            ranks,
-            thresholds,
-            inv_keep,
-            seed,
-            T,
-            N,
-            K,
-            ds.stride(0),
-            a_cat.stride(0),
-            HAS_DROPOUT=has_dropout,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=block_red,
-            BLOCK_K=block_cols,
-            BLOCK_R=block_r,
-            GROUP_M=cfg.group_m,
-            DOT_PRECISION=dot_precision(dy.dtype),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
+            TensorDescriptor.from_tensor(dy, [cfg.block_m, cfg.block_k]),
+            TensorDescriptor.from_tensor(weight, [cfg.block_k, cfg.block_n]),
+            TensorDescriptor.from_tensor(dx, [cfg.block_m, cfg.block_n]),
+            ds, a_cat, *routing, ds.stride(0), a_cat.stride(0), HAS_DROPOUT=has_dropout, **meta,
+        )  # fmt: skip
         return dx
     _multi_lora_dx_kernel[grid](
-        dy,
-        weight,
-        ds,
-        a_cat,
-        dx,
-        batch.segments,
-        rows.seg_range,
-        ranks,
-        thresholds,
-        inv_keep,
-        seed,
-        T,
-        N,
-        K,
-        dy.stride(0),
-        weight.stride(0),
-        ds.stride(0),
-        a_cat.stride(0),
-        dx.stride(0),
-        HAS_DROPOUT=has_dropout,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=block_red,
-        BLOCK_K=block_cols,
-        BLOCK_R=block_r,
-        GROUP_M=cfg.group_m,
-        DOT_PRECISION=dot_precision(dy.dtype),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+        dy, weight, ds, a_cat, dx, *routing,
+        dy.stride(0), weight.stride(0), ds.stride(0), a_cat.stride(0), dx.stride(0),
+        HAS_DROPOUT=has_dropout, **meta,
+    )  # fmt: skip
     return dx

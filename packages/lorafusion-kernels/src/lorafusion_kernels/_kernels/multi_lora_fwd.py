@@ -19,16 +19,31 @@ import torch
 import triton
 import triton.language as tl
 
-from lorafusion_kernels._kernels._common import dot_precision, grouped_tile, launch_config, resolve_split, tma_ok
-from lorafusion_kernels._kernels.dropout import dropout_keep_tile, load_seed
+from lorafusion_kernels._kernels import lora_xa, lora_xw_sb
+from lorafusion_kernels._kernels._common import (
+    dot_k_loop,
+    dot_precision,
+    gemm_meta,
+    grouped_tile,
+    launch_config,
+    partial_stride,
+    reduce_split_output,
+    split_output,
+    split_reduction,
+    tma_ok,
+    wrapped_tile,
+)
+from lorafusion_kernels._kernels.dropout import load_kept_tile
+from lorafusion_kernels._kernels.routing import adapter_dropout, segment_rows, segment_tile
 from lorafusion_kernels.metadata import MultiLoRABatch
-from lorafusion_kernels.tuning.config import KernelConfig
+from lorafusion_kernels.tuning.config import KernelConfig, register_fallback
 
-# The multi-adapter kernels launch with FusedLoRA's configs for the same layer shape (the GEMM and the
-# skinny passes have the same tiling; only the LoRA term is routed): "xa" for the shrink, "xw_sb" for
-# the GEMM.
-SHRINK_KERNEL = "xa"
-LINEAR_KERNEL = "xw_sb"
+# Config names of the two kernels. They tile as FusedLoRA's "xa" and "xw_sb" (only the rank-r term is
+# routed), so where a config file has no entry of their own for a shape they use FusedLoRA's.
+SHRINK_KERNEL = "multi_xa"
+LINEAR_KERNEL = "multi_xw_sb"
+register_fallback(SHRINK_KERNEL, lora_xa.KERNEL)
+register_fallback(LINEAR_KERNEL, lora_xw_sb.KERNEL)
 
 
 @triton.jit
@@ -56,31 +71,21 @@ def _multi_lora_shrink_kernel(
     """Grid ``(num_segment_tiles, split)``: program ``(i, s)`` reduces columns ``[s * k_per_split, ...)``."""
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
-    row0 = tl.load(tiles_ptr + pid * 3)
-    row1 = tl.load(tiles_ptr + pid * 3 + 1)
-    adapter = tl.load(tiles_ptr + pid * 3 + 2)
-    r = tl.load(rank_ptr + adapter * 2)
-    roff = tl.load(rank_ptr + adapter * 2 + 1)
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < row1
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < r
+    adapter, roff, offs_m, m_mask, offs_r, r_mask = segment_tile(tiles_ptr, rank_ptr, pid, BLOCK_M, BLOCK_R)
     offs_k0 = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     a_rows = a_ptr + (roff + offs_r).to(tl.int64)[None, :] * stride_am
-    if HAS_DROPOUT:
-        seed_lo, seed_hi = load_seed(seed_ptr)
-        thr = tl.load(thr_ptr + adapter)
+    seed_lo, seed_hi, thr = adapter_dropout(seed_ptr, thr_ptr, adapter, HAS_DROPOUT)
     k_begin = pid_s * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + offs_k0
         k_mask = offs_k < k_end
-        xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if HAS_DROPOUT:
-            keep = dropout_keep_tile(seed_lo, seed_hi, offs_m, k0, thr, BLOCK_K)
-            xt = tl.where(keep, xt, tl.zeros_like(xt))
+        xt = load_kept_tile(
+            x_rows + offs_k[None, :], seed_lo, seed_hi, offs_m, k0, thr, HAS_DROPOUT, BLOCK_K,
+            mask=m_mask[:, None] & k_mask[None, :],
+        )  # fmt: skip
         at = tl.load(a_rows + offs_k[:, None], mask=k_mask[:, None] & r_mask[None, :], other=0.0)
         acc = tl.dot(xt, at, acc, input_precision=DOT_PRECISION)
     acc = acc * tl.load(s_scale_ptr + adapter)
@@ -116,13 +121,7 @@ def _routed_sb(
     seg_lo = tl.load(seg_range_ptr + pid_m * 2)
     seg_hi = tl.load(seg_range_ptr + pid_m * 2 + 1)
     for j in range(seg_lo, seg_hi):
-        start = tl.load(seg_ptr + j * 3)
-        length = tl.load(seg_ptr + j * 3 + 1)
-        adapter = tl.load(seg_ptr + j * 3 + 2)
-        r = tl.load(rank_ptr + adapter * 2)
-        roff = tl.load(rank_ptr + adapter * 2 + 1)
-        rows_in = (offs_m >= start) & (offs_m < start + length)
-        r_mask = offs_r < r
+        _, roff, rows_in, r_mask = segment_rows(seg_ptr, rank_ptr, j, offs_m, offs_r)
         st = tl.load(s_rows, mask=rows_in[:, None] & r_mask[None, :], other=0.0)
         bt = tl.load(b_cols + roff, mask=r_mask[:, None], other=0.0)
         acc = tl.dot(st, bt, acc, input_precision=DOT_PRECISION)
@@ -156,14 +155,8 @@ def _multi_lora_linear_kernel(
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """1-D grid over ``[T, N]`` output tiles in grouped order; pointer loads (any GPU)."""
-    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(T, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Out-of-range rows/columns wrap onto valid ones: the GEMM loads need no M/N masks (their results
-    # are never stored), which keeps the inner loop free of predicates.
-    rows = tl.max_contiguous(tl.multiple_of(offs_m % T, BLOCK_M), BLOCK_M)
-    cols = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+    """1-D grid over ``[T, N]`` output tiles in grouped order; pointer loads through wrapped rows/columns."""
+    pid_m, _, offs_m, offs_n, rows, cols = wrapped_tile(T, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
@@ -172,13 +165,7 @@ def _multi_lora_linear_kernel(
         acc, s_ptr, b_ptr, seg_ptr, seg_range_ptr, rank_ptr, pid_m, offs_m, cols, stride_sm, stride_bn, BLOCK_R,
         DOT_PRECISION,
     )  # fmt: skip
-    for k in range(tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
-        xt = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        wt = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = tl.dot(xt, wt, acc, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc = dot_k_loop(acc, x_ptrs, w_ptrs, K, 1, 1, BLOCK_K, DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
@@ -268,13 +255,8 @@ def multi_lora_shrink(
     T, K = x.shape
     cfg = config or launch_config(SHRINK_KERNEL, x, m=T, n=max_rank, k=K, r=max_rank)
     tiles = batch.segment_tiles(cfg.block_m)
-    split = resolve_split(cfg.split, x, tiles=tiles.num_tiles, steps=triton.cdiv(K, cfg.block_k))
-    k_per_split = triton.cdiv(triton.cdiv(K, split), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(K, k_per_split)
-    if split == 1:
-        s = torch.empty((T, block_r), dtype=x.dtype, device=x.device)
-    else:
-        s = torch.empty((split, T, block_r), dtype=torch.float32, device=x.device)
+    split, k_per_split = split_reduction(cfg.split, x, tiles=tiles.num_tiles, length=K, block=cfg.block_k)
+    s = split_output(split, (T, block_r), x.dtype, x.device)
     if tiles.num_tiles > 0:
         _multi_lora_shrink_kernel[(tiles.num_tiles, split)](
             x,
@@ -289,7 +271,7 @@ def multi_lora_shrink(
             k_per_split,
             x.stride(0),
             a_cat.stride(0),
-            s.stride(0) if split > 1 else 0,
+            partial_stride(s),
             s.stride(-2),
             BLOCK_M=cfg.block_m,
             BLOCK_K=cfg.block_k,
@@ -299,9 +281,7 @@ def multi_lora_shrink(
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
-    if split == 1:
-        return s
-    return s.sum(dim=0).to(x.dtype)
+    return reduce_split_output(s, x.dtype)
 
 
 def multi_lora_linear(
@@ -341,6 +321,9 @@ def multi_lora_linear(
         return y
     rows = batch.row_tiles(cfg.block_m)
     grid = (rows.num_tiles * triton.cdiv(N, cfg.block_n),)
+    meta = gemm_meta(cfg, block_r=block_r, dtype=x.dtype)
+    lora = (bias if bias is not None else y, s, b_cat)
+    routing = (batch.segments, rows.seg_range, ranks, T, N, K)
     if cfg.tma and tma_ok(x, weight, y):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -348,54 +331,11 @@ def multi_lora_linear(
             TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]),
             TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]),
             TensorDescriptor.from_tensor(y, [cfg.block_m, cfg.block_n]),
-            bias if bias is not None else y,
-            s,
-            b_cat,
-            batch.segments,
-            rows.seg_range,
-            ranks,
-            T,
-            N,
-            K,
-            s.stride(0),
-            b_cat.stride(0),
-            HAS_BIAS=bias is not None,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            BLOCK_R=block_r,
-            GROUP_M=cfg.group_m,
-            DOT_PRECISION=dot_precision(x.dtype),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
+            *lora, *routing, s.stride(0), b_cat.stride(0), HAS_BIAS=bias is not None, **meta,
+        )  # fmt: skip
         return y
     _multi_lora_linear_kernel[grid](
-        x,
-        weight,
-        bias if bias is not None else y,
-        s,
-        b_cat,
-        y,
-        batch.segments,
-        rows.seg_range,
-        ranks,
-        T,
-        N,
-        K,
-        x.stride(0),
-        weight.stride(0),
-        s.stride(0),
-        b_cat.stride(0),
-        y.stride(0),
-        HAS_BIAS=bias is not None,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        BLOCK_R=block_r,
-        GROUP_M=cfg.group_m,
-        DOT_PRECISION=dot_precision(x.dtype),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+        x, weight, *lora, y, *routing, x.stride(0), weight.stride(0), s.stride(0), b_cat.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, **meta,
+    )  # fmt: skip
     return y

@@ -12,6 +12,7 @@ from lorafusion_kernels.tuning.config import (
     config_dir,
     lookup_config,
     override_configs,
+    register_fallback,
     register_heuristic,
 )
 from lorafusion_kernels.tuning.device import device_name, gpu_key
@@ -28,5 +29,6 @@ __all__ = [
     "gpu_key",
     "lookup_config",
     "override_configs",
+    "register_fallback",
     "register_heuristic",
 ]

@@ -33,7 +33,14 @@ File ``configs/<gpu-key>.json`` (or under ``LORAFUSION_KERNELS_CONFIG_DIR``)::
 Lookup for ``(kernel, m, n, k, r, dtype)``: the exact entry; else the entry with the same
 ``(n, k, r, dtype)`` and the nearest ``m`` in log distance; else the kernel's default in the file;
 else the built-in heuristic, with one warning. An unknown GPU never raises.
-Tests and the tuner force configs with :func:`override_configs`.
+
+A kernel may name a fallback kernel (:func:`register_fallback`): the FusedMultiLoRA kernels
+(``multi_xa``, ``multi_xw_sb``, ...) fall back to the FusedLoRA kernel of the same tiling. For
+such a kernel the order is: its own entry for the shape (exact or nearest ``m``); else the
+fallback's entry for the shape; else its own default; else the fallback's default; else the
+heuristic. A file written before the multi-adapter kernels had tables of their own therefore gives
+them FusedLoRA's configs, as it always did. Tests and the tuner force configs with
+:func:`override_configs` (by exact kernel name: forcing ``xw_sb`` does not force ``multi_xw_sb``).
 
 This module does not import torch: configs validate anywhere.
 """
@@ -225,18 +232,34 @@ class ConfigFile:
             "kernels": kernels,
         }
 
-    def lookup(self, kernel: str, key: ShapeKey) -> KernelConfig | None:
-        """Exact entry, else nearest ``m`` (log distance) with the other fields equal, else the default."""
+    def entry_for(self, kernel: str, key: ShapeKey) -> KernelConfig | None:
+        """``kernel``'s exact entry, else its nearest ``m`` (log distance) with the other fields equal, else None."""
         table = self.kernels.get(kernel)
         if table is None:
             return None
         same = [
             e for e in table.entries if (e.key.n, e.key.k, e.key.r, e.key.dtype) == (key.n, key.k, key.r, key.dtype)
         ]
-        if same:
-            log_m = math.log(max(key.m, 1))
-            return min(same, key=lambda e: (abs(math.log(e.key.m) - log_m), e.key.m)).config
-        return table.default
+        if not same:
+            return None
+        log_m = math.log(max(key.m, 1))
+        return min(same, key=lambda e: (abs(math.log(e.key.m) - log_m), e.key.m)).config
+
+    def lookup(self, kernel: str, key: ShapeKey, fallback: str | None = None) -> KernelConfig | None:
+        """The file's config for ``key``: an entry of ``kernel``, then of ``fallback``; then their defaults.
+
+        Returns:
+            None when the file has a table for neither kernel.
+        """
+        names = (kernel,) if fallback is None else (kernel, fallback)
+        for name in names:
+            config = self.entry_for(name, key)
+            if config is not None:
+                return config
+        for name in names:
+            if name in self.kernels:
+                return self.kernels[name].default
+        return None
 
 
 def dumps(config_file: ConfigFile) -> str:
@@ -262,16 +285,26 @@ def load_config_file(path: Path) -> ConfigFile | None:
 
 Heuristic = Callable[[ShapeKey, tuple[int, int]], KernelConfig]
 _HEURISTICS: dict[str, Heuristic] = {}
+_FALLBACKS: dict[str, str] = {}
 _OVERRIDES: dict[str, KernelConfig] = {}
 _WARNED: set[str] = set()
 
 
 def register_heuristic(kernel: str, heuristic: Heuristic) -> None:
-    """Register the built-in fallback for ``kernel``: ``(shape, capability) -> KernelConfig``.
+    """Register the built-in heuristic of ``kernel``: ``(shape, capability) -> KernelConfig``.
 
-    Kernel modules call this for their own names (multi-adapter kernels too).
+    Kernel modules call this for their own names.
     """
     _HEURISTICS[kernel] = heuristic
+
+
+def register_fallback(kernel: str, fallback: str) -> None:
+    """Let ``kernel`` use ``fallback``'s configs wherever a file has none of its own for a shape.
+
+    ``kernel`` then needs no heuristic of its own: it uses ``fallback``'s. Kernel modules call this
+    for kernels that share another kernel's tiling (FusedMultiLoRA's with FusedLoRA's).
+    """
+    _FALLBACKS[kernel] = fallback
 
 
 @contextlib.contextmanager
@@ -314,7 +347,7 @@ def lookup_config(
     """The launch config of ``kernel`` for ``key`` on the named device; never raises for an unknown GPU.
 
     Args:
-        kernel: Kernel name (``"xw_sb"``, ``"dyw_dsa"``, ...).
+        kernel: Kernel name (``"xw_sb"``, ``"dyw_dsa"``, ``"multi_xw_sb"``, ...).
         key: The problem shape.
         device_name: GPU name (None: no GPU, e.g. under the interpreter: the heuristic, silently).
         capability: Compute capability, passed to the heuristic.
@@ -332,12 +365,13 @@ def lookup_config(
 def _lookup_cached(
     kernel: str, key: ShapeKey, device_name: str | None, capability: tuple[int, int], _config_dir_env: str | None
 ) -> KernelConfig:
+    fallback = _FALLBACKS.get(kernel)
     if device_name is not None:
         from lorafusion_kernels.tuning.device import gpu_key
 
         gpu = gpu_key(device_name)
         found = load_config_file(config_dir() / f"{gpu}.json")
-        config = found.lookup(kernel, key) if found is not None else None
+        config = found.lookup(kernel, key, fallback) if found is not None else None
         if config is not None:
             return config
         if found is None:
@@ -346,7 +380,9 @@ def _lookup_cached(
                 f"{config_dir()}); using built-in heuristics. Run `lorafusion-tune` to write one."
             )
         else:
-            _warn_once(f"{gpu}.json has no configs for kernel {kernel!r}; using the built-in heuristic")
-    if kernel not in _HEURISTICS:
+            names = repr(kernel) if fallback is None else f"{kernel!r} (nor for its fallback {fallback!r})"
+            _warn_once(f"{gpu}.json has no configs for kernel {names}; using the built-in heuristic")
+    heuristic = _HEURISTICS.get(kernel) or (_HEURISTICS.get(fallback) if fallback is not None else None)
+    if heuristic is None:
         raise LoRAFusionKernelsError(f"no heuristic registered for kernel {kernel!r}")
-    return _HEURISTICS[kernel](key, capability)
+    return heuristic(key, capability)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from lorafusion_kernels.tuning.config import KernelConfig
 
-SEARCH_SPACE_ID = "v1"
-"""Recorded in each file's provenance; bump it when the candidates below change."""
+SEARCH_SPACE_ID = "v2"
+"""Recorded in each file's provenance; bump it when the candidates below change (v2: the multi_* kernels)."""
 
 MODEL_LAYERS: dict[str, list[tuple[str, int, int]]] = {
     # (layer, n = out_features, k = in_features); q/k/v fused into one qkv projection as LoRAFusion does.
@@ -34,24 +34,31 @@ _GEMM = [
     ]
 ]
 
+_SHRINK = [
+    KernelConfig(block_m=bm, block_n=16, block_k=bk, split=0, num_warps=4, num_stages=4)
+    for bm in (32, 64, 128)
+    for bk in (64, 128, 256)
+]
+_SKINNY = [
+    KernelConfig(block_m=bm, block_n=bn, block_k=16, split=0, num_warps=4, num_stages=3)
+    for bm in (32, 64, 128)
+    for bn in (64, 128, 256)
+]
+
 CANDIDATES: dict[str, list[KernelConfig]] = {
+    "xa": _SHRINK,
     "xw_sb": _GEMM,
+    "dys_dyb": _SKINNY,
+    "dsx": _SKINNY,
     "dyw_dsa": _GEMM,
-    "xa": [
-        KernelConfig(block_m=bm, block_n=16, block_k=bk, split=0, num_warps=w, num_stages=4)
-        for bm in (32, 64, 128)
-        for bk in (64, 128, 256)
-        for w in (4,)
-    ],
-    "dys_dyb": [
-        KernelConfig(block_m=bm, block_n=bn, block_k=16, split=0, num_warps=4, num_stages=3)
-        for bm in (32, 64, 128)
-        for bn in (64, 128, 256)
-    ],
-    "dsx": [
-        KernelConfig(block_m=bm, block_n=bn, block_k=16, split=0, num_warps=4, num_stages=3)
-        for bm in (32, 64, 128)
-        for bn in (64, 128, 256)
-    ],
+    # FusedMultiLoRA's kernels tile as FusedLoRA's (only the rank-r term is routed per segment).
+    "multi_xa": _SHRINK,
+    "multi_xw_sb": _GEMM,
+    "multi_dys_dyb": _SKINNY,
+    "multi_dsx": _SKINNY,
+    "multi_dyw_dsa": _GEMM,
 }
 """Candidates per kernel; ``split=0`` lets the launcher size the split to the GPU."""
+
+MULTI_ADAPTERS = 4
+"""Adapters in the microbatch the FusedMultiLoRA kernels are timed on (the tokens split evenly)."""

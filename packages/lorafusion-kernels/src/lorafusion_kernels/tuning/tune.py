@@ -4,9 +4,13 @@ Usage (on the GPU to tune; the file goes to ``--out``, named after the GPU)::
 
     lorafusion-tune --out packages/lorafusion-kernels/src/lorafusion_kernels/configs
     lorafusion-tune --models llama-3.1-8b --m 4096 8192 --r 16   # a quick subset
+    lorafusion-tune --kernels multi_xa multi_xw_sb --merge configs/nvidia_h100_80gb_hbm3.json --time-limit 400
 
-The written file is deterministic given the measurements: entries sorted by shape, keys sorted,
-each kernel's default the config that won most often (ties: earliest candidate).
+The FusedLoRA kernels (``xa``, ``xw_sb``, ``dys_dyb``, ``dsx``, ``dyw_dsa``) are timed with one
+adapter, the FusedMultiLoRA kernels (``multi_xa``, ...) on a microbatch of ``--adapters`` adapters
+splitting the ``m`` tokens evenly; both are keyed by ``(m, n, k, r, dtype)``, ``r`` being the
+(largest) rank. The written file is deterministic given the measurements: entries sorted by shape,
+keys sorted, each kernel's default the config that won most often (ties: earliest candidate).
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import datetime
 import json
 import math
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -35,56 +40,25 @@ from lorafusion_kernels.tuning.config import (
     dumps,
 )
 from lorafusion_kernels.tuning.device import capability, gpu_key
-from lorafusion_kernels.tuning.search_space import CANDIDATES, M_VALUES, MODEL_LAYERS, RANKS, SEARCH_SPACE_ID
+from lorafusion_kernels.tuning.launches import (
+    MULTI_ADAPTER_KERNELS,
+    SINGLE_ADAPTER_KERNELS,
+    LayerProblem,
+    kernel_launches,
+)
+from lorafusion_kernels.tuning.search_space import (
+    CANDIDATES,
+    M_VALUES,
+    MODEL_LAYERS,
+    MULTI_ADAPTERS,
+    RANKS,
+    SEARCH_SPACE_ID,
+)
 
-KERNELS = ["xa", "xw_sb", "dys_dyb", "dsx", "dyw_dsa"]
+KERNELS = [*SINGLE_ADAPTER_KERNELS, *MULTI_ADAPTER_KERNELS]
 
-
-def _kernel_call(
-    kernel: str, m: int, n: int, k: int, r: int, dtype: torch.dtype, p: float
-) -> Callable[[KernelConfig], Callable[[], object]]:
-    """Inputs for one shape, and a factory ``config -> zero-argument launch`` for ``kernel``."""
-    from lorafusion_kernels._kernels.lora_dsx import lora_dsx
-    from lorafusion_kernels._kernels.lora_dys_dyb import lora_dys_dyb
-    from lorafusion_kernels._kernels.lora_dyw_dsa import lora_dyw_dsa
-    from lorafusion_kernels._kernels.lora_xa import lora_xa
-    from lorafusion_kernels._kernels.lora_xw_sb import lora_xw_sb
-    from lorafusion_kernels.dropout import keep_threshold, seed_tensor
-
-    dev = "cuda"
-    x = torch.randn(m, k, device=dev, dtype=dtype)
-    w = torch.randn(n, k, device=dev, dtype=dtype) / math.sqrt(k)
-    a = torch.randn(r, k, device=dev, dtype=dtype) / math.sqrt(k)
-    b = torch.randn(n, r, device=dev, dtype=dtype) / math.sqrt(r)
-    s = torch.randn(m, r, device=dev, dtype=dtype)
-    dy = torch.randn(m, n, device=dev, dtype=dtype)
-    seed = seed_tensor(1234, dev)
-    inv_keep, threshold, has_dropout = 1.0 / (1.0 - p), keep_threshold(p), p > 0
-    calls: dict[str, Callable[[KernelConfig], Callable[[], object]]] = {
-        "xa": lambda c: (
-            lambda: lora_xa(x, a, scale=2.0, keep_threshold=threshold, seed=seed, has_dropout=has_dropout, config=c)
-        ),
-        "xw_sb": lambda c: lambda: lora_xw_sb(x, w, s, b, None, config=c),
-        "dys_dyb": lambda c: lambda: lora_dys_dyb(dy, b, s, scaling=2.0, config=c),
-        "dsx": lambda c: (
-            lambda: lora_dsx(
-                s,
-                x,
-                out_dtype=dtype,
-                inv_keep=inv_keep,
-                keep_threshold=threshold,
-                seed=seed,
-                has_dropout=has_dropout,
-                config=c,
-            )
-        ),
-        "dyw_dsa": lambda c: (
-            lambda: lora_dyw_dsa(
-                dy, w, s, a, inv_keep=inv_keep, keep_threshold=threshold, seed=seed, has_dropout=has_dropout, config=c
-            )
-        ),
-    }
-    return calls[kernel]
+Timer = Callable[[Callable[[], object]], float]
+"""Median milliseconds of a zero-argument launch (``math.inf`` if it fails)."""
 
 
 def _say(message: str) -> None:
@@ -93,21 +67,111 @@ def _say(message: str) -> None:
     sys.stdout.flush()
 
 
-def _time(fn: Callable[[], object], rep: int) -> float:
+def do_bench_timer(rep: int) -> Timer:
+    """``triton.testing.do_bench`` (median of a ``rep`` ms budget); a candidate that fails to launch loses."""
     from triton.testing import do_bench
 
-    try:
-        return float(do_bench(fn, warmup=10, rep=rep, return_mode="median"))
-    except Exception as exc:  # a candidate that fails to compile or launch (e.g. out of shared memory) loses
-        _say(f"    candidate failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
-        return math.inf
+    def timer(fn: Callable[[], object]) -> float:
+        try:
+            return float(do_bench(fn, warmup=10, rep=rep, return_mode="median"))
+        except Exception as exc:  # a candidate that fails to compile or launch (e.g. out of shared memory) loses
+            _say(f"    candidate failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+            return math.inf
+
+    return timer
 
 
-def _cublas_gemm(m: int, n: int, k: int, dtype: torch.dtype) -> Callable[[], object]:
+def _frozen_gemm(problem: LayerProblem) -> Callable[[], object]:
     """``x W^T`` through torch (cuBLAS): the frozen layer's time, logged next to each shape's winners."""
-    x = torch.randn(m, k, device="cuda", dtype=dtype)
-    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    x = torch.randn(problem.m, problem.k, device=problem.device, dtype=problem.dtype)
+    w = torch.randn(problem.n, problem.k, device=problem.device, dtype=problem.dtype)
     return lambda: x @ w.T
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepResult:
+    """What a sweep measured: the winner per kernel and shape, and how much of the grid it covered."""
+
+    entries: Mapping[str, Sequence[TunedEntry]]
+    points_done: int
+    points_total: int
+
+
+def sweep(
+    *,
+    shapes: Sequence[tuple[int, int]],
+    ms: Sequence[int],
+    ranks: Sequence[int],
+    kernels: Sequence[str],
+    timer: Timer,
+    candidates: Mapping[str, Sequence[KernelConfig]] = CANDIDATES,
+    dtype: torch.dtype = torch.bfloat16,
+    p: float = 0.1,
+    adapters: int = MULTI_ADAPTERS,
+    device: str = "cuda",
+    time_limit_s: float | None = None,
+) -> SweepResult:
+    """Time every candidate of every kernel at every ``(n, k)`` of ``shapes``, ``m`` and ``r``; keep the winners.
+
+    Args:
+        shapes: ``(n, k)`` layer shapes.
+        ms: Token counts.
+        ranks: LoRA ranks.
+        kernels: Kernel names (see :data:`KERNELS`).
+        timer: Times one launch (:func:`do_bench_timer` on a GPU).
+        candidates: Configs tried per kernel.
+        dtype: Activation dtype.
+        p: Dropout probability the kernels run with.
+        adapters: Adapters in the FusedMultiLoRA kernels' microbatch.
+        device: Where the inputs live (``"cpu"`` only under ``TRITON_INTERPRET=1``).
+        time_limit_s: Start no new shape after this many seconds (the result says how far it got).
+
+    Raises:
+        LoRAFusionKernelsError: for a kernel without candidates.
+    """
+    for kernel in kernels:
+        if kernel not in candidates:
+            raise LoRAFusionKernelsError(f"unknown kernel {kernel!r}; choose from {sorted(candidates)}")
+    points = [(n, k, m, r) for n, k in shapes for m in ms for r in ranks]
+    entries: dict[str, list[TunedEntry]] = collections.defaultdict(list)
+    started = time.monotonic()
+    done = 0
+    for n, k, m, r in points:
+        elapsed = time.monotonic() - started
+        if time_limit_s is not None and elapsed >= time_limit_s:
+            _say(f"time limit of {time_limit_s:.0f} s reached after {done} of {len(points)} shapes")
+            break
+        problem = LayerProblem(m=m, n=n, k=k, r=r, dtype=dtype, p=p, adapters=adapters, device=device)
+        _say(f"m={m} n={n} k={k} r={r} (at {elapsed:.0f} s): torch x W^T {timer(_frozen_gemm(problem)):.4f} ms")
+        for kernel, launch in kernel_launches(problem, kernels).items():
+            timed = [(timer(launch(c)), i) for i, c in enumerate(candidates[kernel])]
+            best_ms, best_index = min(timed)
+            if math.isinf(best_ms):
+                _say(f"  {kernel:14s} every candidate failed: no entry")
+                continue
+            best = candidates[kernel][best_index]
+            key = ShapeKey(m=m, n=n, k=k, r=r, dtype=dtype_name(dtype))
+            entries[kernel].append(TunedEntry(key=key, config=best, ms=best_ms))
+            # The config the kernel launches with today (a multi kernel without entries: FusedLoRA's).
+            current_ms = timer(launch(None))
+            _say(f"  {kernel:14s} {best_ms:.4f} ms (looked-up config {current_ms:.4f} ms)  {best.to_dict()}")
+        done += 1
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    _say(f"swept {done} of {len(points)} shapes in {time.monotonic() - started:.0f} s")
+    return SweepResult(entries=dict(entries), points_done=done, points_total=len(points))
+
+
+def kernel_tables(
+    entries: Mapping[str, Sequence[TunedEntry]], candidates: Mapping[str, Sequence[KernelConfig]] = CANDIDATES
+) -> dict[str, KernelTable]:
+    """One table per kernel: its entries, and as default the candidate that won most often (ties: earliest)."""
+    out = {}
+    for kernel, found in entries.items():
+        wins = collections.Counter(list(candidates[kernel]).index(e.config) for e in found)
+        default_index = min(wins, key=lambda i: (-wins[i], i))
+        out[kernel] = KernelTable(default=candidates[kernel][default_index], entries=tuple(found))
+    return out
 
 
 def tune(
@@ -118,9 +182,11 @@ def tune(
     kernels: list[str],
     dtype: torch.dtype = torch.bfloat16,
     p: float = 0.1,
+    adapters: int = MULTI_ADAPTERS,
     rep: int = 30,
+    time_limit_s: float | None = None,
 ) -> ConfigFile:
-    """Sweep and return the config file for the current GPU.
+    """Sweep on the current GPU and return its config file.
 
     Raises:
         LoRAFusionKernelsError: for an unknown model or kernel name.
@@ -128,32 +194,28 @@ def tune(
     for model in models:
         if model not in MODEL_LAYERS:
             raise LoRAFusionKernelsError(f"unknown model {model!r}; choose from {sorted(MODEL_LAYERS)}")
-    for kernel in kernels:
-        if kernel not in CANDIDATES:
-            raise LoRAFusionKernelsError(f"unknown kernel {kernel!r}; choose from {sorted(CANDIDATES)}")
     shapes = sorted({(n, k) for model in models for _, n, k in MODEL_LAYERS[model]})
-    entries: dict[str, list[TunedEntry]] = collections.defaultdict(list)
-    for n, k in shapes:
-        for m in ms:
-            for r in ranks:
-                cublas = _time(_cublas_gemm(m, n, k, dtype), rep)
-                _say(f"m={m} n={n} k={k} r={r}: cuBLAS x W^T {cublas:.4f} ms")
-                for kernel in kernels:
-                    factory = _kernel_call(kernel, m, n, k, r, dtype, p)
-                    timed = [(_time(factory(c), rep), i) for i, c in enumerate(CANDIDATES[kernel])]
-                    best_ms, best_index = min(timed)
-                    best = CANDIDATES[kernel][best_index]
-                    key = ShapeKey(m=m, n=n, k=k, r=r, dtype=dtype_name(dtype))
-                    entries[kernel].append(TunedEntry(key=key, config=best, ms=best_ms))
-                    _say(f"  {kernel:8s} {best_ms:.4f} ms  {best.to_dict()}")
-                torch.cuda.empty_cache()
-    tables = {}
-    for kernel, found in entries.items():
-        wins = collections.Counter(CANDIDATES[kernel].index(e.config) for e in found)
-        default_index = min(wins, key=lambda i: (-wins[i], i))
-        tables[kernel] = KernelTable(default=CANDIDATES[kernel][default_index], entries=tuple(found))
+    result = sweep(
+        shapes=shapes,
+        ms=ms,
+        ranks=ranks,
+        kernels=kernels,
+        timer=do_bench_timer(rep),
+        dtype=dtype,
+        p=p,
+        adapters=adapters,
+        time_limit_s=time_limit_s,
+    )
     import triton
 
+    sweep_text = (
+        f"models={','.join(models)} m={','.join(map(str, ms))} r={','.join(map(str, ranks))} "
+        f"dtype={dtype_name(dtype)} p={p}"
+    )
+    if set(kernels) & set(MULTI_ADAPTER_KERNELS):
+        sweep_text += f" adapters={adapters}"
+    if result.points_done < result.points_total:
+        sweep_text += f" (time limit: {result.points_done} of {result.points_total} shapes)"
     name = torch.cuda.get_device_name()
     return ConfigFile(
         device_name=name,
@@ -166,17 +228,17 @@ def tune(
             "lorafusion_kernels": __version__,
             "search_space": SEARCH_SPACE_ID,
             "kernels": ",".join(kernels),
-            "sweep": f"models={','.join(models)} m={','.join(map(str, ms))} r={','.join(map(str, ranks))} "
-            f"dtype={dtype_name(dtype)} p={p}",
+            "sweep": sweep_text,
         },
-        kernels=tables,
+        kernels=kernel_tables(result.entries),
     )
 
 
 def merge(old: ConfigFile, new: ConfigFile) -> ConfigFile:
     """``new`` on top of ``old``: kernels not re-tuned keep their tables; re-tuned ones gain or replace entries.
 
-    The provenance is the new run's, with the old sweep recorded under ``merged_from``.
+    The provenance is the new run's; ``merged_from`` records the old run (date, sweep, kernels) followed
+    by the old file's own ``merged_from``, so every entry's sweep stays on record.
     """
     kernels = dict(old.kernels)
     for name, table in new.kernels.items():
@@ -184,7 +246,11 @@ def merge(old: ConfigFile, new: ConfigFile) -> ConfigFile:
         kept = tuple(e for e in kernels[name].entries if e.key not in keys) if name in kernels else ()
         kernels[name] = KernelTable(default=table.default, entries=kept + table.entries)
     provenance = dict(new.provenance)
-    provenance["merged_from"] = f"{old.provenance.get('date', '?')}: {old.provenance.get('sweep', '?')}"
+    get = old.provenance.get
+    merged = f"{get('date', '?')}: {get('sweep', '?')} kernels={get('kernels', '?')}"
+    if "merged_from" in old.provenance:
+        merged += f"; {old.provenance['merged_from']}"
+    provenance["merged_from"] = merged
     return dataclasses.replace(new, kernels=kernels, provenance=provenance)
 
 
@@ -195,20 +261,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--m", nargs="+", type=int, default=M_VALUES)
     parser.add_argument("--r", nargs="+", type=int, default=RANKS)
     parser.add_argument("--kernels", nargs="+", default=KERNELS, choices=KERNELS)
+    parser.add_argument("--adapters", type=int, default=MULTI_ADAPTERS, help="adapters in the multi_* kernels' batch")
     parser.add_argument("--p", type=float, default=0.1, help="dropout probability the kernels are timed with")
     parser.add_argument("--rep", type=int, default=30, help="do_bench repetition budget per candidate, ms")
+    parser.add_argument("--time-limit", type=float, default=None, help="seconds after which no new shape starts")
     parser.add_argument("--out", type=Path, default=Path("."), help="directory for <gpu-key>.json")
     parser.add_argument("--merge", type=Path, default=None, help="an existing file to update instead of replace")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         _say("lorafusion-tune needs a CUDA GPU")
         return 2
-    result = tune(models=args.models, ms=args.m, ranks=args.r, kernels=args.kernels, p=args.p, rep=args.rep)
+    if args.adapters < 2:
+        _say("--adapters must be at least 2 (one adapter takes the FusedLoRA path)")
+        return 2
+    result = tune(
+        models=args.models,
+        ms=args.m,
+        ranks=args.r,
+        kernels=args.kernels,
+        p=args.p,
+        adapters=args.adapters,
+        rep=args.rep,
+        time_limit_s=args.time_limit,
+    )
     if args.merge is not None and args.merge.is_file():
         result = merge(ConfigFile.from_json(json.loads(args.merge.read_text()), where=str(args.merge)), result)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{result.device_key}.json"
     path.write_text(dumps(result))
-    _say(json.dumps({k: v.default.to_dict() for k, v in result.kernels.items()}, indent=1))
+    for name, table in sorted(result.kernels.items()):
+        _say(f"default {name:14s} {json.dumps(table.default.to_dict(), sort_keys=True)}")
     _say(f"wrote {path}")
     return 0

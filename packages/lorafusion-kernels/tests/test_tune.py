@@ -1,0 +1,123 @@
+"""``lorafusion-tune``'s sweep, run on CPU: the kernels under ``TRITON_INTERPRET=1`` on a tiny shape."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from lorafusion_kernels._kernels._common import interpreting
+from lorafusion_kernels.tuning import ConfigFile, KernelConfig, ShapeKey, TunedEntry
+from lorafusion_kernels.tuning.config import dumps
+from lorafusion_kernels.tuning.launches import (
+    MULTI_ADAPTER_KERNELS,
+    SINGLE_ADAPTER_KERNELS,
+    LayerProblem,
+    even_segments,
+    multi_adapter_launches,
+)
+from lorafusion_kernels.tuning.search_space import CANDIDATES
+from lorafusion_kernels.tuning.tune import KERNELS, kernel_tables, sweep
+
+TINY_GEMM = [
+    KernelConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_stages=1),
+    KernelConfig(block_m=32, block_n=16, block_k=32, group_m=4, num_stages=1, tma=True),
+]
+TINY_SKINNY = [
+    KernelConfig(block_m=16, block_n=16, block_k=16, split=1, num_stages=1),
+    KernelConfig(block_m=32, block_n=32, block_k=32, split=2, num_stages=1),
+]
+# Two candidates per multi-adapter kernel (a search); one per FusedLoRA kernel (their launches run).
+TINY_CANDIDATES = {
+    name: (TINY_GEMM if name.endswith(("xw_sb", "dyw_dsa")) else TINY_SKINNY)[
+        : 2 if name in MULTI_ADAPTER_KERNELS else 1
+    ]
+    for name in (*SINGLE_ADAPTER_KERNELS, *MULTI_ADAPTER_KERNELS)
+}
+
+
+def wall_clock_ms(fn: Callable[[], object]) -> float:
+    """One run, timed on the host (the interpreter has no CUDA events); a failing launch fails the test."""
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def test_every_kernel_has_candidates_and_a_launch():
+    assert set(CANDIDATES) == set(KERNELS) == {*SINGLE_ADAPTER_KERNELS, *MULTI_ADAPTER_KERNELS}
+    for multi in MULTI_ADAPTER_KERNELS:
+        assert CANDIDATES[multi] == CANDIDATES[multi.removeprefix("multi_")], "same tiling, same candidates"
+    problem = LayerProblem(m=8, n=16, k=16, r=4, dtype=torch.float32, p=0.0, adapters=2, device="cpu")
+    assert tuple(multi_adapter_launches(problem)) == MULTI_ADAPTER_KERNELS
+
+
+def test_even_segments_split_the_tokens():
+    assert even_segments(10, 4) == [3, 3, 2, 2]
+    assert even_segments(4096, 4) == [1024] * 4
+
+
+def test_default_is_the_most_frequent_winner():
+    a, b = TINY_GEMM
+
+    def won(m: int, config: KernelConfig) -> TunedEntry:
+        return TunedEntry(key=ShapeKey(m=m, n=64, k=64, r=16, dtype="bfloat16"), config=config, ms=1.0)
+
+    found = kernel_tables({"multi_xw_sb": [won(1, b), won(2, a), won(3, b)]}, TINY_CANDIDATES)
+    assert found["multi_xw_sb"].default == b
+    tie = kernel_tables({"multi_xw_sb": [won(1, b), won(2, a)]}, TINY_CANDIDATES)
+    assert tie["multi_xw_sb"].default == a, "ties go to the earliest candidate"
+
+
+def test_time_limit_stops_before_the_next_shape():
+    result = sweep(
+        shapes=[(32, 32)],
+        ms=[8, 16],
+        ranks=[4],
+        kernels=["multi_xa"],
+        timer=wall_clock_ms,
+        candidates=TINY_CANDIDATES,
+        device="cpu",
+        time_limit_s=0.0,
+    )
+    assert (result.points_done, result.points_total, dict(result.entries)) == (0, 2, {})
+
+
+@pytest.mark.interpret
+def test_sweep_over_every_kernel_under_the_interpreter(capsys):
+    if not interpreting():
+        pytest.skip("set TRITON_INTERPRET=1 before starting pytest to run the kernels on CPU")
+    result = sweep(
+        shapes=[(48, 40)],
+        ms=[37],
+        ranks=[8],
+        kernels=KERNELS,
+        timer=wall_clock_ms,
+        candidates=TINY_CANDIDATES,
+        dtype=torch.float32,
+        p=0.25,
+        adapters=2,
+        device="cpu",
+    )
+    assert (result.points_done, result.points_total) == (1, 1)
+    log = capsys.readouterr().out
+    shape = ShapeKey(m=37, n=48, k=40, r=8, dtype="float32")
+    for kernel in KERNELS:
+        (entry,) = result.entries[kernel]
+        assert entry.key == shape
+        assert entry.config in TINY_CANDIDATES[kernel]
+        assert 0 < entry.ms < math.inf
+        assert f"  {kernel} " in log, "each winner is printed with its time"
+    written = ConfigFile(
+        device_name="NVIDIA Test GPU",
+        device_key="nvidia_test_gpu",
+        capability=(9, 0),
+        provenance={"date": "-", "torch": "-", "triton": "-", "lorafusion_kernels": "-", "search_space": "-"},
+        kernels=kernel_tables(result.entries, TINY_CANDIDATES),
+    )
+    parsed = ConfigFile.from_json(json.loads(dumps(written)))
+    for kernel in KERNELS:
+        assert parsed.lookup(kernel, shape) == result.entries[kernel][0].config
