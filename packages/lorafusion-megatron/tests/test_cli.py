@@ -42,6 +42,24 @@ def test_validate_names_the_bad_keys(tmp_path: Path, config_dict, capsys: pytest
     assert "jobs.1 (second).target_modules: ['qkv'] are not linear layers of this model" in err
 
 
+def test_validate_checks_the_eval_dataset_path(tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]) -> None:
+    data = config_dict()
+    data["jobs"][0]["eval_dataset"] = {"path": str(tmp_path / "missing-eval.jsonl")}
+    assert main(["validate", str(_write(tmp_path / "eval.yaml", data))]) == 2
+    assert "jobs.0 (first).eval_dataset.path:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--pipeline-stages", "2"], ["--schedule", "mlora"]])
+def test_train_refuses_evaluation_moved_to_the_pipeline_by_flags(
+    tmp_path: Path, config_dict, flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = config_dict()
+    data["jobs"][0]["val_size"] = 0.25
+    path = _write(tmp_path / "eval.yaml", data)
+    assert main(["train", str(path), *flags]) == 2
+    assert "pipeline runtime, which does not evaluate yet" in capsys.readouterr().err
+
+
 def test_validate_does_not_import_torch(tmp_path: Path) -> None:
     import subprocess
     import sys

@@ -54,12 +54,47 @@ def test_unknown_key_names_the_key_and_suggests(config_dict) -> None:
         ({"dataset": {"path": "x.jsonl", "synthetic": "xsum"}}, "give exactly one of `path`"),
         ({"dataset": {}}, "give exactly one of `path`"),
         ({"dataset": {"synthetic": "het"}}, "jobs.0.dataset.synthetic"),
+        ({"val_size": 0}, "jobs.0.val_size: Input should be greater than 0 (got 0)"),
+        ({"val_size": 1.5}, "val_size = 1.5 is neither a fraction below 1"),
+        ({"val_size": 0.1, "eval_dataset": {"path": "e.jsonl"}}, "give either `val_size`"),
+        ({"eval_steps": 5}, "jobs.0: eval_steps = 5 but job 'first' has no evaluation set: add `val_size`"),
+        ({"eval_dataset": {"path": "e.jsonl", "split": "test"}}, "jobs.0.eval_dataset.split: unknown key"),
     ],
 )
 def test_bad_job_values_are_named(config_dict, change, expected) -> None:
     data = config_dict()
     data["jobs"][0].update(change)
     assert expected in _error(data)
+
+
+def test_evaluation_keys_are_accepted(config_dict) -> None:
+    data = config_dict()
+    data["jobs"][0].update(val_size=0.1, eval_steps=5)
+    data["jobs"][1].update(val_size=20, eval_dataset=None)
+    config = parse_config(data)
+    assert [job.evaluates for job in config.jobs] == [True, True]
+    assert config.jobs[1].val_size == 20
+    assert not parse_config(config_dict()).jobs[0].evaluates
+
+
+@pytest.mark.parametrize(
+    ("parallel", "reason"),
+    [
+        ({"pipeline_stages": 2}, "parallel.pipeline_stages = 2"),
+        ({"data_parallel": 2}, "parallel.data_parallel = 2"),
+        ({"schedule": "mlora"}, "parallel.schedule = mlora"),
+    ],
+)
+def test_evaluation_is_refused_on_the_pipeline_runtime(config_dict, parallel, reason) -> None:
+    data = config_dict(parallel=parallel)
+    data["jobs"][1]["val_size"] = 0.2
+    message = _error(data)
+    assert (
+        f"<top level>: job(s) second evaluate (val_size / eval_dataset), but {reason} runs on the pipeline" in message
+    )
+    assert "train on one process (pipeline_stages: 1, data_parallel: 1, schedule: lorafusion)" in message
+    assert "(got {" not in message  # the whole config is not echoed back
+    assert parse_config(config_dict(parallel=parallel)).parallel.schedule  # without evaluation: fine
 
 
 def test_duplicate_job_names(config_dict) -> None:
@@ -130,6 +165,20 @@ def test_fingerprint_ignores_logging_and_outputs_only(config_dict) -> None:
     changed = config_dict()
     changed["jobs"][0]["learning_rate"] = 5e-4
     assert config_fingerprint(base) != config_fingerprint(parse_config(changed))
+    evaluated = config_dict()
+    evaluated["jobs"][0].update(eval_dataset={"path": "eval.jsonl"}, eval_steps=3)
+    assert config_fingerprint(base) == config_fingerprint(parse_config(evaluated))
+    held_out = config_dict()
+    held_out["jobs"][0]["val_size"] = 0.1  # decides which samples are trained on
+    assert config_fingerprint(base) != config_fingerprint(parse_config(held_out))
+
+
+def test_relative_eval_dataset_resolves_against_the_config_file(tmp_path: Path) -> None:
+    (tmp_path / "run.yaml").write_text(
+        "output_dir: out\nbase_model: {model_name_or_path: tiny}\n"
+        "jobs:\n  - {name: one, dataset: {path: a.jsonl}, eval_dataset: {path: data/b.jsonl}}\n"
+    )
+    assert load_config(tmp_path / "run.yaml").jobs[0].eval_dataset.path == str(tmp_path / "data" / "b.jsonl")
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)

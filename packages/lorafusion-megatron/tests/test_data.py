@@ -55,7 +55,13 @@ def test_bad_dataset_files(tmp_path: Path, name: str, content: str | None, messa
 def test_prompt_tokens_are_masked_and_targets_shifted() -> None:
     tokenizer = byte_level_tokenizer()
     [sample, _] = tokenize_records(
-        ROWS, tokenizer, prompt_field="prompt", response_field="response", text_field="text", source="t"
+        ROWS,
+        tokenizer,
+        prompt_field="prompt",
+        response_field="response",
+        text_field="text",
+        messages_field="messages",
+        source="t",
     )
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     ids = sample.input_ids.tolist()
@@ -70,19 +76,27 @@ def test_prompt_tokens_are_masked_and_targets_shifted() -> None:
 def test_text_records_train_on_everything_after_the_first_token() -> None:
     tokenizer = byte_level_tokenizer()
     [sample] = tokenize_records(
-        [{"text": "hey"}], tokenizer, prompt_field="prompt", response_field="response", text_field="text", source="t"
+        [{"text": "hey"}],
+        tokenizer,
+        prompt_field="prompt",
+        response_field="response",
+        text_field="text",
+        messages_field="messages",
+        source="t",
     )
     assert sample.targets.tolist() == [*sample.input_ids.tolist()[1:], IGNORE_INDEX]
 
 
 def test_records_without_the_fields_are_refused() -> None:
-    with pytest.raises(TrainerError, match=r"records need `prompt` and `response`, or `text`; the first has \['q'\]"):
+    expected = r"records need `messages`, `prompt` and `response`, or `text`; the first has \['q'\]"
+    with pytest.raises(TrainerError, match=expected):
         tokenize_records(
             [{"q": "x"}],
             byte_level_tokenizer(),
             prompt_field="prompt",
             response_field="response",
             text_field="text",
+            messages_field="messages",
             source="t",
         )
     with pytest.raises(TrainerError, match="record 1: `response` is None"):
@@ -92,6 +106,7 @@ def test_records_without_the_fields_are_refused() -> None:
             prompt_field="prompt",
             response_field="response",
             text_field="text",
+            messages_field="messages",
             source="t",
         )
 

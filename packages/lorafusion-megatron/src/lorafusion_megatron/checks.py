@@ -53,13 +53,14 @@ def _problems(config: TrainerConfig) -> list[str]:
     known = LORA_TARGETS.get(model_type(config) or "")
     for index, job in enumerate(config.jobs):
         where = f"jobs.{index} ({job.name})"
-        path = job.dataset.path
-        if path is not None:
-            p = Path(path)
-            if not p.exists():
-                problems.append(f"{where}.dataset.path: {path} does not exist")
-            elif p.is_file() and p.suffix not in _DATASET_SUFFIXES:
-                problems.append(f"{where}.dataset.path: {path} is not .jsonl, .json, .parquet or a save_to_disk folder")
+        for key, dataset in (("dataset", job.dataset), ("eval_dataset", job.eval_dataset)):
+            path = None if dataset is None else dataset.path
+            if path is None:
+                continue
+            if not Path(path).exists():
+                problems.append(f"{where}.{key}.path: {path} does not exist")
+            elif Path(path).is_file() and Path(path).suffix not in _DATASET_SUFFIXES:
+                problems.append(f"{where}.{key}.path: {path} is not .jsonl, .json, .parquet or a save_to_disk folder")
         if known is not None and isinstance(job.target_modules, list):
             unknown = sorted(set(job.target_modules) - set(known))
             if unknown:

@@ -116,6 +116,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     config = _load(args)
     parallel = parallel_from_args(args, config.parallel)
+    config.check_evaluation_supported(parallel, under_torchrun=under_torchrun())
     if parallel.world_size > 1 or parallel.schedule != "lorafusion" or under_torchrun():
         from lorafusion_megatron.pipeline import commands
 

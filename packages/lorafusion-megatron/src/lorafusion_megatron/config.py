@@ -90,8 +90,10 @@ class BaseModelConfig(BaseModel):
 class DatasetConfig(BaseModel):
     """Where a job's samples come from: a file or folder, or a synthetic length distribution.
 
-    Records with both ``prompt_field`` and ``response_field`` train on the response only (prompt
-    tokens get label -100); otherwise ``text_field`` is trained on in full.
+    The first record decides the layout: a ``messages_field`` list of chat turns is rendered with
+    the tokenizer's chat template and trains on the assistant turns only; records with both
+    ``prompt_field`` and ``response_field`` train on the response only (prompt tokens get label
+    -100); otherwise ``text_field`` is trained on in full.
     """
 
     model_config = _STRICT
@@ -118,6 +120,10 @@ class DatasetConfig(BaseModel):
 
     text_field: str = "text"
     """Column holding a whole text (trained on in full) when there is no prompt/response pair."""
+
+    messages_field: str = "messages"
+    """Column holding a chat: a list of ``{role, content}`` turns (OpenAI style), rendered with the
+    tokenizer's chat template; only ``assistant`` turns are trained on."""
 
     max_samples: PositiveInt | None = None
     """Use only the first ``max_samples`` records."""
@@ -194,6 +200,19 @@ class JobConfig(BaseModel):
     output_dir: str | None = None
     """Where the final adapter goes; default ``<output_dir>/adapters/<name>``."""
 
+    val_size: float | None = Field(default=None, gt=0)
+    """Hold this much of ``dataset`` out of training as the job's evaluation set: a fraction below 1
+    (``0.1``: 10%, rounded up) or a whole number of samples (``200``). Which samples is fixed by
+    ``runtime.seed`` and the job name, so a re-run or a resume holds out the same ones."""
+
+    eval_dataset: DatasetConfig | None = None
+    """Evaluate on this dataset instead of a held-out part of ``dataset`` (same formats and fields;
+    its ``shuffle`` is unused)."""
+
+    eval_steps: PositiveInt | None = None
+    """Evaluate every this many of the job's optimizer steps, and after its last step; ``null``: only
+    after its last step. Needs ``val_size`` or ``eval_dataset``."""
+
     @field_validator("name")
     @classmethod
     def _name_is_a_folder_name(cls, value: str) -> str:
@@ -215,6 +234,34 @@ class JobConfig(BaseModel):
         if isinstance(value, list) and not value:
             raise ValueError("target_modules is empty: list module names such as [q_proj, v_proj], or all-linear")
         return value
+
+    @field_validator("val_size")
+    @classmethod
+    def _fraction_or_count(cls, value: float | None) -> float | None:
+        if value is not None and value >= 1 and not value.is_integer():
+            raise ValueError(
+                f"val_size = {value} is neither a fraction below 1 (0.1 holds out 10% of the samples) "
+                "nor a whole number of samples"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _one_eval_source(self) -> JobConfig:
+        if self.val_size is not None and self.eval_dataset is not None:
+            raise ValueError(
+                "give either `val_size` (hold out part of `dataset`) or `eval_dataset` (a separate dataset), not both"
+            )
+        if self.eval_steps is not None and not self.evaluates:
+            raise ValueError(
+                f"eval_steps = {self.eval_steps} but job {self.name!r} has no evaluation set: add `val_size` "
+                "(e.g. 0.1) or `eval_dataset`, or remove eval_steps"
+            )
+        return self
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the job has an evaluation set (``val_size`` or ``eval_dataset``)."""
+        return self.val_size is not None or self.eval_dataset is not None
 
 
 class SchedulerConfig(BaseModel):
@@ -336,6 +383,43 @@ class TrainerConfig(BaseModel):
         return jobs
 
     @model_validator(mode="after")
+    def _evaluation_on_one_process(self) -> TrainerConfig:
+        self.check_evaluation_supported(self.parallel)
+        return self
+
+    def check_evaluation_supported(self, parallel: ParallelConfig, *, under_torchrun: bool = False) -> None:
+        """Refuse evaluation on a run that ``parallel`` hands to the pipeline runtime (it cannot evaluate yet).
+
+        Args:
+            parallel: The parallelism the run will use (the config's, or after command-line flags).
+            under_torchrun: The run joins an external ``torchrun``, which always takes the pipeline
+                runtime, even with one process.
+
+        Raises:
+            TrainerError: Some job has ``val_size`` or ``eval_dataset`` and ``parallel`` is not one
+                process running the ``lorafusion`` schedule.
+        """
+        evaluating = [job.name for job in self.jobs if job.evaluates]
+        if not evaluating:
+            return
+        reasons = []
+        if parallel.pipeline_stages > 1:
+            reasons.append(f"parallel.pipeline_stages = {parallel.pipeline_stages}")
+        if parallel.data_parallel > 1:
+            reasons.append(f"parallel.data_parallel = {parallel.data_parallel}")
+        if parallel.schedule != "lorafusion":
+            reasons.append(f"parallel.schedule = {parallel.schedule}")
+        if under_torchrun:
+            reasons.append("a launch under torchrun")
+        if reasons:
+            raise TrainerError(
+                f"job(s) {', '.join(evaluating)} evaluate (val_size / eval_dataset), but {' and '.join(reasons)} "
+                "runs on the pipeline runtime, which does not evaluate yet: train on one process "
+                "(pipeline_stages: 1, data_parallel: 1, schedule: lorafusion), or remove val_size, eval_dataset "
+                "and eval_steps from those jobs"
+            )
+
+    @model_validator(mode="after")
     def _distinct_outputs(self) -> TrainerConfig:
         seen: dict[Path, str] = {}
         for job in self.jobs:
@@ -358,13 +442,15 @@ class TrainerConfig(BaseModel):
 def config_fingerprint(config: TrainerConfig) -> str:
     """Hash of everything that decides the trained weights (a resume must match it).
 
-    Logging, checkpoint cadence and output folders are left out: they may change between a run and
-    its resume without changing the result.
+    Logging, checkpoint and evaluation cadence, evaluation datasets and output folders are left out:
+    they may change between a run and its resume without changing the result. ``val_size`` stays in:
+    it decides which samples are trained on.
     """
     data = config.model_dump(mode="json", exclude={"logging": True, "save_steps": True, "save_total_limit": True})
     data.pop("output_dir")
     for job in data["jobs"]:
-        job.pop("output_dir")
+        for key in ("output_dir", "eval_dataset", "eval_steps"):
+            job.pop(key)
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -401,6 +487,8 @@ def _format_error(error: Any) -> str:
     message = str(error["msg"]).removeprefix("Value error, ")
     if error["type"] == "missing":
         return f"{_location(loc)}: required key is missing"
+    if isinstance(error["input"], dict | list):  # a section's own check: its message names the keys
+        return f"{_location(loc)}: {message}"
     return f"{_location(loc)}: {message} (got {error['input']!r})"
 
 
@@ -454,10 +542,15 @@ def _resolve_relative(config: TrainerConfig, base: Path) -> TrainerConfig:
     if not model.is_preset:
         model = model.model_copy(update={"model_name_or_path": resolve(model.model_name_or_path)})
     model = model.model_copy(update={"tokenizer_name_or_path": resolve(model.tokenizer_name_or_path)})
+
+    def resolve_dataset(dataset: DatasetConfig | None) -> DatasetConfig | None:
+        return None if dataset is None else dataset.model_copy(update={"path": resolve(dataset.path)})
+
     jobs = [
         job.model_copy(
             update={
-                "dataset": job.dataset.model_copy(update={"path": resolve(job.dataset.path)}),
+                "dataset": resolve_dataset(job.dataset),
+                "eval_dataset": resolve_dataset(job.eval_dataset),
                 "output_dir": resolve(job.output_dir),
             }
         )

@@ -118,20 +118,58 @@ class MicrobatchRunner:
         with lorafusion_kernels.multi_lora_batch(meta, list(self.adapters)):
             yield
 
-    def _pass(self, batch: PackedBatch, denominators: Mapping[tuple[str, int], int]) -> list[SegmentResult]:
+    def evaluate(self, batch: PackedBatch) -> list[SegmentResult]:
+        """The loss sums of ``batch``'s segments with the model in eval mode (no dropout) and no gradients.
+
+        Runs the segments exactly as :meth:`forward_backward` does (fused in one pass, or one pass per
+        segment); the adapters' accumulated ``.grad`` and the random generators are left untouched.
+
+        Args:
+            batch: The packed batch, on the model's device.
+
+        Returns:
+            One result per segment, in sequence order.
+        """
         import torch
+
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                if self.fused:
+                    self._set_active(self.adapters)
+                    with self._routing(batch):
+                        return self._results(batch, self._segment_losses(batch))
+                results = []
+                for index, span in enumerate(batch.segments):
+                    self._set_active((span.adapter,))
+                    segment = batch.segment(index)
+                    results.extend(self._results(segment, self._segment_losses(segment)))
+                return results
+        finally:
+            self.model.train(was_training)
+
+    def _segment_losses(self, batch: PackedBatch) -> list[torch.Tensor]:
+        """Per segment, the sum of its token losses (a 0-d tensor in the autograd graph, if any)."""
         import torch.nn.functional as F  # noqa: N812 - the conventional name
 
         outputs = self.model(input_ids=batch.input_ids, **attention_inputs(batch, self.attn_implementation, self.dtype))
         token_loss = F.cross_entropy(outputs.logits[0].float(), batch.targets, reduction="none")
-        objective = token_loss.new_zeros(())
-        sums = []
-        for span in batch.segments:
-            segment_sum = token_loss[span.start : span.start + span.length].sum()
+        return [token_loss[span.start : span.start + span.length].sum() for span in batch.segments]
+
+    def _pass(self, batch: PackedBatch, denominators: Mapping[tuple[str, int], int]) -> list[SegmentResult]:
+        sums = self._segment_losses(batch)
+        objective = sums[0].new_zeros(())
+        for span, segment_sum in zip(batch.segments, sums, strict=True):
             objective = objective + segment_sum / denominators[(span.adapter, span.global_batch)]
-            sums.append(segment_sum.detach())
         objective.backward()  # type: ignore[no-untyped-call]
-        values = torch.stack(sums).tolist()  # the microbatch's one read-back from the device
+        return self._results(batch, [segment_sum.detach() for segment_sum in sums])
+
+    @staticmethod
+    def _results(batch: PackedBatch, sums: Sequence[torch.Tensor]) -> list[SegmentResult]:
+        import torch
+
+        values = torch.stack(list(sums)).tolist()  # the microbatch's one read-back from the device
         counted = [
             span.targets
             if span.targets is not None

@@ -2,12 +2,11 @@
 
 One frozen base model carries one LoRA adapter per job. The plan decides which samples of which
 jobs share a microbatch and after which microbatch each job's optimizer steps; this module wires
-the pieces together and keeps the books (progress, TensorBoard, checkpoints).
+the pieces together and keeps the books (progress, evaluation, TensorBoard, checkpoints).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Mapping
@@ -22,6 +21,7 @@ from lorafusion_megatron.checkpoint import latest_checkpoint, load_checkpoint, s
 from lorafusion_megatron.config import TrainerConfig, config_fingerprint
 from lorafusion_megatron.data.job_data import JobData, job_seed, load_job_data
 from lorafusion_megatron.errors import TrainerError
+from lorafusion_megatron.eval_reporting import EVAL_HISTORY, EvalHistory, EvalScalars, eval_table, write_json
 from lorafusion_megatron.executor import StopSignal, execute_plan
 from lorafusion_megatron.planning import check_plan, make_plan, plan_from_json
 from lorafusion_megatron.reporting import ProgressDisplay, TensorBoardLogger, summary_table
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from peft import PeftModel
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+    from lorafusion_megatron.evaluation import Evaluator
     from lorafusion_megatron.optim import AdapterOptimizer
     from lorafusion_megatron.runner import MicrobatchRunner
     from lorafusion_sched.models import Microbatch, Plan
@@ -48,7 +49,7 @@ class PreparedData:
     Attributes:
         model_config: The base model's transformers config.
         tokenizer: Its tokenizer (``None`` when every job is synthetic).
-        jobs: Each job's training data, in config order.
+        jobs: Each job's training (and evaluation) data, in config order.
     """
 
     model_config: PretrainedConfig
@@ -67,7 +68,11 @@ def prepare_data(config: TrainerConfig) -> PreparedData:
 
     model_config = load_model_config(config.base_model)
     vocab_size = int(model_config.vocab_size)
-    needs_tokenizer = any(job.dataset.path is not None for job in config.jobs)
+    needs_tokenizer = any(
+        dataset is not None and dataset.path is not None
+        for job in config.jobs
+        for dataset in (job.dataset, job.eval_dataset)
+    )
     tokenizer = load_tokenizer(config.base_model, vocab_size) if needs_tokenizer else None
     jobs = {job.name: load_job_data(config, job, tokenizer, vocab_size) for job in config.jobs}
     return PreparedData(model_config=model_config, tokenizer=tokenizer, jobs=jobs)
@@ -151,7 +156,7 @@ class Trainer:
                 position=0,
                 jobs={a.name: JobProgress(name=a.name, total_steps=a.num_global_batches) for a in plan.adapters},
             )
-        session.start(plan, state, self.console)
+        session.start(plan, state, self.console, resumed=checkpoint_path is not None)
         with (
             self.stop,
             ProgressDisplay(
@@ -167,8 +172,10 @@ class Trainer:
             self.console.print("Continue with: lorafusion-megatron train CONFIG --resume")
             return TrainResult(state=session.state, adapters={}, checkpoint=path)
         outputs = session.save_adapters()
-        self._write_summary(session.state, outputs)
+        self._write_summary(session.state, outputs, session.eval_history)
         self.console.print(summary_table(session.state, outputs, Path(config.output_dir)))
+        if session.eval_history is not None:
+            self.console.print(eval_table(session.eval_history))
         return TrainResult(state=session.state, adapters=outputs, checkpoint=None)
 
     def _check_outputs(self) -> None:
@@ -179,10 +186,14 @@ class Trainer:
         if config.logging.tensorboard_dir is not None:
             check_writable(Path(config.logging.tensorboard_dir), "logging.tensorboard_dir")
 
-    def _write_summary(self, state: RunState, outputs: Mapping[str, Path]) -> None:
+    def _write_summary(self, state: RunState, outputs: Mapping[str, Path], history: EvalHistory | None) -> None:
+        """``summary.json``: the run's counters, each job's adapter, and its latest and every eval loss."""
         summary = {**state.to_json(), "adapters": {name: str(path) for name, path in outputs.items()}}
-        path = Path(self.config.output_dir) / "summary.json"
-        path.write_text(json.dumps(summary, indent=2, sort_keys=True), encoding="utf-8")
+        for job in summary["jobs"]:
+            latest = None if history is None else history.latest(job["name"])
+            job["eval_loss"] = None if latest is None else latest.loss
+        summary["eval"] = {} if history is None else history.to_json()
+        write_json(Path(self.config.output_dir) / "summary.json", summary)
 
 
 class _Session:
@@ -196,6 +207,7 @@ class _Session:
         runner: MicrobatchRunner,
         parameters: dict[str, dict[str, torch.nn.Parameter]],
         device: torch.device,
+        evaluator: Evaluator | None,
     ) -> None:
         self.config = config
         self.data = data
@@ -203,9 +215,12 @@ class _Session:
         self.runner = runner
         self.parameters = parameters
         self.device = device
+        self.evaluator = evaluator
+        self.eval_history: EvalHistory | None = None
         self.optimizers: dict[str, AdapterOptimizer] = {}
         self.display: ProgressDisplay | None = None
         self.tensorboard = TensorBoardLogger(config.logging.tensorboard_dir, config.logging.logging_steps)
+        self.eval_scalars = EvalScalars(config.logging.tensorboard_dir)
         self._denominators: dict[tuple[str, int], int] = {}
         self._checkpoint_due = False
         self._clock = time.perf_counter()
@@ -214,6 +229,7 @@ class _Session:
     def build(cls, config: TrainerConfig, prepared: PreparedData) -> _Session:
         import torch
 
+        from lorafusion_megatron.evaluation import Evaluator
         from lorafusion_megatron.model import (
             attach_adapters,
             build_base_model,
@@ -244,9 +260,11 @@ class _Session:
             fused=fused,
         )
         parameters = {name: lora_parameters(model, name) for name in names}
+        evaluates = any(job.eval_samples for job in prepared.jobs.values())
+        evaluator = Evaluator(runner, prepared.jobs, config, device) if evaluates else None
         # Dropout draws from the global generator; seed it apart from the weights' initialisation.
         torch.manual_seed(job_seed(config.runtime.seed, "", "dropout") % 2**63)
-        session = cls(config, prepared.jobs, model, runner, parameters, device)
+        session = cls(config, prepared.jobs, model, runner, parameters, device, evaluator)
         session._make_optimizers()
         return session
 
@@ -257,18 +275,27 @@ class _Session:
             steps = self.data[job.name].num_global_batches(drop_last=self.config.scheduler.drop_last)
             self.optimizers[job.name] = AdapterOptimizer(job, self.parameters[job.name], steps)
 
-    def start(self, plan: Plan, state: RunState, console: Console) -> None:
-        """Bind the plan and the counters (fresh or restored) before executing."""
+    def start(self, plan: Plan, state: RunState, console: Console, *, resumed: bool) -> None:
+        """Bind the plan and the counters (fresh, or restored when ``resumed``) before executing."""
         self.plan = plan
         self.state = state
         self.console = console
         self._plan_json = plan.model_dump_json()
         self._seconds_before = state.seconds
         self._clock = time.perf_counter()
+        if self.evaluator is not None:
+            path = Path(self.config.output_dir) / EVAL_HISTORY
+            if resumed:
+                steps = {name: job.steps_done for name, job in state.jobs.items()}
+                self.eval_history = EvalHistory.resumed(path, self.evaluator.adapters, steps)
+            else:
+                self.eval_history = EvalHistory(path, self.evaluator.adapters)
+                self.eval_history.save()
 
     def close(self) -> None:
         """Release TensorBoard files."""
         self.tensorboard.close()
+        self.eval_scalars.close()
 
     def _denominator(self, adapter: str, global_batch: int) -> int:
         key = (adapter, global_batch)
@@ -322,9 +349,28 @@ class _Session:
                 stats.learning_rate,
                 stats.grad_norm,
             )
+        if self.evaluator is not None and self.evaluator.is_due(adapter, stats.step, job.total_steps):
+            self._evaluate(adapter, stats.step)
         save_steps = self.config.save_steps
         if save_steps is not None and self.state.total_optimizer_steps % save_steps == 0:
             self._checkpoint_due = True
+
+    def _evaluate(self, adapter: str, step: int) -> None:
+        assert self.evaluator is not None
+        assert self.eval_history is not None
+        result = self.evaluator.evaluate(adapter, step)
+        self.eval_history.add(result)
+        self.eval_scalars.log(result)
+        _log.info(
+            "%s %d/%d  eval loss %.4f  (%d samples, %d trained tokens, %.1f s)",
+            adapter,
+            step,
+            self.state.jobs[adapter].total_steps,
+            result.loss,
+            result.samples,
+            result.targets,
+            result.seconds,
+        )
 
     def after_microbatch(self, index: int) -> None:
         self.state.position = index + 1

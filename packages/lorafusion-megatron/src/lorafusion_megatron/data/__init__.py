@@ -1,1 +1,1 @@
-"""Training data: reading records, tokenising them into samples, fitting them to the capacity."""
+"""Training and evaluation data: records and chats tokenised into samples, eval splits, capacity fits."""

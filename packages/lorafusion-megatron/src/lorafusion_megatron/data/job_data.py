@@ -5,6 +5,9 @@ global batch ``g`` is positions ``[g * gbs, (g + 1) * gbs)``. Epochs are concate
 own seeded shuffle, so a global batch may straddle an epoch boundary and only the very last global
 batch of the run can be partial. With ``max_steps`` the sequence cycles through epochs until it
 holds exactly ``max_steps`` global batches.
+
+A job that evaluates also carries its evaluation samples (held out of its dataset, or read from its
+``eval_dataset``); they never enter the training sequence.
 """
 
 from __future__ import annotations
@@ -13,17 +16,18 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from lorafusion_megatron.data.eval_split import split_held_out
 from lorafusion_megatron.data.records import read_records
 from lorafusion_megatron.data.samples import FitReport, Sample, fit_to_capacity, synthetic_samples, tokenize_records
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from lorafusion_megatron.config import JobConfig, TrainerConfig
+    from lorafusion_megatron.config import DatasetConfig, JobConfig, TrainerConfig
 
 __all__ = ["JobData", "job_seed", "load_job_data", "training_order"]
 
@@ -69,14 +73,16 @@ def training_order(
 
 @dataclass(frozen=True, eq=False)
 class JobData:
-    """One job's samples and training order.
+    """One job's samples and training order, and its evaluation samples.
 
     Attributes:
         name: Job (adapter) name.
-        samples: Usable samples, as read.
+        samples: Usable training samples, as read (without the held-out ones).
         order: Training position -> index into ``samples``.
         global_batch_size: Samples per optimizer step.
-        fit: What fitting to the capacity changed.
+        fit: What fitting to the capacity changed in the training samples.
+        eval_samples: Usable evaluation samples (held out of the dataset, or from ``eval_dataset``),
+            in dataset order; empty when the job does not evaluate.
     """
 
     name: str
@@ -84,6 +90,7 @@ class JobData:
     order: np.ndarray
     global_batch_size: int
     fit: FitReport = field(default_factory=lambda: FitReport(0, 0, 0))
+    eval_samples: Sequence[Sample] = ()
 
     def __len__(self) -> int:
         return int(self.order.shape[0])
@@ -111,39 +118,55 @@ class JobData:
 
 
 def _samples_of(
-    config: TrainerConfig, job: JobConfig, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int
+    config: TrainerConfig,
+    job: JobConfig,
+    dataset: DatasetConfig,
+    tokenizer: PreTrainedTokenizerBase | None,
+    vocab_size: int,
+    *,
+    role: Literal["train", "eval"],
 ) -> list[Sample]:
-    dataset = job.dataset
     if dataset.synthetic is not None:
         from lorafusion_sched.workloads import synthetic_lengths
 
+        # The training set keeps its original seeds; a synthetic eval set draws its own.
+        prefix = "" if role == "train" else "eval-"
         lengths = synthetic_lengths(
-            dataset.synthetic, dataset.num_samples, job_seed(config.runtime.seed, job.name, "lengths") % 2**32
+            dataset.synthetic, dataset.num_samples, job_seed(config.runtime.seed, job.name, f"{prefix}lengths") % 2**32
         )
         return synthetic_samples(
             lengths,
             vocab_size=vocab_size,
-            seed=job_seed(config.runtime.seed, job.name, "tokens"),
+            seed=job_seed(config.runtime.seed, job.name, f"{prefix}tokens"),
             length_scale=dataset.length_scale,
         )
     assert dataset.path is not None
     if tokenizer is None:
         raise ValueError("a tokenizer is needed for a dataset read from a file")
-    records = read_records(dataset.path, max_samples=dataset.max_samples)
+    key = "dataset" if role == "train" else "eval_dataset"
+    records = read_records(dataset.path, max_samples=dataset.max_samples, key=f"{key}.path")
     return tokenize_records(
         records,
         tokenizer,
         prompt_field=dataset.prompt_field,
         response_field=dataset.response_field,
         text_field=dataset.text_field,
+        messages_field=dataset.messages_field,
         source=f"{dataset.path} (job {job.name})",
     )
+
+
+def _source(dataset: DatasetConfig) -> str:
+    return dataset.synthetic or str(dataset.path)
 
 
 def load_job_data(
     config: TrainerConfig, job: JobConfig, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int
 ) -> JobData:
-    """Read, tokenise and fit ``job``'s dataset and lay out its training order.
+    """Read, tokenise and fit ``job``'s dataset and lay out its training order; the same for its eval set.
+
+    With ``val_size`` the held-out samples are chosen before fitting (see
+    :mod:`lorafusion_megatron.data.eval_split`), so the choice does not depend on the capacity.
 
     Args:
         config: The run (capacity, seed, long-sample policy).
@@ -152,13 +175,25 @@ def load_job_data(
         vocab_size: The model's vocabulary size (synthetic token ids stay below it).
 
     Raises:
-        TrainerError: The dataset is missing, malformed or has no usable sample.
+        TrainerError: A dataset is missing, malformed or has no usable sample, or ``val_size``
+            leaves nothing to train on.
     """
-    samples = _samples_of(config, job, tokenizer, vocab_size)
-    source = job.dataset.synthetic or str(job.dataset.path)
-    fitted, report = fit_to_capacity(
-        samples, config.scheduler.resolved_capacity, config.scheduler.long_samples, source=f"{source} (job {job.name})"
-    )
+    capacity, long_samples = config.scheduler.resolved_capacity, config.scheduler.long_samples
+    source = f"{_source(job.dataset)} (job {job.name})"
+    samples = _samples_of(config, job, job.dataset, tokenizer, vocab_size, role="train")
+    eval_samples: list[Sample] = []
+    eval_source = source
+    if job.val_size is not None:
+        samples, eval_samples = split_held_out(
+            samples, job.val_size, seed=job_seed(config.runtime.seed, job.name, "eval-split") % 2**32, source=source
+        )
+        eval_source = f"held-out part of {source}"
+    elif job.eval_dataset is not None:
+        eval_samples = _samples_of(config, job, job.eval_dataset, tokenizer, vocab_size, role="eval")
+        eval_source = f"eval_dataset {_source(job.eval_dataset)} (job {job.name})"
+    fitted, report = fit_to_capacity(samples, capacity, long_samples, source=source)
+    if eval_samples:
+        eval_samples, _ = fit_to_capacity(eval_samples, capacity, long_samples, source=eval_source)
     order = training_order(
         len(fitted),
         global_batch_size=job.global_batch_size,
@@ -167,4 +202,11 @@ def load_job_data(
         shuffle=job.dataset.shuffle,
         seed=job_seed(config.runtime.seed, job.name, "shuffle") % 2**32,
     )
-    return JobData(name=job.name, samples=fitted, order=order, global_batch_size=job.global_batch_size, fit=report)
+    return JobData(
+        name=job.name,
+        samples=fitted,
+        order=order,
+        global_batch_size=job.global_batch_size,
+        fit=report,
+        eval_samples=eval_samples,
+    )

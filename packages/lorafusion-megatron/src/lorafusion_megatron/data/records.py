@@ -63,13 +63,16 @@ def _read_saved_dataset(path: Path) -> list[dict[str, Any]]:
     return [dict(row) for row in loaded]
 
 
-def read_records(path: str | Path, *, max_samples: int | None = None) -> list[dict[str, Any]]:
+def read_records(
+    path: str | Path, *, max_samples: int | None = None, key: str = "dataset.path"
+) -> list[dict[str, Any]]:
     """Read the records of a dataset file or folder.
 
     Args:
         path: A ``.jsonl``/``.json`` file (one object per line, or one JSON array), a ``.parquet`` file,
             or a ``save_to_disk`` folder (a ``DatasetDict`` uses its ``train`` split).
         max_samples: Keep only the first this many records.
+        key: The config key that named ``path`` (for messages).
 
     Returns:
         The records as dicts, in file order.
@@ -79,7 +82,7 @@ def read_records(path: str | Path, *, max_samples: int | None = None) -> list[di
     """
     path = Path(path)
     if not path.exists():
-        raise TrainerError(f"dataset {path} does not exist: fix `dataset.path` (relative paths start at the config)")
+        raise TrainerError(f"dataset {path} does not exist: fix `{key}` (relative paths start at the config)")
     if path.is_dir():
         records = _read_saved_dataset(path)
     elif path.suffix in {".jsonl", ".json"}:

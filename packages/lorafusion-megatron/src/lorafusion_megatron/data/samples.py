@@ -49,6 +49,25 @@ class Sample:
         return int(np.count_nonzero(self.targets != IGNORE_INDEX))
 
     @classmethod
+    def from_trained_mask(cls, input_ids: Sequence[int], trained: Sequence[bool]) -> Sample:
+        """A sample whose loss counts the tokens marked ``trained``.
+
+        ``targets[t] = input_ids[t + 1]`` where ``trained[t + 1]``, else ``IGNORE_INDEX``: the model
+        learns to produce every trained token from the tokens before it.
+
+        Args:
+            input_ids: Token ids ``[n]``.
+            trained: ``[n]``: whether the model learns to produce each token.
+        """
+        ids = np.asarray(input_ids, dtype=np.int64)
+        mask = np.asarray(trained, dtype=bool)
+        if mask.shape != ids.shape:
+            raise ValueError(f"trained has shape {mask.shape}, input_ids {ids.shape}: give one flag per token")
+        targets = np.full(ids.shape[0], IGNORE_INDEX, dtype=np.int64)
+        targets[:-1] = np.where(mask[1:], ids[1:], IGNORE_INDEX)
+        return cls(input_ids=ids, targets=targets)
+
+    @classmethod
     def from_tokens(cls, prompt: Sequence[int], response: Sequence[int]) -> Sample:
         """A sample trained on ``response`` only (every response token is a target).
 
@@ -56,13 +75,7 @@ class Sample:
             prompt: Token ids the loss ignores (may be empty).
             response: Token ids the model learns to produce.
         """
-        ids = np.asarray([*prompt, *response], dtype=np.int64)
-        trained = np.zeros(ids.shape[0], dtype=bool)
-        trained[len(prompt) :] = True
-        targets = np.full(ids.shape[0], IGNORE_INDEX, dtype=np.int64)
-        # Position t predicts token t+1, which counts when token t+1 is a response token.
-        targets[:-1] = np.where(trained[1:], ids[1:], IGNORE_INDEX)
-        return cls(input_ids=ids, targets=targets)
+        return cls.from_trained_mask([*prompt, *response], [False] * len(prompt) + [True] * len(response))
 
     def truncated(self, length: int) -> Sample:
         """The first ``length`` tokens (their targets unchanged)."""
@@ -76,12 +89,16 @@ def tokenize_records(
     prompt_field: str,
     response_field: str,
     text_field: str,
+    messages_field: str,
     source: str,
 ) -> list[Sample]:
-    """Tokenise records with prompt/response fields (response trained) or one text field (all trained).
+    """Tokenise chats (assistant turns trained), prompt/response pairs (response trained) or texts (all trained).
 
-    The tokenizer's special tokens (e.g. BOS) start every sample and its EOS, when it has one, ends
-    it and is trained on, so the model learns to stop.
+    The first record decides the layout, in this order: a ``messages_field`` chat, a
+    ``prompt_field`` + ``response_field`` pair, a ``text_field``. Chats are rendered by the
+    tokenizer's chat template (see :mod:`lorafusion_megatron.data.chat`). For pairs and texts the
+    tokenizer's special tokens (e.g. BOS) start every sample and its EOS, when it has one, ends it
+    and is trained on, so the model learns to stop.
 
     Args:
         records: Rows of the dataset.
@@ -89,22 +106,28 @@ def tokenize_records(
         prompt_field: Name of the prompt column.
         response_field: Name of the response column.
         text_field: Name of the whole-text column.
+        messages_field: Name of the chat column.
         source: Dataset name for error messages.
 
     Returns:
         One sample per record, in order.
 
     Raises:
-        TrainerError: Records lack both layouts, or a field is not text.
+        TrainerError: Records have none of the layouts, a field is not text, or a chat cannot be rendered.
     """
     if not records:
         raise TrainerError(f"dataset {source} has no records")
     first = records[0]
+    if messages_field in first:
+        from lorafusion_megatron.data.chat import tokenize_chats
+
+        return tokenize_chats([record.get(messages_field) for record in records], tokenizer, source=source)
     paired = prompt_field in first and response_field in first
     if not paired and text_field not in first:
         raise TrainerError(
-            f"dataset {source}: records need `{prompt_field}` and `{response_field}`, or `{text_field}`; "
-            f"the first has {sorted(first)} (set dataset.prompt_field/response_field/text_field)"
+            f"dataset {source}: records need `{messages_field}`, `{prompt_field}` and `{response_field}`, or "
+            f"`{text_field}`; the first has {sorted(first)} (set dataset.messages_field/prompt_field/response_field/"
+            "text_field)"
         )
     fields = (prompt_field, response_field) if paired else (text_field,)
     columns = []

@@ -1,0 +1,149 @@
+"""Where evaluation results go: a history that survives a resume, TensorBoard, the end-of-run table.
+
+``<output_dir>/eval_history.json`` holds every evaluation of the run so far, by job, rewritten
+atomically after each one::
+
+    {"first": [{"step": 5, "loss": 2.31, "samples": 40, "targets": 812, "seconds": 0.4}, ...], ...}
+
+A resumed run keeps each job's records up to the step its checkpoint holds and computes the later
+ones again (a resumed run reaches the same weights, so they come out the same).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from lorafusion_megatron.evaluation import EvalLoss
+
+__all__ = ["EVAL_HISTORY", "EvalHistory", "EvalScalars", "eval_table", "write_json"]
+
+EVAL_HISTORY = "eval_history.json"
+"""File name of the history in the run's output folder."""
+
+_log = logging.getLogger(__name__)
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write ``data`` as indented JSON with sorted keys, atomically (a temporary file, then a rename)."""
+    # open() (unlike tempfile's 0600 files) gives the file the usual permissions of the user's umask.
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with temporary.open("w", encoding="utf-8") as file:
+            json.dump(data, file, indent=2, sort_keys=True)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+class EvalHistory:
+    """Every evaluation of the run, by job, kept in ``eval_history.json``.
+
+    Args:
+        path: The history file.
+        adapters: The jobs that evaluate, in config order.
+    """
+
+    def __init__(self, path: Path, adapters: Sequence[str]) -> None:
+        self.path = path
+        self.records: dict[str, list[EvalLoss]] = {name: [] for name in adapters}
+
+    @classmethod
+    def resumed(cls, path: Path, adapters: Sequence[str], steps_done: Mapping[str, int]) -> EvalHistory:
+        """The history of an interrupted run, up to each job's step in the checkpoint it resumes from.
+
+        A missing or unreadable file starts an empty history (with a warning): the earlier evaluations
+        are then missing from the summary, the run itself is unaffected.
+        """
+        history = cls(path, adapters)
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            if any(steps_done.get(name, 0) for name in adapters):
+                _log.warning(
+                    "cannot read %s (%s): evaluations before the resume are left out of the summary", path, exc
+                )
+            return history
+        for name in adapters:
+            history.records[name] = [
+                EvalLoss(adapter=name, **record) for record in saved.get(name, []) if record["step"] <= steps_done[name]
+            ]
+        return history
+
+    def add(self, result: EvalLoss) -> None:
+        """Record ``result`` and rewrite the file."""
+        self.records[result.adapter].append(result)
+        self.save()
+
+    def save(self) -> None:
+        """Write the file (atomically)."""
+        write_json(self.path, self.to_json())
+
+    def latest(self, adapter: str) -> EvalLoss | None:
+        """The newest evaluation of ``adapter``, if any."""
+        records = self.records.get(adapter)
+        return records[-1] if records else None
+
+    def to_json(self) -> dict[str, list[dict[str, Any]]]:
+        """``{job: [{step, loss, samples, targets, seconds}, ...]}``."""
+        return {
+            name: [{key: value for key, value in asdict(r).items() if key != "adapter"} for r in records]
+            for name, records in self.records.items()
+        }
+
+
+class EvalScalars:
+    """Each job's eval loss as the TensorBoard scalar ``eval/loss`` in ``<dir>/<job>/`` (next to ``train/...``).
+
+    Does nothing when ``directory`` is ``None`` or TensorBoard is not installed (the training
+    scalars' logger already says so).
+
+    Args:
+        directory: The run's ``logging.tensorboard_dir``.
+    """
+
+    def __init__(self, directory: str | None) -> None:
+        enabled = directory is not None and importlib.util.find_spec("tensorboard") is not None
+        self._directory = Path(directory) if directory is not None and enabled else None
+        self._writers: dict[str, Any] = {}
+
+    def log(self, result: EvalLoss) -> None:
+        """Write ``result.loss`` at the job's step."""
+        if self._directory is None:
+            return
+        writer = self._writers.get(result.adapter)
+        if writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(log_dir=str(self._directory / result.adapter))
+            self._writers[result.adapter] = writer
+        writer.add_scalar("eval/loss", result.loss, result.step)
+
+    def close(self) -> None:
+        """Flush and close every event file."""
+        for writer in self._writers.values():
+            writer.close()
+        self._writers.clear()
+
+
+def eval_table(history: EvalHistory) -> Table:
+    """The end-of-run table: per job, its last evaluation (step, loss, samples, trained tokens)."""
+    table = Table(title="Evaluation (mean loss per trained token of each job's eval set)")
+    for header in ("job", "step", "eval loss", "samples", "trained tokens"):
+        table.add_column(header, justify="left" if header == "job" else "right")
+    for name in history.records:
+        latest = history.latest(name)
+        if latest is None:
+            table.add_row(name, "-", "-", "-", "-")
+        else:
+            table.add_row(name, str(latest.step), f"{latest.loss:.4f}", f"{latest.samples:,}", f"{latest.targets:,}")
+    return table
