@@ -101,6 +101,7 @@ def test_plan_json_round_trip(tmp_path: Path) -> None:
     assert doc["schema_version"] == 1
     assert load_plan(tmp_path / "plan.json") == p
     assert verify(load_plan(tmp_path / "plan.json")) == []
+    assert [f.name for f in tmp_path.iterdir()] == ["plan.json"]  # no temporary left behind
     (tmp_path / "bad.json").write_text('{"schema_version": 2}')
     with pytest.raises(SchedError, match="schema_version"):
         load_plan(tmp_path / "bad.json")

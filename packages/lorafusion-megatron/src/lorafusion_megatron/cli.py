@@ -67,6 +67,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from lorafusion_megatron.atomic_files import write_text_atomically
     from lorafusion_megatron.planning import make_plan
     from lorafusion_megatron.trainer import prepare_data
     from lorafusion_sched import simulate
@@ -81,7 +82,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         data_parallel=parallel.data_parallel,
     )
     if args.output is not None:
-        Path(args.output).write_text(plan.model_dump_json(indent=1), encoding="utf-8")
+        write_text_atomically(Path(args.output), plan.model_dump_json(indent=1))
     stats = plan.stats
     table = Table(title=f"Plan for {Path(args.config).name} (capacity {plan.capacity} tokens)")
     table.add_column("quantity")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -22,27 +21,15 @@ from typing import Any
 
 from rich.table import Table
 
+from lorafusion_megatron.atomic_files import write_json_atomically
 from lorafusion_megatron.evaluation import EvalLoss
 
-__all__ = ["EVAL_HISTORY", "EvalHistory", "EvalScalars", "eval_table", "write_json"]
+__all__ = ["EVAL_HISTORY", "EvalHistory", "EvalScalars", "eval_table"]
 
 EVAL_HISTORY = "eval_history.json"
 """File name of the history in the run's output folder."""
 
 _log = logging.getLogger(__name__)
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Write ``data`` as indented JSON with sorted keys, atomically (a temporary file, then a rename)."""
-    # open() (unlike tempfile's 0600 files) gives the file the usual permissions of the user's umask.
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with temporary.open("w", encoding="utf-8") as file:
-            json.dump(data, file, indent=2, sort_keys=True)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
 
 
 class EvalHistory:
@@ -86,7 +73,7 @@ class EvalHistory:
 
     def save(self) -> None:
         """Write the file (atomically)."""
-        write_json(self.path, self.to_json())
+        write_json_atomically(self.path, self.to_json())
 
     def latest(self, adapter: str) -> EvalLoss | None:
         """The newest evaluation of ``adapter``, if any."""

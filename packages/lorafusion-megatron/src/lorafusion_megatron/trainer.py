@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from lorafusion_megatron.adapters_io import check_writable, save_adapter
+from lorafusion_megatron.atomic_files import write_json_atomically, write_text_atomically
 from lorafusion_megatron.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from lorafusion_megatron.config import TrainerConfig, config_fingerprint
 from lorafusion_megatron.data.job_data import JobData, job_seed, load_job_data
 from lorafusion_megatron.errors import TrainerError
-from lorafusion_megatron.eval_reporting import EVAL_HISTORY, EvalHistory, EvalScalars, eval_table, write_json
+from lorafusion_megatron.eval_reporting import EVAL_HISTORY, EvalHistory, EvalScalars, eval_table
 from lorafusion_megatron.executor import StopSignal, execute_plan
 from lorafusion_megatron.planning import check_plan, make_plan, plan_from_json
 from lorafusion_megatron.reporting import ProgressDisplay, TensorBoardLogger, summary_table
@@ -151,7 +152,7 @@ class Trainer:
             _log.info("resuming from %s at microbatch %d", checkpoint_path, state.position)
         else:
             plan = make_plan(config, prepared.jobs)
-            (Path(config.output_dir) / "plan.json").write_text(plan.model_dump_json(indent=1), encoding="utf-8")
+            write_text_atomically(Path(config.output_dir) / "plan.json", plan.model_dump_json(indent=1))
             state = RunState(
                 position=0,
                 jobs={a.name: JobProgress(name=a.name, total_steps=a.num_global_batches) for a in plan.adapters},
@@ -193,7 +194,7 @@ class Trainer:
             latest = None if history is None else history.latest(job["name"])
             job["eval_loss"] = None if latest is None else latest.loss
         summary["eval"] = {} if history is None else history.to_json()
-        write_json(Path(self.config.output_dir) / "summary.json", summary)
+        write_json_atomically(Path(self.config.output_dir) / "summary.json", summary)
 
 
 class _Session:

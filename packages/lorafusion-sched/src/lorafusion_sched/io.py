@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -164,8 +165,15 @@ def load_jobs(path: str | Path) -> tuple[list[AdapterJob], PlanOptions]:
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:
-    """Write ``plan`` as indented JSON."""
-    Path(path).write_text(plan.model_dump_json(indent=1) + "\n", "utf-8")
+    """Write ``plan`` as indented JSON, atomically: a temporary file in the same folder, then a rename."""
+    target = Path(path)
+    temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        temporary.write_text(plan.model_dump_json(indent=1) + "\n", "utf-8")
+        os.replace(temporary, target)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def load_plan(path: str | Path) -> Plan:
