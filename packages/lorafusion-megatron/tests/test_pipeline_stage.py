@@ -36,7 +36,9 @@ def three_layer_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def _config(model: str, tmp_path: Path, *, activation_checkpointing: bool = False, attn: str = "sdpa") -> TrainerConfig:
+def _config(
+    model: str, tmp_path: Path, *, activation_checkpointing: bool = False, attn: str = "sdpa", fused: bool = True
+) -> TrainerConfig:
     jobs = [
         {"name": name, "dataset": {"synthetic": "xsum"}, "r": r, "lora_alpha": 8, "target_modules": targets}
         for name, r, targets in (("first", 4, "all-linear"), ("second", 2, ["q_proj", "down_proj"]))
@@ -46,7 +48,11 @@ def _config(model: str, tmp_path: Path, *, activation_checkpointing: bool = Fals
             "output_dir": str(tmp_path / "run"),
             "base_model": {"model_name_or_path": model, "dtype": "float32", "attn_implementation": attn},
             "jobs": jobs,
-            "runtime": {"device": "cpu", "activation_checkpointing": activation_checkpointing},
+            "runtime": {
+                "device": "cpu",
+                "activation_checkpointing": activation_checkpointing,
+                "fused_kernels": fused,
+            },
         }
     )
 
@@ -108,12 +114,54 @@ def test_two_stages_give_the_full_models_losses_gradients_and_initial_adapters(
     assert checked == sum(1 for k in full if ".lora_" in k)
 
 
+@pytest.mark.parametrize("activation_checkpointing", [False, True], ids=["plain", "recompute"])
+def test_plain_peft_stages_give_the_plain_trainers_losses_and_gradients(
+    three_layer_base: Path, tmp_path: Path, activation_checkpointing: bool
+) -> None:
+    """``fused_kernels: false``: PEFT's own layers, one segment at a time (also when recomputed)."""
+    config = _config(str(three_layer_base), tmp_path, activation_checkpointing=activation_checkpointing, fused=False)
+    stages = _stages(config, 2)
+    for stage in stages:
+        assert not stage.fused
+        patched = [name for name, module in stage.model.named_modules() if "forward" in vars(module)]
+        assert not patched, patched
+    data = {"first": random_job("first", [5, 7, 4], 3, seed=1), "second": random_job("second", [6, 3], 2, seed=2)}
+    batch = pack_microbatch(plan_microbatch(("first", 0, (0, 1, 2)), ("second", 0, (0, 1))), data)
+    denominators = {("first", 0): 13, ("second", 0): 7}
+    reference = attach_adapters(
+        build_base_model(config.base_model, device=CPU, seed=0), config.jobs, seed=0, name_or_path=str(three_layer_base)
+    )
+    runner = MicrobatchRunner(
+        reference, ["first", "second"], attn_implementation="sdpa", dtype=torch.float32, fused=False
+    )
+    expected = runner.forward_backward(batch, denominators)
+
+    hidden = stages[0].forward(batch, None)
+    received = hidden.detach().requires_grad_(True)
+    token_loss = stages[1].forward(batch, received)
+    sums = [token_loss[s.start : s.start + s.length].sum() for s in batch.segments]
+    assert [float(v.detach()) for v in sums] == pytest.approx([r.loss_sum for r in expected], rel=1e-6)
+    objective = sum(total / denominators[(s.adapter, 0)] for total, s in zip(sums, batch.segments, strict=True))
+    objective.backward()
+    hidden.backward(received.grad)
+    full = dict(reference.named_parameters())
+    checked = 0
+    for stage in stages:
+        for name in ("first", "second"):
+            for key, param in stage.lora_parameters(name).items():
+                torch.testing.assert_close(param.grad, full[key].grad, rtol=1e-5, atol=1e-7, msg=key)
+                checked += 1
+    assert checked == sum(1 for k in full if ".lora_" in k)
+
+
 def test_a_stage_holds_only_its_own_weights(three_layer_base: Path, tmp_path: Path) -> None:
     last = _stages(_config(str(three_layer_base), tmp_path), 2)[1]
     real = {n for n, p in last.model.named_parameters() if p.device.type != "meta"}
     assert all(".layers.2." in n or n.endswith(("model.norm.weight", "lm_head.weight")) for n in real)
     assert any(".layers.2." in n and ".lora_A.second." in n for n in real)
     assert not any("embed_tokens" in n for n in real)
+    # Other stages' layers carry no LoRA tensors at all (not even on the meta device).
+    assert all(".layers.2." in n for n, _ in last.model.named_parameters() if ".lora_" in n)
 
 
 def test_preset_weights_do_not_depend_on_the_partition(tmp_path: Path) -> None:

@@ -194,7 +194,12 @@ def _parser() -> argparse.ArgumentParser:
     profile = with_config(
         "profile", "measure each stage's forward/backward time and memory, fit the cost model, choose the capacity"
     )
-    profile.add_argument("--capacities", type=int, nargs="+", help="capacities to measure (default 1024..32768)")
+    profile.add_argument(
+        "--capacities",
+        type=int,
+        nargs="+",
+        help="capacities to measure (default 1024..32768 on GPUs, 128..1024 on the CPU)",
+    )
     add_parallel_arguments(profile)
     profile.set_defaults(handler=_cmd_profile)
     demo = commands.add_parser("demo", help="4 jobs on a tiny random LLaMA, on the CPU, in about a minute")

@@ -1,4 +1,4 @@
-"""Where evaluation results go: a history that survives a resume, TensorBoard, the end-of-run table.
+"""Where evaluation results go besides TensorBoard: a history that survives a resume, the end-of-run table.
 
 ``<output_dir>/eval_history.json`` holds every evaluation of the run so far, by job, rewritten
 atomically after each one::
@@ -11,7 +11,6 @@ ones again (a resumed run reaches the same weights, so they come out the same).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -24,7 +23,7 @@ from rich.table import Table
 from lorafusion_megatron.atomic_files import write_json_atomically
 from lorafusion_megatron.evaluation import EvalLoss
 
-__all__ = ["EVAL_HISTORY", "EvalHistory", "EvalScalars", "eval_table"]
+__all__ = ["EVAL_HISTORY", "EvalHistory", "eval_table"]
 
 EVAL_HISTORY = "eval_history.json"
 """File name of the history in the run's output folder."""
@@ -86,40 +85,6 @@ class EvalHistory:
             name: [{key: value for key, value in asdict(r).items() if key != "adapter"} for r in records]
             for name, records in self.records.items()
         }
-
-
-class EvalScalars:
-    """Each job's eval loss as the TensorBoard scalar ``eval/loss`` in ``<dir>/<job>/`` (next to ``train/...``).
-
-    Does nothing when ``directory`` is ``None`` or TensorBoard is not installed (the training
-    scalars' logger already says so).
-
-    Args:
-        directory: The run's ``logging.tensorboard_dir``.
-    """
-
-    def __init__(self, directory: str | None) -> None:
-        enabled = directory is not None and importlib.util.find_spec("tensorboard") is not None
-        self._directory = Path(directory) if directory is not None and enabled else None
-        self._writers: dict[str, Any] = {}
-
-    def log(self, result: EvalLoss) -> None:
-        """Write ``result.loss`` at the job's step."""
-        if self._directory is None:
-            return
-        writer = self._writers.get(result.adapter)
-        if writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            writer = SummaryWriter(log_dir=str(self._directory / result.adapter))
-            self._writers[result.adapter] = writer
-        writer.add_scalar("eval/loss", result.loss, result.step)
-
-    def close(self) -> None:
-        """Flush and close every event file."""
-        for writer in self._writers.values():
-            writer.close()
-        self._writers.clear()
 
 
 def eval_table(history: EvalHistory) -> Table:

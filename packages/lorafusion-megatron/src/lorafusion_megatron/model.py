@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -171,8 +172,14 @@ def quiet_peft_deprecations() -> Iterator[None]:
         yield
 
 
-def lora_config(job: JobConfig, base_model_name_or_path: str) -> LoraConfig:
-    """The PEFT ``LoraConfig`` of ``job`` (what ``adapter_config.json`` will hold)."""
+def lora_config(job: JobConfig, base_model_name_or_path: str, *, layers: Sequence[int] | None = None) -> LoraConfig:
+    """The PEFT ``LoraConfig`` of ``job`` (what ``adapter_config.json`` will hold).
+
+    Args:
+        job: The job's LoRA settings.
+        base_model_name_or_path: Recorded in the config.
+        layers: Decoder layers that get the adapter (PEFT's ``layers_to_transform``); ``None``: all.
+    """
     from peft import LoraConfig
 
     return LoraConfig(
@@ -184,6 +191,7 @@ def lora_config(job: JobConfig, base_model_name_or_path: str) -> LoraConfig:
         bias="none",
         task_type="CAUSAL_LM",
         base_model_name_or_path=base_model_name_or_path,
+        layers_to_transform=None if layers is None else sorted(layers),
     )
 
 
@@ -191,6 +199,20 @@ def _linear_names(model: torch.nn.Module) -> set[str]:
     import torch
 
     return {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+
+
+def _all_linear_names(model: PreTrainedModel) -> list[str]:
+    """What PEFT's ``all-linear`` stands for: the names of every linear layer but the output layer."""
+    import torch
+
+    output = model.get_output_embeddings()  # type: ignore[no-untyped-call]
+    return sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and module is not output
+        }
+    )
 
 
 def _check_targets(model: PreTrainedModel, job: JobConfig) -> None:
@@ -205,17 +227,29 @@ def _check_targets(model: PreTrainedModel, job: JobConfig) -> None:
         )
 
 
-def attach_adapters(model: PreTrainedModel, jobs: list[JobConfig], *, seed: int, name_or_path: str) -> PeftModel:
+def attach_adapters(
+    model: PreTrainedModel,
+    jobs: list[JobConfig],
+    *,
+    seed: int,
+    name_or_path: str,
+    layers: Sequence[int] | None = None,
+) -> PeftModel:
     """Wrap ``model`` in PEFT with one LoRA adapter per job; all adapters trainable, base frozen.
 
-    Adapter ``i`` is initialised from ``seed`` and its own name only, so it starts the same whether
-    it is trained alone or together with other jobs.
+    Every ``lora_A`` tensor is drawn from ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` (PEFT's default
+    kaiming-uniform bound) by a generator on its device seeded from ``seed``, the job and the
+    tensor's name alone; every ``lora_B`` is zero (PEFT's default). So an adapter starts the same
+    whether it is trained alone or with other jobs, on one process or split over pipeline stages
+    (on one device type: CPU and CUDA generators draw different numbers from one seed).
 
     Args:
         model: The frozen base model.
         jobs: The jobs, in config order.
         seed: Base seed of the LoRA initialisation.
         name_or_path: Recorded as ``base_model_name_or_path`` in every adapter config.
+        layers: Only these decoder layers get adapters (a pipeline stage's own layers, so no rank
+            creates the LoRA tensors of layers it does not run); ``None``: all layers.
 
     Raises:
         TrainerError: A job targets a module the model lacks.
@@ -227,20 +261,37 @@ def attach_adapters(model: PreTrainedModel, jobs: list[JobConfig], *, seed: int,
 
     for job in jobs:
         _check_targets(model, job)
+    # "all-linear" by name: PEFT's layers_to_transform refuses the string, and PEFT's own expansion
+    # (full module paths in recent versions) would differ between a whole model and a stage.
+    jobs = [
+        job.model_copy(update={"target_modules": _all_linear_names(model)})
+        if job.target_modules == "all-linear"
+        else job
+        for job in jobs
+    ]
     peft_model: PeftModel | None = None
     with quiet_peft_deprecations():
         for job in jobs:
+            # PEFT's own initialisation (overwritten below) draws from the global generator.
             torch.manual_seed(job_seed(seed, job.name, "lora-init") % 2**63)
-            config = lora_config(job, name_or_path)
+            config = lora_config(job, name_or_path, layers=layers)
             if peft_model is None:
                 peft_model = get_peft_model(model, config, adapter_name=job.name)
             else:
                 peft_model.add_adapter(job.name, config)
     assert peft_model is not None
     set_active_adapters(peft_model, [job.name for job in jobs])
-    for job in jobs:
-        for param in lora_parameters(peft_model, job.name).values():
-            param.requires_grad_(True)
+    with torch.no_grad():
+        for job in jobs:
+            for name, param in lora_parameters(peft_model, job.name).items():
+                if ".lora_A." in name:
+                    generator = torch.Generator(device=param.device)
+                    generator.manual_seed(job_seed(seed, job.name, f"lora-init:{name}") % 2**63)
+                    bound = 1.0 / math.sqrt(param.shape[1])
+                    param.uniform_(-bound, bound, generator=generator)
+                else:
+                    param.zero_()
+                param.requires_grad_(True)
     return peft_model
 
 

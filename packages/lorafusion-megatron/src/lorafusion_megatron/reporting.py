@@ -100,21 +100,32 @@ class TensorBoardLogger:
             )
             self._directory = None
 
+    def _writer(self, job: str) -> Any:
+        """The event writer of ``job``'s folder (opened on first use)."""
+        assert self._directory is not None
+        writer = self._writers.get(job)
+        if writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(log_dir=str(self._directory / job))
+            self._writers[job] = writer
+        return writer
+
     def log_step(self, job: JobProgress, stats: StepStats, seconds: float) -> None:
         """Record one optimizer step of ``job``."""
         if self._directory is None or stats.step % self.interval:
             return
-        writer = self._writers.get(job.name)
-        if writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            writer = SummaryWriter(log_dir=str(self._directory / job.name))
-            self._writers[job.name] = writer
+        writer = self._writer(job.name)
         writer.add_scalar("train/loss", job.last_loss, stats.step)
         writer.add_scalar("train/learning_rate", stats.learning_rate, stats.step)
         writer.add_scalar("train/grad_norm", stats.grad_norm, stats.step)
         if seconds > 0:
             writer.add_scalar("train/tokens_per_second", job.tokens / seconds, stats.step)
+
+    def log_eval(self, job: str, step: int, loss: float) -> None:
+        """Record ``job``'s eval loss after its optimizer step ``step`` (every evaluation, whatever the interval)."""
+        if self._directory is not None:
+            self._writer(job).add_scalar("eval/loss", loss, step)
 
     def close(self) -> None:
         """Flush and close every event file."""

@@ -22,7 +22,7 @@ from lorafusion_megatron.checkpoint import latest_checkpoint, load_checkpoint, s
 from lorafusion_megatron.config import TrainerConfig, config_fingerprint
 from lorafusion_megatron.data.job_data import JobData, job_seed, load_job_data
 from lorafusion_megatron.errors import TrainerError
-from lorafusion_megatron.eval_reporting import EVAL_HISTORY, EvalHistory, EvalScalars, eval_table
+from lorafusion_megatron.eval_reporting import EVAL_HISTORY, EvalHistory, eval_table
 from lorafusion_megatron.executor import StopSignal, execute_plan
 from lorafusion_megatron.planning import check_plan, make_plan, plan_from_json
 from lorafusion_megatron.reporting import ProgressDisplay, TensorBoardLogger, summary_table
@@ -221,7 +221,6 @@ class _Session:
         self.optimizers: dict[str, AdapterOptimizer] = {}
         self.display: ProgressDisplay | None = None
         self.tensorboard = TensorBoardLogger(config.logging.tensorboard_dir, config.logging.logging_steps)
-        self.eval_scalars = EvalScalars(config.logging.tensorboard_dir)
         self._denominators: dict[tuple[str, int], int] = {}
         self._checkpoint_due = False
         self._clock = time.perf_counter()
@@ -296,7 +295,6 @@ class _Session:
     def close(self) -> None:
         """Release TensorBoard files."""
         self.tensorboard.close()
-        self.eval_scalars.close()
 
     def _denominator(self, adapter: str, global_batch: int) -> int:
         key = (adapter, global_batch)
@@ -361,7 +359,7 @@ class _Session:
         assert self.eval_history is not None
         result = self.evaluator.evaluate(adapter, step)
         self.eval_history.add(result)
-        self.eval_scalars.log(result)
+        self.tensorboard.log_eval(result.adapter, result.step, result.loss)
         _log.info(
             "%s %d/%d  eval loss %.4f  (%d samples, %d trained tokens, %.1f s)",
             adapter,

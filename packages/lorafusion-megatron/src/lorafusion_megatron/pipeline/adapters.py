@@ -31,7 +31,7 @@ def stage_adapter_tensors(model: PeftModel, adapter: str) -> dict[str, torch.Ten
     from peft.utils import get_peft_model_state_dict
 
     state = get_peft_model_state_dict(model, adapter_name=adapter, save_embedding_layers=False)
-    return {k: v.detach().to("cpu", copy=True) for k, v in state.items() if v.device.type != "meta"}
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
 
 def gather_adapters(model: PeftModel, adapters: list[str], layout: Layout) -> dict[str, dict[str, torch.Tensor]] | None:
@@ -59,6 +59,7 @@ def gather_adapters(model: PeftModel, adapters: list[str], layout: Layout) -> di
 
 def write_adapter(model: PeftModel, adapter: str, tensors: Mapping[str, torch.Tensor], directory: Path) -> None:
     """Write one adapter's folder: the PEFT config and the merged tensors (atomically replaced)."""
+    from peft import LoraConfig
     from safetensors.torch import save_file
 
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -66,7 +67,9 @@ def write_adapter(model: PeftModel, adapter: str, tensors: Mapping[str, torch.Te
         written = Path(tmp) / "adapter"
         written.mkdir()
         config = copy.deepcopy(model.peft_config[adapter])
+        assert isinstance(config, LoraConfig)
         config.inference_mode = True
+        config.layers_to_transform = None  # this stage's layers; the saved adapter covers all of them
         config.save_pretrained(str(written))
         ordered = {key: tensors[key].contiguous() for key in sorted(tensors)}
         save_file(ordered, str(written / "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -6,9 +6,11 @@ the rounds where ``save_steps`` optimizer steps (over all jobs) have been taken
 which costs one fill and drain and changes no result. Every rank then writes its own state,
 ``rank-<r>.pt``: its stage's LoRA weights and accumulated gradients (a checkpoint may fall inside
 a global batch, and replicas' gradients differ until the all-reduce), its optimizers, the engine's
-counters and its RNG. Rank 0 adds ``plan.json`` and ``trainer_state.json`` (position, fingerprint,
-parallel layout) and renames the folder into place, so a crash never leaves a checkpoint that looks
-complete. The folders need a file system all ranks share (one node, or a shared mount).
+counters (on the last stage of replica 0 also the progress counters of :mod:`.progress`) and its
+RNG. Rank 0 adds ``plan.json`` and ``trainer_state.json`` (position, fingerprint, parallel layout)
+and renames the folder into place, so a crash never leaves a checkpoint that looks complete. The
+folders need a file system all ranks share (one node, or a shared mount). Ctrl-C writes one more,
+at the drain the ranks agree on (:mod:`.stopping`), named after the steps taken like the others.
 """
 
 from __future__ import annotations

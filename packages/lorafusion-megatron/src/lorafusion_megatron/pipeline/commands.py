@@ -1,7 +1,7 @@
 """What the CLI's ``train``, ``profile`` and ``demo`` commands call for pipeline runs (torch-free import).
 
 The CLI adds :func:`add_parallel_arguments` to those commands and hands the parsed values to
-:func:`parallel_from_args`; :func:`train`, :func:`profile` and :func:`demo` print a summary table
+:func:`parallel_from_args`; :func:`train`, :func:`profile` and :func:`demo` print summary tables
 and return the exit status.
 """
 
@@ -19,7 +19,7 @@ from lorafusion_megatron.pipeline.options import SCHEDULES, ParallelConfig
 if TYPE_CHECKING:
     from lorafusion_megatron.config import TrainerConfig
 
-__all__ = ["add_parallel_arguments", "demo", "parallel_from_args", "profile", "summary_table", "train"]
+__all__ = ["add_parallel_arguments", "demo", "parallel_from_args", "profile", "report", "summary_table", "train"]
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,15 +64,38 @@ def summary_table(summary: dict[str, Any]) -> Table:
     return table
 
 
+def report(summary: dict[str, Any], output_dir: Path, console: Console) -> int:
+    """Print a run's summary: throughput, each job's counters and adapter; returns the exit status.
+
+    A run stopped by Ctrl-C prints where it stopped and how to continue, and returns 1.
+    """
+    from lorafusion_megatron import reporting
+    from lorafusion_megatron.state import RunState
+
+    console.print(summary_table(summary))
+    state = RunState.from_json(summary["run_state"])
+    adapters = {name: Path(folder) for name, folder in summary["adapters"].items()}
+    if summary["checkpoint"] is not None:
+        console.print(
+            f"Stopped at microbatch {summary['position']}/{summary['num_microbatches']}; "
+            f"checkpoint: {summary['checkpoint']}"
+        )
+        console.print("Continue with: lorafusion-megatron train CONFIG --resume (same parallel settings)")
+        return 1
+    console.print(reporting.summary_table(state, adapters, output_dir))
+    return 0
+
+
 def train(config: TrainerConfig, parallel: ParallelConfig, console: Console, *, resume: bool = False) -> int:
-    """``lorafusion-megatron train [--resume]`` on ``parallel``; prints the summary on rank 0."""
+    """``lorafusion-megatron train [--resume]`` on ``parallel``; prints the summary on rank 0.
+
+    Returns:
+        0 when the run finished, 1 when Ctrl-C stopped it (after writing a checkpoint).
+    """
     from lorafusion_megatron.pipeline.launch import launch
 
     summary = launch(config, parallel, resume=resume)
-    if summary is not None:
-        console.print(summary_table(summary))
-        console.print(f"Adapters: {Path(config.output_dir) / 'adapters'}")
-    return 0
+    return 0 if summary is None else report(summary, Path(config.output_dir), console)
 
 
 def profile(
@@ -102,7 +125,8 @@ def demo(output: Path, parallel: ParallelConfig, console: Console, *, samples_pe
         schedule=parallel.schedule,
         data_parallel=parallel.data_parallel,
     )
-    if summary is not None:
-        console.print(summary_table(summary))
-        console.print(f"Adapters: {output / 'adapters'}; config: {output / 'demo.yaml'}")
-    return 0
+    if summary is None:
+        return 0
+    status = report(summary, output, console)
+    console.print(f"Adapters: {output / 'adapters'}; config: {output / 'demo.yaml'}")
+    return status

@@ -14,6 +14,17 @@ batches of one adapter) guarantees that no forward of ``a``'s next global batch 
 since stage ``s`` is at most ``S - 1 - s`` forwards ahead of its backwards. Stepping after the send
 (not before) matters: the step's collectives wait for the earlier stages, which wait for that
 gradient.
+
+Stopping early (Ctrl-C): after the steps of a microbatch ``k`` every rank asks ``should_stop``, a
+collective, so all ranks get the same answer at the same logical point. On yes, the run is cut
+at ``c = k + S`` (local indices): stage ``s`` has run no forward past ``k + S - 1 - s`` yet, and
+dropping every action of microbatches ``>= c`` from the rest of the 1F1B list leaves exactly the
+1F1B list of the first ``c`` microbatches, so the stages drain in lockstep. A later
+:meth:`StageEngine.execute` from that position runs the rest of the run as its own 1F1B run; the
+forwards, backwards and steps on every stage come in the same order as without the cut, so a
+resumed run ends with the same weights bit for bit.
+
+A stage's output activations are freed as soon as they are sent (:mod:`.activations`).
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lorafusion_megatron.pipeline.activations import backward_from, release_storage
 from lorafusion_megatron.pipeline.p2p import Expect, PipelineMismatchError, Transfer
 from lorafusion_megatron.pipeline.schedule import Exchange, one_f_one_b
 
@@ -111,6 +123,7 @@ class _Run:
         received: Activations received, forward pending.
         gradients: Output gradients received, backward pending.
         input_grads: Input gradients computed, send pending.
+        limit: Microbatches ``>= limit`` are not run (the cut of a stop; ``len(microbatches)`` else).
     """
 
     microbatches: list[Microbatch]
@@ -119,10 +132,18 @@ class _Run:
     received: dict[int, torch.Tensor] = field(default_factory=dict)
     gradients: dict[int, torch.Tensor] = field(default_factory=dict)
     input_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    limit: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.limit = len(self.microbatches)
+
+    def runs(self, index: int) -> bool:
+        """Whether microbatch ``index`` computes: before the cut and not a no-op."""
+        return index < self.limit and not self.microbatches[index].noop
 
     def real(self, index: int | None) -> int | None:
-        """``index`` unless it is absent or a no-op (which exchanges nothing)."""
-        return index if index is not None and not self.microbatches[index].noop else None
+        """``index`` unless it is absent, a no-op (which exchanges nothing) or past the cut."""
+        return index if index is not None and self.runs(index) else None
 
     def transfer(self, index: int, tensor: torch.Tensor) -> Transfer:
         """A tensor of local microbatch ``index`` to send."""
@@ -143,6 +164,8 @@ class StageEngine:
         data: Every job's training data (to pack microbatches and count loss denominators).
         optimizers: Each adapter's optimizer on this stage.
         on_step: Called after every step (logging); optional.
+        on_backward: Called with a microbatch's program index after its backward on this stage
+            (progress); optional.
     """
 
     def __init__(
@@ -154,6 +177,7 @@ class StageEngine:
         data: Mapping[str, JobData],
         optimizers: Mapping[str, StageOptimizer],
         on_step: Callable[[StepRecord], None] | None = None,
+        on_backward: Callable[[int], None] | None = None,
     ) -> None:
         self.layout = layout
         self.stage = stage
@@ -161,10 +185,13 @@ class StageEngine:
         self.data = data
         self.optimizers = optimizers
         self.on_step = on_step
+        self.on_backward = on_backward
         self._denominators: dict[tuple[str, int], int] = {}
         self._pending: dict[tuple[str, int], tuple[torch.Tensor, int]] = {}
         self._steps_done = dict.fromkeys(optimizers, 0)
         self.stats = EngineStats(stage=layout.stage, replica=layout.replica)
+        self.stopped = False
+        """Whether the last :meth:`execute` ended early because ``should_stop`` said so."""
 
     def _denominator(self, adapter: str, global_batch: int) -> int:
         key = (adapter, global_batch)
@@ -173,36 +200,57 @@ class StageEngine:
         return self._denominators[key]
 
     def execute(
-        self, program: Program, *, start: int = 0, on_drain: Callable[[int], None] | None = None
-    ) -> EngineStats:
-        """Run this replica's share of ``program``; returns the stage's measurements.
+        self,
+        program: Program,
+        *,
+        start: int = 0,
+        on_drain: Callable[[int], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> int:
+        """Run this replica's share of ``program`` from ``start``; measurements go to :attr:`stats`.
 
         Args:
             program: The runs to execute.
             start: Program index of the first microbatch to run (a resumed run's position); it
-                must begin a run.
+                must begin a round of the replicas.
             on_drain: Called with the program index of the next microbatch after every run, when
                 the pipeline is empty (checkpoints).
+            should_stop: Asked after the steps of every microbatch that has some; a collective
+                (every rank asks at the same steps and must get the same answer). ``True`` cuts
+                the run (see the module's docstring) and returns once the pipeline drained.
+
+        Returns:
+            Program index of the next microbatch to run: ``program.num_microbatches`` when the
+            program ran to its end, less when ``should_stop`` stopped it.
+
+        Raises:
+            PipelineMismatchError: ``start`` falls inside a round of the replicas.
         """
         begin = time.perf_counter()
-        offset = 0
+        self.stopped = False
         d = program.data_parallel
+        position, offset = program.num_microbatches, 0
         for run in program.runs:
-            if offset + len(run) <= start:
-                offset += len(run)
+            end = offset + len(run)
+            if end <= start:
+                offset = end
                 continue
-            if offset < start:
-                raise PipelineMismatchError(f"position {start} is inside a run of the program, not at its start")
-            local = list(run[self.layout.replica :: d])
-            keys = [offset + self.layout.replica + k * d for k in range(len(local))]
-            self._run(local, keys)
-            offset += len(run)
+            skip = max(0, start - offset)
+            if skip % d:
+                raise PipelineMismatchError(f"position {start} is inside a round of the {d} replicas, not at its start")
+            first = offset + skip + self.layout.replica
+            local = list(run[skip + self.layout.replica :: d])
+            done = self._run(local, [first + k * d for k in range(len(local))], should_stop)
+            # Runs hold whole rounds, so an uncut run ends exactly at ``end``.
+            position, offset = offset + skip + done * d, end
             if on_drain is not None:
                 self._synchronize()
-                on_drain(offset)
+                on_drain(position)
+            if self.stopped:
+                break
         self._synchronize()
         self.stats.wall_seconds += time.perf_counter() - begin
-        return self.stats
+        return position
 
     @property
     def total_steps(self) -> int:
@@ -232,15 +280,21 @@ class StageEngine:
         if self.layout.device.type == "cuda":
             torch.cuda.synchronize(self.layout.device)
 
-    def _run(self, microbatches: list[Microbatch], keys: list[int]) -> None:
+    def _run(self, microbatches: list[Microbatch], keys: list[int], should_stop: Callable[[], bool] | None) -> int:
+        """One 1F1B run; returns how many of its microbatches ran (fewer when a stop cut it)."""
         run = _Run(microbatches, keys)
-        for action in one_f_one_b(len(microbatches), self.layout.num_stages, self.layout.stage):
+        stages = self.layout.num_stages
+        for action in one_f_one_b(len(microbatches), stages, self.layout.stage):
             if isinstance(action, Exchange):
                 self._exchange(action, run)
-                if action.send_backward is not None:
-                    for adapter in microbatches[action.send_backward].step_after:
+                sent = action.send_backward
+                if sent is not None and sent < run.limit and microbatches[sent].step_after:
+                    for adapter in microbatches[sent].step_after:
                         self._step(adapter)
-            elif microbatches[action.index].noop:
+                    if not self.stopped and should_stop is not None and should_stop():
+                        self.stopped = True
+                        run.limit = min(sent + stages, len(microbatches))
+            elif not run.runs(action.index):
                 continue
             elif action.backward:
                 self._backward(action.index, run)
@@ -249,7 +303,8 @@ class StageEngine:
                 batch = self._pack(microbatch)
                 run.in_flight[action.index] = self._forward(microbatch, batch, run.received.pop(action.index, None))
                 self.stats.tokens += batch.num_tokens
-        self.stats.microbatches += len(microbatches)
+        self.stats.microbatches += run.limit
+        return run.limit
 
     def _exchange(self, action: Exchange, run: _Run) -> None:
         """The transfers of ``action`` this stage has: none across the pipeline's ends or for no-ops."""
@@ -264,6 +319,10 @@ class StageEngine:
             send_backward=None if send_b is None else run.transfer(send_b, run.input_grads.pop(send_b)),
             recv_forward=None if recv_f is None else run.expect(recv_f),
         )
+        if send_f is not None:
+            output = run.in_flight[send_f].output
+            if output.requires_grad and output._base is None:
+                release_storage(output)
         if activations is not None and recv_f is not None:
             run.received[recv_f] = activations.requires_grad_(True)
         if grads is not None and recv_b is not None:
@@ -314,7 +373,8 @@ class StageEngine:
         if self.layout.is_last:
             flight.output.backward()  # type: ignore[no-untyped-call]
         elif flight.output.requires_grad:
-            torch.autograd.backward(flight.output, grad_tensors=run.gradients.pop(index))
+            # The output's storage was released when it was sent: no shape check on the way in.
+            backward_from(flight.output, run.gradients.pop(index))
         else:
             run.gradients.pop(index)
         if not self.layout.is_first:
@@ -323,6 +383,8 @@ class StageEngine:
             run.input_grads[index] = grad if grad is not None else torch.zeros_like(flight.inputs)
         self._synchronize()
         self.stats.busy_seconds += time.perf_counter() - begin
+        if self.on_backward is not None:
+            self.on_backward(run.keys[index])
 
     def _step(self, adapter: str) -> None:
         global_batch = self._steps_done[adapter]

@@ -4,29 +4,40 @@ Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` in the environment, any number o
 process is one rank. Otherwise ``S * d`` processes are started on this node with
 ``torch.multiprocessing`` (one per GPU with NCCL, or CPU processes with gloo), which meet through
 a rendezvous file in a temporary folder (no port to pick); this process waits for them and reads
-the summary rank 0 wrote.
+the summary rank 0 wrote. While it waits, the first SIGINT or SIGTERM it receives goes on to every
+rank as SIGTERM (a signal sent to this process alone reaches the ranks; the ranks take the copy a
+terminal's Ctrl-C also sends them as the same request): they stop at their next optimizer step and
+write a checkpoint (:mod:`.stopping`). A second one kills the ranks at once, without a checkpoint.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
+import signal
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.pipeline.options import ParallelConfig
 
 if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
     from lorafusion_megatron.config import TrainerConfig
 
 __all__ = ["launch", "launch_profile", "run_demo", "under_torchrun"]
 
 RankEntry = Callable[..., "dict[str, Any] | None"]
 """``entry(config, parallel, *, backend, init_method, rank, world_size)``: one rank's work."""
+
+_log = logging.getLogger(__name__)
 
 
 def under_torchrun() -> bool:
@@ -72,21 +83,69 @@ def _start(
             f"{world} processes ({parallel.pipeline_stages} stages x {parallel.data_parallel} replicas) need "
             f"{world} GPUs; {torch.cuda.device_count()} are visible"
         )
-    from torch.multiprocessing.spawn import ProcessRaisedException, spawn
+    from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException, spawn
 
     with tempfile.TemporaryDirectory(prefix="lorafusion-rendezvous-") as folder:
         init_method = Path(folder, "store").as_uri()
+        context = spawn(  # type: ignore[no-untyped-call]
+            _spawned_rank,
+            args=(entry, config, parallel, backend, init_method, world),
+            nprocs=world,
+            join=False,
+        )
         try:
-            spawn(  # type: ignore[no-untyped-call]
-                _spawned_rank,
-                args=(entry, config, parallel, backend, init_method, world),
-                nprocs=world,
-                join=True,
-            )
+            with _SignalForwarder(context.processes):
+                while not context.join():
+                    pass
         except ProcessRaisedException as exc:
             raise TrainerError(f"a pipeline rank failed:\n{exc}") from None
+        except ProcessExitedException as exc:
+            raise TrainerError(
+                f"pipeline rank {exc.error_index} exited with {exc.signal_name or f'code {exc.exit_code}'} "
+                "(before it could take a stop request, or killed): no checkpoint was written by this run"
+            ) from None
     summary: dict[str, Any] = json.loads((Path(config.output_dir) / result).read_text(encoding="utf-8"))
     return summary
+
+
+class _SignalForwarder:
+    """While the ranks run: the first SIGINT/SIGTERM is passed on to them as SIGTERM, a second kills them.
+
+    Args:
+        processes: The ranks' processes.
+    """
+
+    def __init__(self, processes: Sequence[BaseProcess]) -> None:
+        self._processes = processes
+        self._received = 0
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self._received += 1
+        alive = [p for p in self._processes if p.is_alive()]
+        if self._received == 1:
+            _log.warning(
+                "%s: the ranks stop at their next optimizer step, drain the pipeline and write a checkpoint; "
+                "press Ctrl-C again to abort without one",
+                signal.Signals(signum).name,
+            )
+            for process in alive:
+                process.terminate()  # SIGTERM
+            return
+        for process in alive:
+            process.kill()
+        raise KeyboardInterrupt
+
+    def __enter__(self) -> _SignalForwarder:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
 
 
 def launch(
@@ -101,8 +160,10 @@ def launch(
         resume: Continue from the newest checkpoint in ``output_dir``.
 
     Returns:
-        The run summary (tokens/s, bubble ratio per stage, steps, adapter folders), also written
-        to ``<output_dir>/pipeline_summary.json``; ``None`` on ranks other than 0 under torchrun.
+        The run summary (tokens/s, bubble ratio per stage, steps, adapter folders, per-job counters
+        under ``run_state``), also written to ``<output_dir>/pipeline_summary.json``; ``None`` on
+        ranks other than 0 under torchrun. After a Ctrl-C, ``checkpoint`` names the checkpoint
+        written and ``position < num_microbatches``; no adapters are written.
 
     Raises:
         TrainerError: Too few GPUs for the processes, or a rank failed.

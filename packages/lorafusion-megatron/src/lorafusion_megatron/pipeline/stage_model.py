@@ -9,14 +9,20 @@ the CPU before moving it next to its base weight, so a layer on the meta device 
 random numbers and keeps nothing). Adapters saved from the stages therefore merge into one PEFT
 folder per job with the usual key names.
 
-Every microbatch, mixed or not, runs through ``lorafusion_kernels.multi_lora_batch``: each LoRA
-layer routes each segment's tokens to that segment's adapter (FusedMultiLoRA on a GPU, its
-plain-torch path on the CPU); the forward of a stage runs the decoder layers itself, with the same
-masks and rotary embeddings as the HF model's forward.
+With ``runtime.fused_kernels`` (the default) every microbatch, mixed or not, runs through
+``lorafusion_kernels.multi_lora_batch``: each LoRA layer routes each segment's tokens to that
+segment's adapter (FusedMultiLoRA on a GPU, its plain-torch path on the CPU). Without, the layers
+stay plain PEFT, which runs one adapter at a time: the stage runs each segment separately with its
+adapter active and concatenates the results (samples never attend across segments, so this is the
+same function), as the single-process trainer's plain path does. The forward of a stage runs the
+decoder layers itself, with the same masks and rotary embeddings as the HF model's forward.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,6 +62,7 @@ class StageModel:
         dtype: Activation dtype.
         device: Where the stage computes.
         activation_checkpointing: Recompute each decoder layer in the backward.
+        fused: Route LoRA layers through ``lorafusion_kernels`` (else plain PEFT, one segment at a time).
     """
 
     spec: StageSpec
@@ -66,6 +73,7 @@ class StageModel:
     dtype: torch.dtype
     device: torch.device
     activation_checkpointing: bool = False
+    fused: bool = True
 
     @property
     def hidden_size(self) -> int:
@@ -73,10 +81,10 @@ class StageModel:
         return int(self.config.hidden_size)
 
     def lora_parameters(self, adapter: str) -> dict[str, torch.nn.Parameter]:
-        """This stage's trainable tensors of ``adapter`` (the meta-device ones of other stages left out)."""
+        """This stage's trainable tensors of ``adapter`` (only its own layers carry adapters)."""
         from lorafusion_megatron.model import lora_parameters
 
-        return {n: p for n, p in lora_parameters(self.model, adapter).items() if p.device.type != "meta"}
+        return lora_parameters(self.model, adapter)
 
     def _attention(self, hidden: torch.Tensor, batch: PackedBatch) -> tuple[dict[str, Any], dict[str, Any]]:
         """Masks by attention type, and the keyword arguments every decoder layer gets besides its mask.
@@ -115,7 +123,6 @@ class StageModel:
         """
         import torch
         import torch.nn.functional as F  # noqa: N812 - the conventional name
-        import torch.utils.checkpoint
 
         import lorafusion_kernels
 
@@ -123,38 +130,78 @@ class StageModel:
         if self.spec.is_first:
             hidden = causal_lm.model.embed_tokens(batch.input_ids)
         assert hidden is not None
-        masks, extra = self._attention(hidden, batch)
-        position_embeddings = causal_lm.model.rotary_emb(hidden, position_ids=extra["position_ids"])
-        routing = lorafusion_kernels.MultiLoRABatch.from_segments(
-            [span.length for span in batch.segments],
-            [self.adapters.index(span.adapter) for span in batch.segments],
-            num_adapters=len(self.adapters),
-            device=hidden.device,
-        )
-        layer_types = getattr(self.config, "layer_types", None)
-        with lorafusion_kernels.multi_lora_batch(routing, list(self.adapters)):
-            for i in self.spec.layers:
-                layer = causal_lm.model.layers[i]
-                kwargs = {
-                    **extra,
-                    "attention_mask": masks[layer_types[i] if layer_types else "full_attention"],
-                    "position_embeddings": position_embeddings,
-                }
-                if self.activation_checkpointing:
-                    hidden = torch.utils.checkpoint.checkpoint(
-                        layer,
-                        hidden,
-                        use_reentrant=False,
-                        context_fn=lorafusion_kernels.multi_lora_checkpoint_contexts,
-                        **kwargs,
-                    )
-                else:
-                    hidden = layer(hidden, **kwargs)
-        assert hidden is not None
+        if self.fused:
+            routing = lorafusion_kernels.MultiLoRABatch.from_segments(
+                [span.length for span in batch.segments],
+                [self.adapters.index(span.adapter) for span in batch.segments],
+                num_adapters=len(self.adapters),
+                device=hidden.device,
+            )
+            with lorafusion_kernels.multi_lora_batch(routing, list(self.adapters)):
+                hidden = self._layers(hidden, batch, lorafusion_kernels.multi_lora_checkpoint_contexts)
+        else:
+            parts = []
+            for index, span in enumerate(batch.segments):
+                self._activate(span.adapter)
+                # A recomputation in the backward must see the segment's adapter active again.
+                contexts = functools.partial(_recompute_with_adapter, self, span.adapter)
+                rows = hidden[:, span.start : span.start + span.length]
+                parts.append(self._layers(rows, batch.segment(index), contexts))
+            hidden = torch.cat(parts, dim=1)
         if not self.spec.is_last:
             return hidden
         logits = causal_lm.lm_head(causal_lm.model.norm(hidden))
         return F.cross_entropy(logits[0].float(), batch.targets, reduction="none")
+
+    def _activate(self, adapter: str) -> None:
+        """Make ``adapter`` PEFT's one active adapter (plain PEFT only), every adapter still trainable.
+
+        PEFT freezes the inactive adapters, but a segment's backward runs after the next segments'
+        forwards, and autograd accumulates no gradient into a parameter that stopped requiring it.
+        """
+        from lorafusion_megatron.model import set_active_adapters
+
+        set_active_adapters(self.model, [adapter])
+        for name in self.adapters:
+            for param in self.lora_parameters(name).values():
+                param.requires_grad_(True)
+
+    def _layers(
+        self, hidden: torch.Tensor, batch: PackedBatch, checkpoint_contexts: Callable[[], tuple[Any, Any]]
+    ) -> torch.Tensor:
+        """The stage's decoder layers on ``hidden`` ``[1, T, hidden]`` of ``batch`` (``T`` tokens)."""
+        import torch.utils.checkpoint
+
+        causal_lm: Any = self.model.base_model.model
+        decoder = causal_lm.model
+        masks, extra = self._attention(hidden, batch)
+        position_embeddings = decoder.rotary_emb(hidden, position_ids=extra["position_ids"])
+        layer_types = getattr(self.config, "layer_types", None)
+        for i in self.spec.layers:
+            layer = decoder.layers[i]
+            kwargs = {
+                **extra,
+                "attention_mask": masks[layer_types[i] if layer_types else "full_attention"],
+                "position_embeddings": position_embeddings,
+            }
+            if self.activation_checkpointing:
+                hidden = torch.utils.checkpoint.checkpoint(
+                    layer, hidden, use_reentrant=False, context_fn=checkpoint_contexts, **kwargs
+                )
+            else:
+                hidden = layer(hidden, **kwargs)
+        return hidden
+
+
+@contextlib.contextmanager
+def _adapter_active(stage: StageModel, adapter: str) -> Iterator[None]:
+    stage._activate(adapter)
+    yield
+
+
+def _recompute_with_adapter(stage: StageModel, adapter: str) -> tuple[Any, Any]:
+    """``torch.utils.checkpoint`` contexts: none for the forward, ``adapter`` active for the recomputation."""
+    return contextlib.nullcontext(), _adapter_active(stage, adapter)
 
 
 def _materialise(config: TrainerConfig, skeleton: Any, spec: StageSpec, device: torch.device) -> None:
@@ -224,18 +271,20 @@ def build_stage_model(config: TrainerConfig, spec: StageSpec, device: torch.devi
     _materialise(config, skeleton, spec, device)
     skeleton.requires_grad_(False)
     skeleton.train()
+    # Adapters only on this stage's layers: no rank creates (on the CPU) the LoRA tensors of layers
+    # it does not run, which took tens of seconds per rank for a 70B model with 4 adapters.
     model = attach_adapters(
-        skeleton, config.jobs, seed=config.runtime.seed, name_or_path=config.base_model.model_name_or_path
+        skeleton,
+        config.jobs,
+        seed=config.runtime.seed,
+        name_or_path=config.base_model.model_name_or_path,
+        layers=spec.layers,
     )
-    # PEFT moves a new adapter next to its base weight only while no other adapter of the layer sits
-    # on the meta device; the second adapter of another stage's layer would stay on the CPU.
-    layers = skeleton.model.layers
-    for index in range(len(layers)):
-        if index not in spec.layers:
-            layers[index].to("meta")
-    import lorafusion_kernels
+    fused = config.runtime.fused_kernels
+    if fused:
+        import lorafusion_kernels
 
-    lorafusion_kernels.patch_peft_model(model)
+        lorafusion_kernels.patch_peft_model(model)
     return StageModel(
         spec=spec,
         model=model,
@@ -245,4 +294,5 @@ def build_stage_model(config: TrainerConfig, spec: StageSpec, device: torch.devi
         dtype=dtype,
         device=device,
         activation_checkpointing=config.runtime.activation_checkpointing,
+        fused=fused,
     )

@@ -77,6 +77,17 @@ def init_random(parameters: Iterable[tuple[str, torch.nn.Parameter]], *, seed: i
     """Seeded random base weights, each tensor from its own name, so any partition gives the same model.
 
     Matrices get ``N(0, std)`` (transformers' ``initializer_range``), norm weights ones, biases zeros.
+    Each tensor is drawn in place where it lives, in its own dtype, by a generator on its device
+    seeded from the tensor's name alone: on a GPU no weight passes through host memory, so filling
+    a 35 GB stage of a 70B preset is 17.5 G bf16 values written by the GPU (estimated well under a
+    second; not yet timed) rather than minutes of CPU sampling and copying. CPU and CUDA generators
+    draw different numbers from one seed, so the weights are identical across partitions on one
+    device type, not between a CPU and a GPU run.
+
+    Args:
+        parameters: ``(name in the full model, parameter)`` pairs, already on their device.
+        seed: The run's seed (``runtime.seed``).
+        std: Standard deviation of the matrices.
     """
     import torch
 

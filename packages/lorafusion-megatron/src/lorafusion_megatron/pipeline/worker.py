@@ -7,13 +7,14 @@ because the scheduler's MILP runs under a time limit and two ranks could otherwi
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lorafusion_megatron.atomic_files import write_json_atomically, write_text_atomically
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.pipeline.options import ParallelConfig
 
@@ -22,11 +23,13 @@ if TYPE_CHECKING:
 
     from lorafusion_megatron.config import TrainerConfig
     from lorafusion_megatron.data.job_data import JobData
-    from lorafusion_megatron.pipeline.engine import EngineStats, StageEngine, StepRecord
+    from lorafusion_megatron.pipeline.engine import EngineStats, StageEngine
     from lorafusion_megatron.pipeline.groups import Layout
     from lorafusion_megatron.pipeline.optim import StageOptimizer
     from lorafusion_megatron.pipeline.programs import Program
+    from lorafusion_megatron.pipeline.progress import PipelineProgress
     from lorafusion_megatron.pipeline.stage_model import StageModel
+    from lorafusion_megatron.state import RunState
     from lorafusion_sched.models import Plan
 
 __all__ = ["make_pipeline_plan", "run_rank", "summarise"]
@@ -68,7 +71,8 @@ def _shared_plan(
     """The plan every rank executes, and the checkpoint to resume from (``None`` for a fresh run).
 
     Rank 0 checks the output folders, then plans (or finds the newest checkpoint, whose plan is
-    kept: re-planning could pack differently), and broadcasts; every rank re-checks the plan.
+    kept: re-planning could pack differently), and broadcasts; every rank re-checks the plan. A
+    fresh run refuses a folder holding checkpoints, as the single-process trainer does.
     """
     from lorafusion_megatron.adapters_io import check_writable
     from lorafusion_megatron.checkpoint import latest_checkpoint
@@ -78,11 +82,18 @@ def _shared_plan(
         check_writable(Path(config.output_dir), "output_dir")
         for job in config.jobs:
             check_writable(config.job_output_dir(job).parent, f"output folder of job {job.name}")
-        if not resume:
-            plan_json = make_pipeline_plan(config, data, parallel).model_dump_json()
-            Path(config.output_dir, "plan.json").write_text(plan_json, encoding="utf-8")
-            return plan_json, None
+        if config.logging.tensorboard_dir is not None:
+            check_writable(Path(config.logging.tensorboard_dir), "logging.tensorboard_dir")
         found = latest_checkpoint(config.checkpoint_dir)
+        if not resume:
+            if found is not None:
+                raise TrainerError(
+                    f"{config.checkpoint_dir} holds checkpoints of an earlier run: continue it with --resume, or "
+                    "choose another output_dir (or delete that folder) to start afresh"
+                )
+            plan_json = make_pipeline_plan(config, data, parallel).model_dump_json()
+            write_text_atomically(Path(config.output_dir, "plan.json"), plan_json)
+            return plan_json, None
         if found is None:
             raise TrainerError(
                 f"--resume: no checkpoint in {config.checkpoint_dir}; train without --resume to start afresh"
@@ -127,6 +138,9 @@ def run_rank(
 ) -> dict[str, Any] | None:
     """Train ``config`` as one rank of the pipeline; rank 0 returns (and writes) the run's summary.
 
+    SIGINT or SIGTERM (Ctrl-C) stops the run cleanly: the ranks agree at the next optimizer step,
+    drain the pipeline and write a checkpoint (:mod:`.stopping`); the summary then names it.
+
     Args:
         config: The run (``save_steps`` and ``save_total_limit`` set the checkpoints).
         parallel: Stages, replicas and schedule.
@@ -147,13 +161,18 @@ def run_rank(
 
     from lorafusion_megatron.pipeline.groups import parallel_layout
     from lorafusion_megatron.pipeline.programs import build_program, split_for_checkpoints
+    from lorafusion_megatron.pipeline.stopping import RankStopSignal, stop_agreement
     from lorafusion_megatron.profiler.run import with_profiled_capacity
     from lorafusion_megatron.trainer import prepare_data
 
     config = with_profiled_capacity(config)
-    with parallel_layout(
-        parallel.pipeline_stages, backend=backend, init_method=init_method, rank=rank, world_size=world_size
-    ) as layout:
+    with (
+        RankStopSignal() as stop,
+        parallel_layout(
+            parallel.pipeline_stages, backend=backend, init_method=init_method, rank=rank, world_size=world_size
+        ) as layout,
+    ):
+        stop.announce = layout.rank == 0
         if layout.num_replicas != parallel.data_parallel:
             raise TrainerError(
                 f"{layout.world_size} processes make {layout.num_replicas} replicas of {layout.num_stages} stages, "
@@ -164,25 +183,38 @@ def run_rank(
         program = build_program(plan, parallel.schedule, parallel.baseline_microbatch_samples)
         if config.save_steps is not None:
             program = split_for_checkpoints(program, config.save_steps)
-        session = _RankSession.build(config, parallel, layout, prepared.jobs, plan)
+        session = _RankSession.build(config, parallel, layout, prepared.jobs, plan, program)
         start = session.restore(checkpoint) if checkpoint is not None else 0
         # One collective on the pipeline group before its first point-to-point transfer: with NCCL,
         # a group's first call must involve all its ranks, which a pipeline's warm-up does not.
         dist.all_reduce(torch.zeros(1, device=layout.device), group=layout.pipeline_group)
         dist.barrier()
-        stats = session.engine.execute(program, start=start, on_drain=session.checkpoint_if_due(program))
-        session.write_adapters()
+        with session.showing_progress(start):
+            position = session.engine.execute(
+                program, start=start, on_drain=session.on_drain, should_stop=stop_agreement(stop, layout)
+            )
+            if session.progress is not None:
+                session.progress.finish(position)
+        finished = position >= program.num_microbatches
+        saved = None if finished else session.save_checkpoint(position)
+        if finished:
+            session.write_adapters()
         everyone: list[Any] = [None] * layout.world_size
-        dist.all_gather_object(everyone, stats)
+        progress = None if session.progress is None else session.progress.state.to_json()
+        dist.all_gather_object(everyone, (session.engine.stats, progress))
         dist.barrier()
         if layout.rank != 0:
             return None
-        summary = summarise(everyone, program.name)
-        summary["adapters"] = {job.name: str(config.job_output_dir(job)) for job in config.jobs}
+        summary = summarise([stats for stats, _ in everyone], program.name)
+        summary["adapters"] = {job.name: str(config.job_output_dir(job)) for job in config.jobs} if finished else {}
         summary["pipeline_stages"] = layout.num_stages
         summary["data_parallel"] = layout.num_replicas
+        summary["position"] = position
+        summary["num_microbatches"] = program.num_microbatches
+        summary["checkpoint"] = None if saved is None else str(saved)
+        summary["run_state"] = next(state for _, state in everyone if state is not None)
         path = Path(config.output_dir) / "pipeline_summary.json"
-        path.write_text(json.dumps(summary, indent=2, sort_keys=True), encoding="utf-8")
+        write_json_atomically(path, summary)
         _log.info(
             "%s: %.0f tokens/s, bubble ratio per stage %s",
             program.name,
@@ -194,19 +226,31 @@ def run_rank(
 
 @dataclass
 class _RankSession:
-    """This rank's stage, optimizers and engine, and what it saves."""
+    """This rank's stage, optimizers, engine and (on the reporting rank) progress, and what it saves."""
 
     config: TrainerConfig
     parallel: ParallelConfig
     layout: Layout
     plan: Plan
+    program: Program
+    data: dict[str, JobData]
     stage: StageModel
     optimizers: dict[str, StageOptimizer]
     engine: StageEngine
+    progress: PipelineProgress | None = None
+    _restored: RunState | None = None
+    _saved_steps: int = 0
+    _saved: tuple[int, Path] | None = None
 
     @classmethod
     def build(
-        cls, config: TrainerConfig, parallel: ParallelConfig, layout: Layout, data: dict[str, JobData], plan: Plan
+        cls,
+        config: TrainerConfig,
+        parallel: ParallelConfig,
+        layout: Layout,
+        data: dict[str, JobData],
+        plan: Plan,
+        program: Program,
     ) -> _RankSession:
         import torch
 
@@ -237,9 +281,13 @@ class _RankSession:
             link=StageLink(layout, stage.hidden_size, stage.dtype),
             data=data,
             optimizers=optimizers,
-            on_step=_step_logger(config, optimizers) if layout.is_last and layout.replica == 0 else None,
         )
-        return cls(config, parallel, layout, plan, stage, optimizers, engine)
+        return cls(config, parallel, layout, plan, program, data, stage, optimizers, engine)
+
+    @property
+    def reports(self) -> bool:
+        """Whether this rank shows the progress: the last stage of replica 0, which has the losses."""
+        return self.layout.is_last and self.layout.replica == 0
 
     def _parameters(self) -> dict[str, dict[str, torch.nn.Parameter]]:
         return {job.name: self.stage.lora_parameters(job.name) for job in self.config.jobs}
@@ -248,47 +296,72 @@ class _RankSession:
         """Load this rank's state from ``checkpoint``; returns the program position to continue at."""
         from lorafusion_megatron.config import config_fingerprint
         from lorafusion_megatron.pipeline.checkpoint import load_rank_state, read_run_state
+        from lorafusion_megatron.state import RunState
 
         meta = read_run_state(checkpoint, fingerprint=config_fingerprint(self.config), parallel=self.parallel)
         engine_state = load_rank_state(
             checkpoint, layout=self.layout, parameters=self._parameters(), optimizers=self.optimizers
         )
         self.engine.load_state_dict(engine_state)
+        self._saved_steps = self.engine.total_steps
+        progress = engine_state.get("progress")
+        self._restored = None if progress is None else RunState.from_json(progress)
         if self.layout.rank == 0:
             _log.info("resuming from %s at microbatch %d", checkpoint, meta["position"])
         return int(meta["position"])
 
-    def checkpoint_if_due(self, program: Program) -> Callable[[int], None] | None:
+    @contextlib.contextmanager
+    def showing_progress(self, start: int) -> Iterator[None]:
+        """On the reporting rank, the progress bar and TensorBoard while the engine runs."""
+        from lorafusion_megatron.pipeline.progress import PipelineProgress, fresh_state
+
+        if not self.reports:
+            yield
+            return
+        state = self._restored
+        if state is None:
+            state = fresh_state(self.data, drop_last=self.config.scheduler.drop_last)
+            state.position = start
+        self.progress = PipelineProgress(self.config, self.program, self.data, state)
+        self.engine.on_backward = self.progress.microbatch_done
+        self.engine.on_step = self.progress.stepped
+        with self.progress:
+            yield
+
+    def on_drain(self, position: int) -> None:
         """The engine's drain hook: a checkpoint whenever ``save_steps`` more steps were taken."""
+        save_steps = self.config.save_steps
+        if save_steps is None or position >= self.program.num_microbatches:
+            return
+        if self.engine.total_steps // save_steps > self._saved_steps // save_steps:
+            self.save_checkpoint(position)
+
+    def save_checkpoint(self, position: int) -> Path:
+        """Write a checkpoint at program position ``position`` (collective; once per position)."""
         from lorafusion_megatron.config import config_fingerprint
         from lorafusion_megatron.pipeline.checkpoint import save_pipeline_checkpoint
 
-        save_steps = self.config.save_steps
-        if save_steps is None:
-            return None
-        saved = [self.engine.total_steps]
-        plan_json = self.plan.model_dump_json()
-
-        def on_drain(position: int) -> None:
-            steps = self.engine.total_steps
-            if position >= program.num_microbatches or steps // save_steps == saved[0] // save_steps:
-                return
-            save_pipeline_checkpoint(
-                self.config.checkpoint_dir,
-                layout=self.layout,
-                total_steps=steps,
-                position=position,
-                parameters=self._parameters(),
-                optimizers=self.optimizers,
-                engine_state=self.engine.state_dict(),
-                plan_json=plan_json,
-                fingerprint=config_fingerprint(self.config),
-                parallel=self.parallel,
-                keep=self.config.save_total_limit,
-            )
-            saved[0] = steps
-
-        return on_drain
+        if self._saved is not None and self._saved[0] == position:
+            return self._saved[1]
+        engine_state = self.engine.state_dict()
+        if self.progress is not None:
+            engine_state["progress"] = self.progress.state.to_json()
+        path = save_pipeline_checkpoint(
+            self.config.checkpoint_dir,
+            layout=self.layout,
+            total_steps=self.engine.total_steps,
+            position=position,
+            parameters=self._parameters(),
+            optimizers=self.optimizers,
+            engine_state=engine_state,
+            plan_json=self.plan.model_dump_json(),
+            fingerprint=config_fingerprint(self.config),
+            parallel=self.parallel,
+            keep=self.config.save_total_limit,
+        )
+        self._saved_steps = self.engine.total_steps
+        self._saved = (position, path)
+        return path
 
     def write_adapters(self) -> None:
         """Every job's adapter in PEFT format, written by the first stage of replica 0."""
@@ -299,23 +372,3 @@ class _RankSession:
         if gathered is not None:
             for job in self.config.jobs:
                 write_adapter(self.stage.model, job.name, gathered[job.name], self.config.job_output_dir(job))
-
-
-def _step_logger(config: TrainerConfig, optimizers: dict[str, Any]) -> Callable[[StepRecord], None]:
-    """Log a job's loss every ``logging.logging_steps`` of its steps and at its last step."""
-    every = config.logging.logging_steps
-
-    def log(record: StepRecord) -> None:
-        total = optimizers[record.adapter].inner.total_steps
-        if record.step % every == 0 or record.step == total:
-            _log.info(
-                "%s step %d/%d  loss %.4f  lr %.3g  grad norm %.3g",
-                record.adapter,
-                record.step,
-                total,
-                record.loss,
-                record.learning_rate,
-                record.grad_norm,
-            )
-
-    return log

@@ -8,10 +8,12 @@ readable table. :func:`profiled_capacity` reads the choice back, for ``capacity:
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lorafusion_megatron.atomic_files import write_json_atomically, write_text_atomically
 from lorafusion_megatron.pipeline.options import ParallelConfig
 
 if TYPE_CHECKING:
@@ -19,10 +21,23 @@ if TYPE_CHECKING:
     from lorafusion_megatron.profiler.capacity import CapacityOption
     from lorafusion_megatron.profiler.measure import Measurement
 
-__all__ = ["DEFAULT_CANDIDATES", "profile_rank", "profiled_capacity", "with_profiled_capacity", "write_report"]
+__all__ = [
+    "CPU_CANDIDATES",
+    "DEFAULT_CANDIDATES",
+    "default_candidates",
+    "profile_rank",
+    "profiled_capacity",
+    "with_profiled_capacity",
+    "write_report",
+]
+
+_log = logging.getLogger(__name__)
 
 DEFAULT_CANDIDATES = (1024, 2048, 4096, 8192, 16384, 32768)
-"""Capacities tried (and token counts measured) unless told otherwise."""
+"""Capacities tried (and token counts measured) on GPUs unless told otherwise."""
+
+CPU_CANDIDATES = (128, 256, 512, 1024)
+"""Capacities tried on the CPU unless told otherwise: a GPU's range would take minutes per stage there."""
 
 _REPORT = "profile.json"
 
@@ -72,7 +87,7 @@ def write_report(
         "chosen_capacity": chosen,
     }
     path = output_dir / _REPORT
-    path.write_text(json.dumps(document, indent=2, sort_keys=True), encoding="utf-8")
+    write_json_atomically(path, document)
     lines = [
         f"# Profile: {parallel.pipeline_stages} stage(s) x {parallel.data_parallel} replica(s) on {device}",
         "",
@@ -98,15 +113,24 @@ def write_report(
             f"| {o.capacity}{mark} | {peak} | {'yes' if o.fits else 'no'} | {o.microbatches} | "
             f"{o.bubble_ratio:.1%} | {o.tokens_per_s:,.0f} |"
         )
-    (output_dir / "profile.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_text_atomically(output_dir / "profile.md", "\n".join(lines) + "\n")
     return path
+
+
+def default_candidates(device_type: str, padding_multiple: int) -> tuple[int, ...]:
+    """The capacities profiled when none are given, rounded up to multiples of ``padding_multiple``.
+
+    :data:`DEFAULT_CANDIDATES` on CUDA, else :data:`CPU_CANDIDATES`.
+    """
+    base = DEFAULT_CANDIDATES if device_type == "cuda" else CPU_CANDIDATES
+    return tuple(sorted({-(-c // padding_multiple) * padding_multiple for c in base}))
 
 
 def profile_rank(
     config: TrainerConfig,
     parallel: ParallelConfig,
     *,
-    candidates: tuple[int, ...] = DEFAULT_CANDIDATES,
+    candidates: tuple[int, ...] | None = None,
     sample_length: int = 1024,
     repeats: int = 3,
     memory_fraction: float = 0.9,
@@ -120,7 +144,8 @@ def profile_rank(
     Args:
         config: The run (model, jobs, padding multiple).
         parallel: Stages and replicas (only replica 0 measures; the others wait).
-        candidates: Capacities to measure and compare.
+        candidates: Capacities to measure and compare; default :func:`default_candidates` for the
+            device (1k to 32k tokens on GPUs, 128 to 1k on the CPU).
         sample_length: Tokens per sample in the synthetic microbatches.
         repeats: Timed runs per token count.
         memory_fraction: Share of a GPU's memory a plan may use.
@@ -148,6 +173,16 @@ def profile_rank(
     with parallel_layout(
         parallel.pipeline_stages, backend=backend, init_method=init_method, rank=rank, world_size=world_size
     ) as layout:
+        if candidates is None:
+            candidates = default_candidates(layout.device.type, config.scheduler.padding_multiple)
+            if layout.device.type != "cuda" and layout.rank == 0:
+                _log.warning(
+                    "profiling on the CPU: capacities %s tokens (a GPU's default is %s..%s); pass --capacities N ... "
+                    "to measure others",
+                    ", ".join(map(str, candidates)),
+                    DEFAULT_CANDIDATES[0],
+                    DEFAULT_CANDIDATES[-1],
+                )
         spec = partition_model(load_model_config(config.base_model).to_dict(), layout.num_stages)[layout.stage]
         measured: list[Measurement] = []
         if layout.replica == 0:

@@ -1,0 +1,407 @@
+"""Tokens/s and per-stage bubble ratios of the pipeline runtime's three schedules, through the real launcher.
+
+For a random-weight preset on ``S`` pipeline stages (one GPU each, NCCL; or CPU processes over
+gloo), each *cell* (a number of adapters ``n`` of the Het workload and a schedule,
+``parallel.schedule`` = ``lorafusion``, ``megatron-1f1b`` or ``mlora``) is one launch of
+``python -m lorafusion_megatron.cli train CONFIG.yaml`` with a generated config: the first ``n``
+jobs of XSum, CNN/DM, WikiSum, Mixed (synthetic lengths), LoRA r=16, alpha=32, dropout 0.1 on all
+linear layers, ``--steps`` global batches of ``--global-batch-size`` samples per job. Every
+schedule of one ``n`` trains the same samples (the config differs only in ``parallel.schedule``);
+the script checks that every run's tokens equal the data's. Tokens/s and the bubble ratio per
+stage are the run's own ``pipeline_summary.json`` (tokens of stage 0 over the slowest rank's wall
+time of the program; the bubble ratio of a stage is ``1 - busy / wall`` of its slowest replica).
+
+Method, as for ``bench_trainer.py``: an untimed warm-up launch first (the first cell with
+``--warmup-samples`` samples per job: Triton compiles the kernels into its on-disk cache, which the
+later launches read), then ``--repeats`` rounds over the cells, the schedules of each ``n``
+interleaved and their order rotated each round; the results give the median, min and max over the
+repeats. The baselines run plain PEFT LoRA layers (``runtime.fused_kernels: false``, as in the
+paper, which gives Megatron-LM and mLoRA the unfused LoRA kernel) unless ``--baseline-kernels fused``.
+Cells run in priority order (all schedules at the first ``--adapters`` count, then ``lorafusion``
+at the other counts, then the baselines there, round by round); with ``--deadline-seconds`` a launch
+predicted (from the launches before it) to end past the deadline is skipped and recorded as such.
+The results file is rewritten after every launch, so a killed call keeps what it measured.
+
+    python packages/lorafusion-megatron/benchmarks/bench_pipeline.py --preset qwen2.5-32b --stages 2 \\
+        --checkpointing --deadline-seconds 480 --out pipeline.json
+    python packages/lorafusion-megatron/benchmarks/bench_pipeline.py --preset tiny --stages 2 --dtype float32 \\
+        --capacity 256 --length-scale 0.03 --global-batch-size 2 --adapters 2 1 --baseline-adapters 2 1 \\
+        --repeats 1 --warmup-samples 0 --out smoke.json   # a smoke test on a CPU (gloo)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pipeline_results import SCHEDULES, summarise_cells
+from provenance import provenance, write_json_atomically
+
+HET = ("xsum", "cnndm", "wikisum", "mixed")
+"""The paper's heterogeneous workload: adapter ``i`` trains on ``HET[i]``."""
+
+LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.1, "target_modules": "all-linear"}
+"""Every job's adapter (the issue's and the paper's setting)."""
+
+SIMULATED_AS = {"megatron": "megatron-1f1b"}
+"""The simulator's run names that differ from the schedule's."""
+
+LOG_TAIL_LINES = 40
+"""Lines of a failed launch's output kept in the results (and printed)."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One launch's shape: ``adapters`` jobs of :data:`HET` under ``schedule``."""
+
+    adapters: int
+    schedule: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.schedule}-{self.adapters}a"
+
+
+def run_config(args: argparse.Namespace, cell: Cell, *, samples: int, steps: int) -> dict[str, Any]:
+    """The trainer config of one launch (the mapping its YAML file holds; outputs go next to it).
+
+    Args:
+        args: The script's arguments (preset, stages, sizes, dtype, checkpointing, kernels).
+        cell: Adapters and schedule.
+        samples: Samples per job.
+        steps: Optimizer steps per job (``max_steps``: exactly ``samples / steps`` per global batch).
+    """
+    fused = cell.schedule == "lorafusion" or args.baseline_kernels == "fused"
+    return {
+        "output_dir": ".",
+        "base_model": {"model_name_or_path": args.preset, "dtype": args.dtype},
+        "jobs": [
+            {
+                "name": name,
+                "dataset": {"synthetic": name, "num_samples": samples, "length_scale": args.length_scale},
+                **LORA,
+                "global_batch_size": samples // steps,
+                "max_steps": steps,
+            }
+            for name in HET[: cell.adapters]
+        ],
+        "scheduler": {"capacity": args.capacity, "padding_multiple": 64},
+        "runtime": {"seed": 0, "activation_checkpointing": args.checkpointing, "fused_kernels": fused},
+        "logging": {"progress_bar": False, "logging_steps": 1000},
+        "parallel": {"pipeline_stages": args.stages, "schedule": cell.schedule},
+    }
+
+
+def train_command(config_file: Path) -> list[str]:
+    """The launcher, run from source or installed alike (no console script needed)."""
+    return [sys.executable, "-m", "lorafusion_megatron.cli", "train", str(config_file)]
+
+
+def write_config(path: Path, mapping: dict[str, Any]) -> None:
+    """The YAML config, headed by the command that runs it."""
+    command = shlex.join(["python", "-m", "lorafusion_megatron.cli", "train", path.name])
+    path.write_text(f"# {command}\n" + yaml.safe_dump(mapping, sort_keys=False), encoding="utf-8")
+
+
+def expected_tokens(mapping: dict[str, Any]) -> int:
+    """Real tokens of every job's training sequence (every schedule must train exactly these)."""
+    from lorafusion_megatron.config import parse_config
+    from lorafusion_megatron.trainer import prepare_data
+
+    jobs = prepare_data(parse_config(mapping)).jobs
+    return sum(sum(job.sample_tokens) for job in jobs.values())
+
+
+def cells_in_order(args: argparse.Namespace, repeat: int) -> list[Cell]:
+    """Round ``repeat``'s launches: every schedule at the first adapter count, then ``lorafusion``, then the rest.
+
+    The schedules of one adapter count run back to back, their order rotated by ``repeat`` so that
+    no schedule always runs first.
+    """
+    counts = list(dict.fromkeys([*args.adapters, *args.baseline_adapters]))
+    shift = repeat % len(args.schedules)
+    rotated = args.schedules[shift:] + args.schedules[:shift]
+    wanted = {
+        Cell(n, s)
+        for n in counts
+        for s in args.schedules
+        if n in (args.adapters if s == "lorafusion" else args.baseline_adapters)
+    }
+    first = [Cell(counts[0], s) for s in rotated]
+    fused_rest = [Cell(n, "lorafusion") for n in counts[1:]]
+    baselines_rest = [Cell(n, s) for n in counts[1:] for s in rotated if s != "lorafusion"]
+    return [cell for cell in first + fused_rest + baselines_rest if cell in wanted]
+
+
+def predict_seconds(runs: Sequence[dict[str, Any]], schedule: str, tokens: int) -> float | None:
+    """A launch's expected seconds from the timed launches before it; ``None`` before the first.
+
+    The largest launch overhead seen so far, plus ``tokens`` at the median tokens/s of
+    ``schedule``'s runs (or, for a schedule not run yet, at half the slowest rate seen). The
+    warm-up's rate is left out: it includes compiling the kernels.
+    """
+    done = [run for run in runs if run["status"] == "ok"]
+    timed = [run for run in done if not run["warmup"]]
+    if not timed:
+        return None
+    overhead = max(run["launch_overhead_seconds"] for run in done)
+    own = [run["tokens_per_second"] for run in timed if run["schedule"] == schedule]
+    rate = statistics.median(own) if own else 0.5 * min(run["tokens_per_second"] for run in timed)
+    return overhead + tokens / rate
+
+
+def _tail(text: str, work: Path) -> str:
+    lines = text.replace(str(work), "<work>").splitlines()
+    return "\n".join(lines[-LOG_TAIL_LINES:])
+
+
+def launch(folder: Path, work: Path, timeout: float | None) -> dict[str, Any]:
+    """Run the launcher on ``folder/config.yaml``; the run's measurements, or why it failed.
+
+    The launcher runs in its own process group, so a launch past ``timeout`` is stopped with all
+    the ranks it spawned.
+    """
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log = folder / "launch.log"
+    begin = time.perf_counter()
+    with log.open("w", encoding="utf-8") as out:
+        process = subprocess.Popen(
+            train_command(folder / "config.yaml"),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=folder,
+            start_new_session=True,
+        )
+        try:
+            code = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            code = None
+    seconds = time.perf_counter() - begin
+    summary_file = folder / "pipeline_summary.json"
+    failure = {"status": "failed", "process_seconds": seconds, "log_tail": _tail(log.read_text(), work)}
+    if code != 0 or not summary_file.is_file():
+        return failure | {"error": "timed out" if code is None else f"exit status {code}"}
+    summary = json.loads(summary_file.read_text(encoding="utf-8"))
+    if summary.get("position", 0) < summary.get("num_microbatches", 0):
+        return failure | {"error": f"stopped at microbatch {summary['position']} of {summary['num_microbatches']}"}
+    return {
+        "status": "ok",
+        "process_seconds": seconds,
+        "launch_overhead_seconds": seconds - summary["wall_seconds"],
+        "wall_seconds": summary["wall_seconds"],
+        "tokens": summary["tokens"],
+        "tokens_per_second": summary["tokens_per_second"],
+        "bubble_ratio": summary["bubble_ratio"],
+        "bubble_ratio_per_stage": summary["bubble_ratio_per_stage"],
+        "optimizer_steps": len(summary["steps"]),
+        "pipeline_stages": summary["pipeline_stages"],
+    }
+
+
+def simulated(plan_file: Path) -> dict[str, Any]:
+    """The scheduler's simulator on the run's plan (default cost model): what the measurement should resemble."""
+    from lorafusion_megatron.planning import plan_from_json
+    from lorafusion_sched import simulate
+    from lorafusion_sched.models import CostModel
+
+    runs = simulate(plan_from_json(plan_file.read_text(encoding="utf-8")), CostModel()).runs
+    fused = runs[0].tokens_per_s
+    return {
+        SIMULATED_AS.get(run.name, run.name): {
+            "bubble_ratio": run.bubble_ratio,
+            "bubble_ratio_per_stage": list(run.bubble_ratio_per_stage),
+            "microbatches": run.num_microbatches,
+            "lorafusion_speedup": fused / run.tokens_per_s if run.tokens_per_s else None,
+        }
+        for run in runs
+    }
+
+
+class Benchmark:
+    """The launches of one invocation, and the results file rewritten after each."""
+
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        self.args = args
+        self.work = work
+        self.begin = time.perf_counter()
+        self.runs: list[dict[str, Any]] = []
+        self.simulated: dict[str, Any] = {}
+        self.header = provenance()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.begin
+
+    def settings(self) -> dict[str, Any]:
+        """What makes two result files comparable (their repeats may then be merged)."""
+        a = self.args
+        return {
+            "preset": a.preset,
+            "pipeline_stages": a.stages,
+            "workload": "het",
+            "lora": LORA,
+            "steps_per_adapter": a.steps,
+            "global_batch_size": a.global_batch_size,
+            "capacity": a.capacity,
+            "length_scale": a.length_scale,
+            "dtype": a.dtype,
+            "activation_checkpointing": a.checkpointing,
+            "baseline_kernels": a.baseline_kernels,
+        }
+
+    def write(self) -> None:
+        write_json_atomically(
+            self.args.out,
+            {
+                "benchmark": "pipeline",
+                "provenance": self.header,
+                "settings": self.settings(),
+                "method": {
+                    "repeats": self.args.repeats,
+                    "warmup_samples": self.args.warmup_samples,
+                    "deadline_seconds": self.args.deadline_seconds,
+                    "timed": "the program of each launch: pipeline_summary.json's wall time (stage 0's tokens)",
+                },
+                "elapsed_seconds": self.elapsed(),
+                "runs": self.runs,
+                "cells": summarise_cells(self.runs),
+                "simulated": self.simulated,
+            },
+        )
+
+    def run(self, cell: Cell, repeat: int, *, warmup: bool) -> None:
+        a = self.args
+        samples, steps = (a.warmup_samples, 1) if warmup else (a.steps * a.global_batch_size, a.steps)
+        folder = self.work / f"{len(self.runs):02d}-{'warmup' if warmup else cell.name}"
+        folder.mkdir(parents=True)
+        mapping = run_config(a, cell, samples=samples, steps=steps)
+        write_config(folder / "config.yaml", mapping)
+        tokens = expected_tokens(mapping)
+        record: dict[str, Any] = {
+            "adapters": cell.adapters,
+            "schedule": cell.schedule,
+            "repeat": repeat,
+            "warmup": warmup,
+            "fused_kernels": mapping["runtime"]["fused_kernels"],
+            "expected_tokens": tokens,
+        }
+        predicted = predict_seconds(self.runs, cell.schedule, tokens)
+        record["predicted_seconds"] = predicted
+        left = None if a.deadline_seconds is None else a.deadline_seconds - self.elapsed()
+        if left is not None and predicted is not None and predicted > left:
+            record["status"] = "skipped"
+            print(f"{folder.name:>24}: skipped, predicted {predicted:.0f} s with {left:.0f} s left", flush=True)
+        else:
+            # A launch may overrun its prediction a little; one that hangs is stopped after the deadline.
+            record |= launch(folder, self.work, None if left is None else left + a.grace_seconds)
+            if record["status"] == "ok" and record["tokens"] != tokens:
+                record["status"] = "failed"
+                record["error"] = f"trained {record['tokens']} tokens, the data holds {tokens}: not the same samples"
+            self._report(folder.name, record)
+            if record["status"] == "ok" and not warmup and str(cell.adapters) not in self.simulated:
+                self.simulated[str(cell.adapters)] = simulated(folder / "plan.json")
+        self.runs.append(record)
+        self.write()
+
+    def _report(self, name: str, record: dict[str, Any]) -> None:
+        if record["status"] != "ok":
+            print(f"{name:>24}: FAILED ({record['error']}) after {record['process_seconds']:.0f} s", flush=True)
+            print(record.get("log_tail", ""), flush=True)
+            return
+        stages = ", ".join(f"{b:.1%}" for b in record["bubble_ratio_per_stage"])
+        print(
+            f"{name:>24}: {record['tokens_per_second']:>9,.0f} tokens/s, "
+            f"bubble {record['bubble_ratio']:.1%} ({stages}); "
+            f"{record['tokens']:,} tokens in {record['wall_seconds']:.1f} s, launch {record['process_seconds']:.0f} s "
+            f"(overhead {record['launch_overhead_seconds']:.0f} s); {self.elapsed():.0f} s elapsed",
+            flush=True,
+        )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--preset", default="qwen2.5-32b", help="a random-weight preset of lorafusion_megatron")
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages S (one GPU or CPU process each)")
+    parser.add_argument("--adapters", type=int, nargs="+", default=[4, 3, 2, 1], help="adapter counts of lorafusion")
+    parser.add_argument("--baseline-adapters", type=int, nargs="+", default=[4], help="adapter counts of the baselines")
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    parser.add_argument("--steps", type=int, default=2, help="global batches (optimizer steps) per adapter")
+    parser.add_argument("--global-batch-size", type=int, default=16)
+    parser.add_argument("--capacity", type=int, default=4096, help="tokens per microbatch (a multiple of 64)")
+    parser.add_argument("--length-scale", type=float, default=1.0, help="scales the synthetic lengths")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every layer")
+    parser.add_argument(
+        "--baseline-kernels",
+        choices=("plain", "fused"),
+        default="plain",
+        help="LoRA layers of the baselines: plain PEFT (the paper's setting) or lorafusion-kernels",
+    )
+    parser.add_argument("--repeats", type=int, default=2, help="rounds over the cells")
+    parser.add_argument(
+        "--warmup-samples", type=int, default=4, help="samples per job of the untimed warm-up launch (0: none)"
+    )
+    parser.add_argument("--deadline-seconds", type=float, help="launch nothing predicted to end after this")
+    parser.add_argument("--grace-seconds", type=float, default=60.0, help="a launch's allowance past the deadline")
+    parser.add_argument("--work", type=Path, help="folder for the launches' configs, logs and outputs (default: temp)")
+    parser.add_argument("--out", type=Path, default=Path("bench_pipeline.json"))
+    return parser
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.repeats < 1 or args.steps < 1:
+        parser.error("--repeats and --steps must be at least 1")
+    if args.stages < 2:
+        parser.error("--stages must be at least 2: with one stage `train` runs the single-process trainer")
+    if any(not 1 <= n <= len(HET) for n in [*args.adapters, *args.baseline_adapters]):
+        parser.error(f"adapter counts must lie in 1..{len(HET)} (the Het workload has {len(HET)} datasets)")
+    if args.warmup_samples < 0:
+        parser.error("--warmup-samples must be 0 (no warm-up) or more")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check(parser, args)
+    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as temporary:
+        work = args.work or Path(temporary)
+        bench = Benchmark(args, work)
+        print(
+            f"{args.preset} on {args.stages} stage(s), {bench.header['device']['name']}: "
+            f"{args.steps} global batches of {args.global_batch_size} per adapter, capacity {args.capacity}",
+            flush=True,
+        )
+        if args.warmup_samples:
+            bench.run(cells_in_order(args, 0)[0], 0, warmup=True)
+            if bench.runs[-1]["status"] != "ok":
+                raise SystemExit("the warm-up launch failed (its log is above): every other launch would fail too")
+        for repeat in range(args.repeats):
+            for cell in cells_in_order(args, repeat):
+                bench.run(cell, repeat, warmup=False)
+        bench.write()
+    cells = summarise_cells(bench.runs)
+    print(f"\n{'cell':>18} {'runs':>4} {'tokens/s':>10} {'bubble':>7} {'lorafusion x':>12}")
+    for c in cells:
+        speedup = "" if c["speedup"] is None else f"{c['speedup']:.2f}x"
+        name = Cell(c["adapters"], c["schedule"]).name
+        print(f"{name:>18} {c['repeats']:>4} {c['tokens_per_second']:>10,.0f} {c['bubble_ratio']:>7.1%} {speedup:>12}")
+    print(f"{bench.elapsed():.0f} s in all; results in {args.out.name}")
+
+
+if __name__ == "__main__":
+    main()

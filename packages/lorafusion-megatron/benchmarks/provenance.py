@@ -1,0 +1,93 @@
+"""What a benchmark's numbers were measured on: device, software versions and date, and an atomic JSON write.
+
+Imported by the benchmark scripts of this folder (run as ``python benchmarks/<script>.py``, so this
+folder is on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["provenance", "write_json_atomically", "write_text_atomically"]
+
+DISTRIBUTIONS = (
+    "torch",
+    "triton",
+    "transformers",
+    "peft",
+    "megatron-core",
+    "pydantic",
+    "highspy",
+    "lorafusion-kernels",
+    "lorafusion-sched",
+    "lorafusion-megatron",
+)
+"""Distributions whose versions a result records (``null`` for one that is not installed)."""
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return _source_version(distribution)
+
+
+def _source_version(distribution: str) -> str | None:
+    """The ``__version__`` of a project package imported from source (on ``PYTHONPATH``, not installed)."""
+    if not distribution.startswith("lorafusion-"):
+        return None
+    import importlib
+
+    try:
+        module = importlib.import_module(distribution.replace("-", "_"))
+    except ImportError:
+        return None
+    version = getattr(module, "__version__", None)
+    return None if version is None else f"{version} (source)"
+
+
+def _device() -> dict[str, Any]:
+    """The GPUs torch sees (name and count), or the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        names = sorted({torch.cuda.get_device_name(i) for i in range(count)})
+        return {"kind": "cuda", "name": ", ".join(names), "count": count, "cuda": torch.version.cuda}
+    return {"kind": "cpu", "name": f"{platform.machine()} CPU ({os.cpu_count()} cores)", "count": 1}
+
+
+def provenance() -> dict[str, Any]:
+    """The header of a results file: device, CPU cores, Python and package versions, UTC date."""
+    return {
+        "device": _device(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "versions": {name: _version(name) for name in DISTRIBUTIONS},
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``; readers see the old file or the new one, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomically(path: Path, document: Any) -> None:
+    """Write ``document`` as indented, key-sorted JSON, atomically."""
+    write_text_atomically(path, json.dumps(document, indent=2, sort_keys=True) + "\n")
