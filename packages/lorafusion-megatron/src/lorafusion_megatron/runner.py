@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lorafusion_megatron.dropout_seeds import drawing_segment
 from lorafusion_megatron.model import set_active_adapters
 from lorafusion_megatron.packing import PackedBatch, attention_inputs
 
@@ -81,6 +82,9 @@ class MicrobatchRunner:
     def forward_backward(self, batch: PackedBatch, denominators: Mapping[tuple[str, int], int]) -> list[SegmentResult]:
         """Accumulate the gradients of ``batch`` into the adapters' ``.grad``.
 
+        Dropout draws as :mod:`lorafusion_megatron.dropout_seeds` says: the caller names the microbatch
+        with ``drawing_for``, and a plain-PEFT pass over one segment draws for that segment.
+
         Args:
             batch: The packed microbatch, on the model's device.
             denominators: Trained tokens of each ``(adapter, global batch)`` in the whole global batch.
@@ -95,7 +99,8 @@ class MicrobatchRunner:
         results = []
         for index, span in enumerate(batch.segments):
             self._set_active((span.adapter,))
-            results.extend(self._pass(batch.segment(index), denominators))
+            with drawing_segment(index):
+                results.extend(self._pass(batch.segment(index), denominators))
         return results
 
     def _set_active(self, names: tuple[str, ...]) -> None:
@@ -150,11 +155,20 @@ class MicrobatchRunner:
             self.model.train(was_training)
 
     def _segment_losses(self, batch: PackedBatch) -> list[torch.Tensor]:
-        """Per segment, the sum of its token losses (a 0-d tensor in the autograd graph, if any)."""
-        import torch.nn.functional as F  # noqa: N812 - the conventional name
+        """Per segment, the sum of its token losses (a 0-d tensor in the autograd graph, if any).
 
-        outputs = self.model(input_ids=batch.input_ids, **attention_inputs(batch, self.attn_implementation, self.dtype))
-        token_loss = F.cross_entropy(outputs.logits[0].float(), batch.targets, reduction="none")
+        Runs the decoder alone and applies the LM head in chunks (:mod:`lorafusion_megatron.token_loss`),
+        so the ``[T, vocab]`` logits never exist at once.
+        """
+        from typing import Any
+
+        from lorafusion_megatron.token_loss import causal_lm_token_losses
+
+        causal_lm: Any = self.model.base_model.model  # the *ForCausalLM inside PEFT
+        outputs = causal_lm.model(
+            input_ids=batch.input_ids, **attention_inputs(batch, self.attn_implementation, self.dtype)
+        )
+        token_loss = causal_lm_token_losses(causal_lm, outputs.last_hidden_state, batch.targets)
         return [token_loss[span.start : span.start + span.length].sum() for span in batch.segments]
 
     def _pass(self, batch: PackedBatch, denominators: Mapping[tuple[str, int], int]) -> list[SegmentResult]:

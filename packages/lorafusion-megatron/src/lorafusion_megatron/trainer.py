@@ -20,7 +20,8 @@ from lorafusion_megatron.adapters_io import check_writable, save_adapter
 from lorafusion_megatron.atomic_files import write_json_atomically, write_text_atomically
 from lorafusion_megatron.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from lorafusion_megatron.config import TrainerConfig, config_fingerprint
-from lorafusion_megatron.data.job_data import JobData, job_seed, load_job_data
+from lorafusion_megatron.data.job_data import JobData, load_job_data
+from lorafusion_megatron.dropout_seeds import drawing_for, install_dropout_seeding
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.eval_reporting import EVAL_HISTORY, EvalHistory, eval_table
 from lorafusion_megatron.executor import StopSignal, execute_plan
@@ -227,8 +228,6 @@ class _Session:
 
     @classmethod
     def build(cls, config: TrainerConfig, prepared: PreparedData) -> _Session:
-        import torch
-
         from lorafusion_megatron.evaluation import Evaluator
         from lorafusion_megatron.model import (
             attach_adapters,
@@ -262,8 +261,9 @@ class _Session:
         parameters = {name: lora_parameters(model, name) for name in names}
         evaluates = any(job.eval_samples for job in prepared.jobs.values())
         evaluator = Evaluator(runner, prepared.jobs, config, device) if evaluates else None
-        # Dropout draws from the global generator; seed it apart from the weights' initialisation.
-        torch.manual_seed(job_seed(config.runtime.seed, "", "dropout") % 2**63)
+        # Dropout draws as the pipeline stages draw them, whichever process runs a layer.
+        causal_lm: Any = model.base_model.model
+        install_dropout_seeding(dict(enumerate(causal_lm.model.layers)), run_seed=config.runtime.seed)
         session = cls(config, prepared.jobs, model, runner, parameters, device, evaluator)
         session._make_optimizers()
         return session
@@ -312,7 +312,9 @@ class _Session:
             (span.adapter, span.global_batch): self._denominator(span.adapter, span.global_batch)
             for span in batch.segments
         }
-        for result in self.runner.forward_backward(batch, denominators):
+        with drawing_for(microbatch):
+            results = self.runner.forward_backward(batch, denominators)
+        for result in results:
             job = self.state.jobs[result.adapter]
             job.tokens += result.tokens
             job.targets += result.targets

@@ -6,6 +6,8 @@ position ids and masks need no communication), runs the stage and keeps its inpu
 the backward; on the last stage the output is the microbatch's share of each adapter's loss, each
 segment's token-loss sum divided by the trained tokens of that adapter's whole global batch, as in
 the single-process trainer. A no-op microbatch computes and exchanges nothing, but keeps its slot.
+The forward names its microbatch to :mod:`lorafusion_megatron.dropout_seeds`, so the stage's layers
+draw their dropout as the single-process trainer's do, whatever the 1F1B order.
 
 Adapter ``a`` steps on this stage right after the stage sent the input gradients of the plan's
 ``step_after`` microbatch of ``a`` (after its backward): by then this stage has run the backward
@@ -35,6 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lorafusion_megatron.dropout_seeds import drawing_for
 from lorafusion_megatron.pipeline.activations import backward_from, release_storage
 from lorafusion_megatron.pipeline.p2p import Expect, PipelineMismatchError, Transfer
 from lorafusion_megatron.pipeline.schedule import Exchange, one_f_one_b
@@ -341,7 +344,8 @@ class StageEngine:
 
     def _forward(self, microbatch: Microbatch, batch: PackedBatch, inputs: torch.Tensor | None) -> _InFlight:
         begin = time.perf_counter()
-        output = self.stage.forward(batch, inputs)
+        with drawing_for(microbatch):
+            output = self.stage.forward(batch, inputs)
         if self.layout.is_last:
             output = self._objective(microbatch, batch, output)
         self._synchronize()

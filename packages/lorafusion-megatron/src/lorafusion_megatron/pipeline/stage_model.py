@@ -16,6 +16,8 @@ stay plain PEFT, which runs one adapter at a time: the stage runs each segment s
 adapter active and concatenates the results (samples never attend across segments, so this is the
 same function), as the single-process trainer's plain path does. The forward of a stage runs the
 decoder layers itself, with the same masks and rotary embeddings as the HF model's forward.
+Each decoder layer reseeds the random generators before it runs (:mod:`lorafusion_megatron.dropout_seeds`),
+so its dropout draws are those of the same layer and microbatch in the single-process trainer.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lorafusion_megatron.dropout_seeds import drawing_segment, install_dropout_seeding, with_draws_restored
 from lorafusion_megatron.pipeline.partition import StageSpec
 
 if TYPE_CHECKING:
@@ -122,9 +125,9 @@ class StageModel:
             token losses ``[T]`` (0 where the target is ignored).
         """
         import torch
-        import torch.nn.functional as F  # noqa: N812 - the conventional name
 
         import lorafusion_kernels
+        from lorafusion_megatron.token_loss import causal_lm_token_losses
 
         causal_lm: Any = self.model.base_model.model
         if self.spec.is_first:
@@ -146,12 +149,13 @@ class StageModel:
                 # A recomputation in the backward must see the segment's adapter active again.
                 contexts = functools.partial(_recompute_with_adapter, self, span.adapter)
                 rows = hidden[:, span.start : span.start + span.length]
-                parts.append(self._layers(rows, batch.segment(index), contexts))
+                with drawing_segment(index):
+                    parts.append(self._layers(rows, batch.segment(index), contexts))
             hidden = torch.cat(parts, dim=1)
         if not self.spec.is_last:
             return hidden
-        logits = causal_lm.lm_head(causal_lm.model.norm(hidden))
-        return F.cross_entropy(logits[0].float(), batch.targets, reduction="none")
+        # The LM head runs in chunks: the [T, vocab] logits never exist at once.
+        return causal_lm_token_losses(causal_lm, causal_lm.model.norm(hidden), batch.targets)
 
     def _activate(self, adapter: str) -> None:
         """Make ``adapter`` PEFT's one active adapter (plain PEFT only), every adapter still trainable.
@@ -172,6 +176,8 @@ class StageModel:
         """The stage's decoder layers on ``hidden`` ``[1, T, hidden]`` of ``batch`` (``T`` tokens)."""
         import torch.utils.checkpoint
 
+        # The recomputation draws the dropout of the microbatch (and segment) its forward ran.
+        checkpoint_contexts = with_draws_restored(checkpoint_contexts)
         causal_lm: Any = self.model.base_model.model
         decoder = causal_lm.model
         masks, extra = self._attention(hidden, batch)
@@ -285,6 +291,7 @@ def build_stage_model(config: TrainerConfig, spec: StageSpec, device: torch.devi
         import lorafusion_kernels
 
         lorafusion_kernels.patch_peft_model(model)
+    install_dropout_seeding({i: skeleton.model.layers[i] for i in spec.layers}, run_seed=config.runtime.seed)
     return StageModel(
         spec=spec,
         model=model,

@@ -252,9 +252,6 @@ class _RankSession:
         plan: Plan,
         program: Program,
     ) -> _RankSession:
-        import torch
-
-        from lorafusion_megatron.data.job_data import job_seed
         from lorafusion_megatron.model import load_model_config
         from lorafusion_megatron.pipeline.engine import StageEngine
         from lorafusion_megatron.pipeline.optim import StageOptimizer
@@ -264,8 +261,6 @@ class _RankSession:
 
         spec = partition_model(load_model_config(config.base_model).to_dict(), layout.num_stages)[layout.stage]
         stage = build_stage_model(config, spec, layout.device)
-        # Dropout draws from the global generator; seeded as the single-process trainer seeds it.
-        torch.manual_seed(job_seed(config.runtime.seed, "", "dropout") % 2**63)
         optimizers = {
             job.name: StageOptimizer(
                 job,
