@@ -48,7 +48,9 @@ from typing import Any
 
 import yaml
 from pipeline_results import SCHEDULES, summarise_cells
-from provenance import provenance, write_json_atomically
+from provenance import provenance
+
+from lorafusion_megatron.atomic_files import write_json_atomically
 
 HET = ("xsum", "cnndm", "wikisum", "mixed")
 """The paper's heterogeneous workload: adapter ``i`` trains on ``HET[i]``."""
@@ -238,6 +240,7 @@ class Benchmark:
 
     def __init__(self, args: argparse.Namespace, work: Path) -> None:
         self.args = args
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         self.work = work
         self.begin = time.perf_counter()
         self.runs: list[dict[str, Any]] = []

@@ -17,9 +17,10 @@ same real tokens (checked, and reported per mode); ``--samples`` sets the size o
 mode first runs each distinct microbatch shape once untimed (kernels compile and tune per shape),
 then ``--repeats`` timed passes with the modes interleaved (frozen, peft-sequential, peft-mixed,
 lorafusion, frozen, ...), the device synchronised around each pass. The report gives the median
-tokens/s per mode, the min and max over the repeats and the peak memory of the timed passes.
-With ``--trainer``, the full trainer (optimizer steps included) then runs the same config end to
-end, and the report says how many distinct microbatch token counts it ran.
+tokens/s per mode, the min and max over the repeats and the peak memory of the timed passes,
+under a provenance header (device, package versions, UTC date; ``provenance.py``). With
+``--trainer``, the full trainer (optimizer steps included) then runs the same config end to end,
+and the report says how many distinct microbatch token counts it ran.
 
     python packages/lorafusion-megatron/benchmarks/bench_trainer.py --preset llama-3.1-8b --out bench.json
     python packages/lorafusion-megatron/benchmarks/bench_trainer.py --preset tiny --device cpu --dtype float32 \\
@@ -31,8 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
-import platform
 import statistics
 import tempfile
 import time
@@ -41,8 +40,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from provenance import provenance
 
 import lorafusion_kernels
+from lorafusion_megatron.atomic_files import write_json_atomically
 from lorafusion_megatron.config import TrainerConfig, parse_config
 from lorafusion_megatron.data.job_data import JobData
 from lorafusion_megatron.model import attach_adapters, build_base_model, resolve_attn_implementation
@@ -253,9 +254,6 @@ def main() -> None:
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
 
-    import peft
-    import transformers
-
     device = torch.device(args.device)
     config = parse_config(het_config(args, Path(tempfile.gettempdir()) / "bench-trainer"))
     data = prepare_data(config).jobs
@@ -284,14 +282,7 @@ def main() -> None:
             f"{r['distinct_token_counts_not_warmed']} of them not warmed up by the modes above"
         )
     report = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "peft": peft.__version__,
-            "lorafusion_kernels": lorafusion_kernels.__version__,
-        },
+        "provenance": provenance(),
         "attn_implementation": resolve_attn_implementation(config.base_model.attn_implementation, device),
         "args": {k: str(v) for k, v in vars(args).items()},
         "method": {"repeats": args.repeats, "order": list(MODES), "timed": "every microbatch of each mode's plan"},
@@ -302,7 +293,8 @@ def main() -> None:
         },
         "results": results,
     }
-    args.out.write_text(json.dumps(report, indent=2, sort_keys=True))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomically(args.out, report)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""What a benchmark's numbers were measured on: device, software versions and date, and an atomic JSON write.
+"""What a benchmark's numbers were measured on: device, software versions and date.
 
 Imported by the benchmark scripts of this folder (run as ``python benchmarks/<script>.py``, so this
 folder is on ``sys.path``).
@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
-import json
 import os
 import platform
-import tempfile
-from pathlib import Path
 from typing import Any
 
-__all__ = ["provenance", "write_json_atomically", "write_text_atomically"]
+__all__ = ["provenance"]
 
 DISTRIBUTIONS = (
     "torch",
@@ -73,21 +70,3 @@ def provenance() -> dict[str, Any]:
         "versions": {name: _version(name) for name in DISTRIBUTIONS},
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
-
-
-def write_text_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path``; readers see the old file or the new one, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
-def write_json_atomically(path: Path, document: Any) -> None:
-    """Write ``document`` as indented, key-sorted JSON, atomically."""
-    write_text_atomically(path, json.dumps(document, indent=2, sort_keys=True) + "\n")

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline_results import SCHEDULES, merge_results
-from provenance import write_text_atomically
+
+from lorafusion_megatron.atomic_files import write_text_atomically
 
 COLOURS = {"lorafusion": "#1b9e77", "megatron-1f1b": "#d95f02", "mlora": "#7570b3"}
 """One colour per schedule, the same in both panels."""
@@ -154,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     table = markdown(document)
     print(table, end="")
     if args.markdown is not None:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomically(args.markdown, table)
     if args.plot is not None:
         plot(document, args.plot)

@@ -69,16 +69,32 @@ def execute_plan(
 
 
 class StopSignal:
-    """Turns the first Ctrl-C into a clean stop after the current microbatch.
+    """Turns a signal (Ctrl-C by default) into a clean stop request, checked after each microbatch.
 
-    A second Ctrl-C raises ``KeyboardInterrupt`` at once. Outside the main thread (where signal
-    handlers cannot be set) it only stops when :meth:`request` is called.
+    Outside the main thread (where signal handlers cannot be set) it only stops when
+    :meth:`request` is called.
+
+    Args:
+        signals: The signals that ask for a stop.
+        repeat_aborts: A repeated signal raises ``KeyboardInterrupt`` at once (the single-process
+            trainer's second Ctrl-C); when ``False`` repeats are the same request (pipeline ranks,
+            which get one Ctrl-C from the terminal and again from their launcher).
+        message: Logged at the first request, ``{signal}`` replaced by the signal's name; ``None``
+            logs nothing (e.g. on every rank but one).
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        signals: Sequence[signal.Signals] = (signal.SIGINT,),
+        *,
+        repeat_aborts: bool = True,
+        message: str | None = "Ctrl-C: finishing this microbatch and writing a checkpoint; press Ctrl-C again to abort",
+    ) -> None:
+        self.signals = tuple(signals)
+        self.repeat_aborts = repeat_aborts
+        self.message = message
         self._requested = False
-        self._previous: Callable[[int, FrameType | None], object] | int | None = None
-        self._installed = False
+        self._previous: dict[signal.Signals, Callable[[int, FrameType | None], object] | int | None] = {}
 
     def request(self) -> None:
         """Ask the run to stop after the current microbatch."""
@@ -90,20 +106,23 @@ class StopSignal:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self._requested:
-            raise KeyboardInterrupt
+            if self.repeat_aborts:
+                raise KeyboardInterrupt
+            return
         self._requested = True
-        _log.warning("Ctrl-C: finishing this microbatch and writing a checkpoint; press Ctrl-C again to abort")
+        if self.message is not None:
+            _log.warning(self.message.format(signal=signal.Signals(signum).name))
 
     def __enter__(self) -> StopSignal:
         self._requested = False
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-            self._installed = True
+            for signum in self.signals:
+                self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._installed:
-            signal.signal(signal.SIGINT, self._previous)
-            self._installed = False
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()

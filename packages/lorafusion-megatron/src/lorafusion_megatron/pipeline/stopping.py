@@ -1,7 +1,7 @@
 """Ctrl-C in a pipeline run: every rank notes the signal, and all agree at an optimizer step where to stop.
 
 A checkpoint needs a drained pipeline and every rank's part of it, so no rank may stop on its own.
-Each rank turns SIGINT and SIGTERM into a local request (:class:`RankStopSignal`, the
+Each rank turns SIGINT and SIGTERM into a local request (:func:`rank_stop_signal`, the
 single-process trainer's :class:`~lorafusion_megatron.executor.StopSignal` extended to SIGTERM);
 after the optimizer steps of a microbatch, where every stage of a pipeline already waits for the
 others (the steps' gradient-norm all-reduce), :func:`stop_agreement` turns the requests into one
@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Callable
-from types import FrameType, TracebackType
 from typing import TYPE_CHECKING
 
 from lorafusion_megatron.executor import StopSignal
@@ -28,50 +27,29 @@ from lorafusion_megatron.executor import StopSignal
 if TYPE_CHECKING:
     from lorafusion_megatron.pipeline.groups import Layout
 
-__all__ = ["RankStopSignal", "stop_agreement"]
+__all__ = ["RANK_STOP_MESSAGE", "rank_stop_signal", "stop_agreement"]
 
 _log = logging.getLogger(__name__)
 
 
-class RankStopSignal(StopSignal):
+RANK_STOP_MESSAGE = "{signal}: the ranks stop at the next optimizer step, drain the pipeline and write a checkpoint"
+"""What one rank logs at the first signal."""
+
+
+def rank_stop_signal() -> StopSignal:
     """SIGINT or SIGTERM asks this rank to stop at the next agreement; repeats change nothing.
 
-    Args:
-        announce: Log the request (one rank should, not all of them).
+    Silent until the caller sets ``message`` (one rank should log, not all: e.g. to
+    :data:`RANK_STOP_MESSAGE` on global rank 0).
     """
-
-    def __init__(self, *, announce: bool = False) -> None:
-        super().__init__()
-        self.announce = announce
-        self._previous_term: Callable[[int, FrameType | None], object] | int | None = None
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if not self._requested and self.announce:
-            _log.warning(
-                "%s: the ranks stop at the next optimizer step, drain the pipeline and write a checkpoint",
-                signal.Signals(signum).name,
-            )
-        self.request()
-
-    def __enter__(self) -> RankStopSignal:
-        super().__enter__()
-        if self._installed:
-            self._previous_term = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if self._installed and self._previous_term is not None:
-            signal.signal(signal.SIGTERM, self._previous_term)
-        super().__exit__(exc_type, exc, tb)
+    return StopSignal((signal.SIGINT, signal.SIGTERM), repeat_aborts=False, message=None)
 
 
 def stop_agreement(requested: Callable[[], bool], layout: Layout) -> Callable[[], bool]:
     """A collective ``should_stop`` for the engine: ``True`` on every rank once any rank was asked to stop.
 
     Args:
-        requested: This rank's own request (e.g. a :class:`RankStopSignal`).
+        requested: This rank's own request (e.g. a :func:`rank_stop_signal`).
         layout: The process's place (device, world size).
     """
     if layout.world_size == 1:

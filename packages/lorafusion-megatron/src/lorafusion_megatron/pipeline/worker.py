@@ -161,18 +161,19 @@ def run_rank(
 
     from lorafusion_megatron.pipeline.groups import parallel_layout
     from lorafusion_megatron.pipeline.programs import build_program, split_for_checkpoints
-    from lorafusion_megatron.pipeline.stopping import RankStopSignal, stop_agreement
+    from lorafusion_megatron.pipeline.stopping import RANK_STOP_MESSAGE, rank_stop_signal, stop_agreement
     from lorafusion_megatron.profiler.run import with_profiled_capacity
     from lorafusion_megatron.trainer import prepare_data
 
     config = with_profiled_capacity(config)
     with (
-        RankStopSignal() as stop,
+        rank_stop_signal() as stop,
         parallel_layout(
             parallel.pipeline_stages, backend=backend, init_method=init_method, rank=rank, world_size=world_size
         ) as layout,
     ):
-        stop.announce = layout.rank == 0
+        if layout.rank == 0:
+            stop.message = RANK_STOP_MESSAGE
         if layout.num_replicas != parallel.data_parallel:
             raise TrainerError(
                 f"{layout.world_size} processes make {layout.num_replicas} replicas of {layout.num_stages} stages, "
