@@ -19,7 +19,9 @@ from lorafusion_megatron.errors import TrainerError
 if TYPE_CHECKING:
     from peft import PeftModel
 
-__all__ = ["check_writable", "replace_dir", "save_adapter"]
+    from lorafusion_megatron.config import TrainerConfig
+
+__all__ = ["check_run_outputs", "check_writable", "replace_dir", "save_adapter"]
 
 
 def check_writable(directory: Path, what: str) -> None:
@@ -34,6 +36,19 @@ def check_writable(directory: Path, what: str) -> None:
             pass
     except OSError as exc:
         raise TrainerError(f"{what} {directory} cannot be written ({exc.strerror}): choose another folder") from None
+
+
+def check_run_outputs(config: TrainerConfig) -> None:
+    """Make sure a run can write everything it will: its output folder, each job's, TensorBoard's.
+
+    Raises:
+        TrainerError: One of them cannot be created or written (named in the message).
+    """
+    check_writable(Path(config.output_dir), "output_dir")
+    for job in config.jobs:
+        check_writable(config.job_output_dir(job).parent, f"output folder of job {job.name}")
+    if config.logging.tensorboard_dir is not None:
+        check_writable(Path(config.logging.tensorboard_dir), "logging.tensorboard_dir")
 
 
 def replace_dir(source: Path, target: Path) -> None:

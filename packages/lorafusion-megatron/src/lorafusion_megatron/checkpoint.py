@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lorafusion_megatron.adapters_io import replace_dir, save_adapter
 from lorafusion_megatron.errors import TrainerError
@@ -39,7 +39,15 @@ if TYPE_CHECKING:
 
     from lorafusion_megatron.optim import AdapterOptimizer
 
-__all__ = ["LoadedCheckpoint", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "LoadedCheckpoint",
+    "checkpoint_to_resume",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "prune_checkpoints",
+    "read_checkpoint_meta",
+    "save_checkpoint",
+]
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _FORMAT = 1
@@ -75,6 +83,48 @@ def latest_checkpoint(directory: Path) -> Path | None:
     """The newest complete checkpoint in ``directory``, if any."""
     found = _checkpoints(directory)
     return found[-1][1] if found else None
+
+
+def checkpoint_to_resume(directory: Path, *, resume: bool) -> Path | None:
+    """The checkpoint a run continues from: the newest one with ``--resume``, ``None`` for a fresh run.
+
+    Raises:
+        TrainerError: ``--resume`` finds no checkpoint, or a fresh run finds some (it would mix
+            with them: the user forgot ``--resume`` or picked an output folder in use).
+    """
+    found = latest_checkpoint(directory)
+    if resume and found is None:
+        raise TrainerError(f"--resume: no checkpoint in {directory}; train without --resume to start afresh")
+    if not resume and found is not None:
+        raise TrainerError(
+            f"{directory} holds checkpoints of an earlier run: continue it with --resume, or "
+            "choose another output_dir (or delete that folder) to start afresh"
+        )
+    return found
+
+
+def prune_checkpoints(directory: Path, keep: int) -> None:
+    """Delete all but the ``keep`` newest complete checkpoints in ``directory``."""
+    for _, old in _checkpoints(directory)[:-keep]:
+        shutil.rmtree(old)
+
+
+def read_checkpoint_meta(path: Path, *, fingerprint: str) -> dict[str, Any]:
+    """``trainer_state.json`` of checkpoint ``path``, checked to come from a run of this config.
+
+    Raises:
+        TrainerError: The file is unreadable, or the checkpoint was written for a different config.
+    """
+    try:
+        meta: dict[str, Any] = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise TrainerError(f"checkpoint {path} is unreadable ({exc}): delete it or resume from another") from None
+    if meta.get("fingerprint") != fingerprint:
+        raise TrainerError(
+            f"checkpoint {path} was written by a run with a different config (model, jobs, data, scheduler or "
+            "runtime settings changed): restore that config, or train without --resume into a new output_dir"
+        )
+    return meta
 
 
 def save_checkpoint(
@@ -132,8 +182,7 @@ def save_checkpoint(
         if staging.exists():
             shutil.rmtree(staging)
     if keep is not None:
-        for _, old in _checkpoints(directory)[:-keep]:
-            shutil.rmtree(old)
+        prune_checkpoints(directory, keep)
     return target
 
 
@@ -152,15 +201,7 @@ def load_checkpoint(
     import torch
     from safetensors.torch import load_file
 
-    try:
-        meta = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise TrainerError(f"checkpoint {path} is unreadable ({exc}): delete it or resume from another") from None
-    if meta.get("fingerprint") != fingerprint:
-        raise TrainerError(
-            f"checkpoint {path} was written by a run with a different config (model, jobs, data, scheduler or "
-            "runtime settings changed): restore that config, or train without --resume into a new output_dir"
-        )
+    meta = read_checkpoint_meta(path, fingerprint=fingerprint)
     tensors = load_file(path / "lora.safetensors")
     with torch.no_grad():
         for params in adapter_parameters.values():

@@ -118,7 +118,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     config = _load(args)
     parallel = parallel_from_args(args, config.parallel)
     config.check_evaluation_supported(parallel, under_torchrun=under_torchrun())
-    if parallel.world_size > 1 or parallel.schedule != "lorafusion" or under_torchrun():
+    if parallel.needs_pipeline_runtime or under_torchrun():
         from lorafusion_megatron.pipeline import commands
 
         return commands.train(config, parallel, _console, resume=args.resume)
@@ -140,7 +140,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     output = Path(args.output)
     parallel = parallel_from_args(args)
-    if parallel.world_size > 1 or parallel.schedule != "lorafusion":
+    if parallel.needs_pipeline_runtime:
         from lorafusion_megatron.pipeline import commands
 
         return commands.demo(output, parallel, _console, samples_per_job=args.samples_per_job, epochs=args.epochs)

@@ -16,13 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from lorafusion_megatron.adapters_io import check_writable, save_adapter
+from lorafusion_megatron.adapters_io import check_run_outputs, save_adapter
 from lorafusion_megatron.atomic_files import write_json_atomically, write_text_atomically
-from lorafusion_megatron.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from lorafusion_megatron.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from lorafusion_megatron.config import TrainerConfig, config_fingerprint
 from lorafusion_megatron.data.job_data import JobData, load_job_data
 from lorafusion_megatron.dropout_seeds import drawing_for, install_dropout_seeding
-from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.eval_reporting import EVAL_HISTORY, EvalHistory, eval_table
 from lorafusion_megatron.executor import StopSignal, execute_plan
 from lorafusion_megatron.planning import check_plan, make_plan, plan_from_json
@@ -125,19 +124,8 @@ class Trainer:
                 from a different config.
         """
         config = self.config
-        self._check_outputs()
-        checkpoint_path = None
-        if resume:
-            checkpoint_path = latest_checkpoint(config.checkpoint_dir)
-            if checkpoint_path is None:
-                raise TrainerError(
-                    f"--resume: no checkpoint in {config.checkpoint_dir}; train without --resume to start afresh"
-                )
-        elif latest_checkpoint(config.checkpoint_dir) is not None:
-            raise TrainerError(
-                f"{config.checkpoint_dir} holds checkpoints of an earlier run: continue it with --resume, or "
-                "choose another output_dir (or delete that folder) to start afresh"
-            )
+        check_run_outputs(config)
+        checkpoint_path = checkpoint_to_resume(config.checkpoint_dir, resume=resume)
         prepared = prepare_data(config)
         session = _Session.build(config, prepared)
         if checkpoint_path is not None:
@@ -179,14 +167,6 @@ class Trainer:
         if session.eval_history is not None:
             self.console.print(eval_table(session.eval_history))
         return TrainResult(state=session.state, adapters=outputs, checkpoint=None)
-
-    def _check_outputs(self) -> None:
-        config = self.config
-        check_writable(Path(config.output_dir), "output_dir")
-        for job in config.jobs:
-            check_writable(config.job_output_dir(job).parent, f"output folder of job {job.name}")
-        if config.logging.tensorboard_dir is not None:
-            check_writable(Path(config.logging.tensorboard_dir), "logging.tensorboard_dir")
 
     def _write_summary(self, state: RunState, outputs: Mapping[str, Path], history: EvalHistory | None) -> None:
         """``summary.json``: the run's counters, each job's adapter, and its latest and every eval loss."""

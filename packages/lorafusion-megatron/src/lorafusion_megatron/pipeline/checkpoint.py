@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lorafusion_megatron.adapters_io import replace_dir
+from lorafusion_megatron.checkpoint import prune_checkpoints, read_checkpoint_meta
 from lorafusion_megatron.errors import TrainerError
 
 if TYPE_CHECKING:
@@ -113,19 +114,9 @@ def save_pipeline_checkpoint(
             if folder.exists():
                 shutil.rmtree(folder)
         if keep is not None:
-            _prune(directory, keep)
+            prune_checkpoints(directory, keep)
     dist.barrier()
     return target
-
-
-def _prune(directory: Path, keep: int) -> None:
-    found = sorted(
-        (int(child.name.removeprefix("checkpoint-")), child)
-        for child in directory.iterdir()
-        if child.name.startswith("checkpoint-") and child.name.removeprefix("checkpoint-").isdigit()
-    )
-    for _, old in found[:-keep]:
-        shutil.rmtree(old)
 
 
 def read_run_state(path: Path, *, fingerprint: str, parallel: ParallelConfig) -> dict[str, Any]:
@@ -135,18 +126,10 @@ def read_run_state(path: Path, *, fingerprint: str, parallel: ParallelConfig) ->
         TrainerError: Unreadable, written by the single-process trainer, for another config, or for
             another parallel layout.
     """
-    try:
-        meta: dict[str, Any] = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise TrainerError(f"checkpoint {path} is unreadable ({exc}): delete it or resume from another") from None
+    meta = read_checkpoint_meta(path, fingerprint=fingerprint)
     if meta.get("format") != PIPELINE_FORMAT:
         raise TrainerError(
             f"checkpoint {path} was written by the single-process trainer: resume it without pipeline parallelism"
-        )
-    if meta.get("fingerprint") != fingerprint:
-        raise TrainerError(
-            f"checkpoint {path} was written by a run with a different config: restore that config, or train "
-            "without --resume into a new output_dir"
         )
     if meta.get("parallel") != parallel.model_dump(mode="json"):
         raise TrainerError(

@@ -40,3 +40,8 @@ class ParallelConfig(BaseModel):
     def world_size(self) -> int:
         """Processes the run needs."""
         return self.pipeline_stages * self.data_parallel
+
+    @property
+    def needs_pipeline_runtime(self) -> bool:
+        """Whether the run goes to the pipeline runtime: several processes, or a baseline schedule."""
+        return self.world_size > 1 or self.schedule != "lorafusion"

@@ -74,30 +74,17 @@ def _shared_plan(
     kept: re-planning could pack differently), and broadcasts; every rank re-checks the plan. A
     fresh run refuses a folder holding checkpoints, as the single-process trainer does.
     """
-    from lorafusion_megatron.adapters_io import check_writable
-    from lorafusion_megatron.checkpoint import latest_checkpoint
+    from lorafusion_megatron.adapters_io import check_run_outputs
+    from lorafusion_megatron.checkpoint import checkpoint_to_resume
     from lorafusion_megatron.planning import check_plan, plan_from_json
 
     def decide() -> tuple[str, str | None]:
-        check_writable(Path(config.output_dir), "output_dir")
-        for job in config.jobs:
-            check_writable(config.job_output_dir(job).parent, f"output folder of job {job.name}")
-        if config.logging.tensorboard_dir is not None:
-            check_writable(Path(config.logging.tensorboard_dir), "logging.tensorboard_dir")
-        found = latest_checkpoint(config.checkpoint_dir)
-        if not resume:
-            if found is not None:
-                raise TrainerError(
-                    f"{config.checkpoint_dir} holds checkpoints of an earlier run: continue it with --resume, or "
-                    "choose another output_dir (or delete that folder) to start afresh"
-                )
+        check_run_outputs(config)
+        found = checkpoint_to_resume(config.checkpoint_dir, resume=resume)
+        if found is None:
             plan_json = make_pipeline_plan(config, data, parallel).model_dump_json()
             write_text_atomically(Path(config.output_dir, "plan.json"), plan_json)
             return plan_json, None
-        if found is None:
-            raise TrainerError(
-                f"--resume: no checkpoint in {config.checkpoint_dir}; train without --resume to start afresh"
-            )
         return (found / "plan.json").read_text(encoding="utf-8"), str(found)
 
     plan_json, checkpoint = _rank_zero_decides(layout, decide)
