@@ -12,7 +12,7 @@ position ids restart; sdpa and eager attention get an explicit ``[1, 1, T, T]`` 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
+    from lorafusion_kernels import MultiLoRABatch
     from lorafusion_megatron.data.job_data import JobData
     from lorafusion_sched.models import Microbatch
 
@@ -79,6 +80,21 @@ class PackedBatch:
             input_ids=self.input_ids.to(device, non_blocking=True),
             position_ids=self.position_ids.to(device, non_blocking=True),
             targets=self.targets.to(device, non_blocking=True),
+        )
+
+    def multi_lora_routing(self, adapters: Sequence[str]) -> MultiLoRABatch:
+        """FusedMultiLoRA's routing of this batch: its segments, adapters numbered by ``adapters``.
+
+        Built once per microbatch, on the batch's device, and shared by every LoRA layer.
+        """
+        import lorafusion_kernels
+
+        index = {name: i for i, name in enumerate(adapters)}
+        return lorafusion_kernels.MultiLoRABatch.from_segments(
+            [span.length for span in self.segments],
+            [index[span.adapter] for span in self.segments],
+            num_adapters=len(adapters),
+            device=self.input_ids.device,
         )
 
     def segment(self, index: int) -> PackedBatch:

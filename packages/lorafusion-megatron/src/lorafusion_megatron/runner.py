@@ -76,7 +76,6 @@ class MicrobatchRunner:
         self.attn_implementation = attn_implementation
         self.dtype = dtype
         self.fused = fused
-        self._index = {name: i for i, name in enumerate(self.adapters)}
         self._active: tuple[str, ...] | None = None
 
     def forward_backward(self, batch: PackedBatch, denominators: Mapping[tuple[str, int], int]) -> list[SegmentResult]:
@@ -113,14 +112,8 @@ class MicrobatchRunner:
     def _routing(self, batch: PackedBatch) -> Iterator[None]:
         import lorafusion_kernels
 
-        meta = lorafusion_kernels.MultiLoRABatch.from_segments(
-            [span.length for span in batch.segments],
-            [self._index[span.adapter] for span in batch.segments],
-            num_adapters=len(self.adapters),
-            device=batch.input_ids.device,
-        )
         # Backward stays inside the context: activation checkpointing re-runs the forward there.
-        with lorafusion_kernels.multi_lora_batch(meta, list(self.adapters)):
+        with lorafusion_kernels.multi_lora_batch(batch.multi_lora_routing(self.adapters), list(self.adapters)):
             yield
 
     def evaluate(self, batch: PackedBatch) -> list[SegmentResult]:

@@ -134,13 +134,7 @@ class StageModel:
             hidden = causal_lm.model.embed_tokens(batch.input_ids)
         assert hidden is not None
         if self.fused:
-            routing = lorafusion_kernels.MultiLoRABatch.from_segments(
-                [span.length for span in batch.segments],
-                [self.adapters.index(span.adapter) for span in batch.segments],
-                num_adapters=len(self.adapters),
-                device=hidden.device,
-            )
-            with lorafusion_kernels.multi_lora_batch(routing, list(self.adapters)):
+            with lorafusion_kernels.multi_lora_batch(batch.multi_lora_routing(self.adapters), list(self.adapters)):
                 hidden = self._layers(hidden, batch, lorafusion_kernels.multi_lora_checkpoint_contexts)
         else:
             parts = []
