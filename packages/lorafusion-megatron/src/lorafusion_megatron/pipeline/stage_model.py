@@ -89,6 +89,11 @@ class StageModel:
 
         return lora_parameters(self.model, adapter)
 
+    @functools.cached_property
+    def _all_lora_parameters(self) -> tuple[torch.nn.Parameter, ...]:
+        """Every adapter's tensors on this stage, looked up once (:meth:`_activate` runs per segment)."""
+        return tuple(param for name in self.adapters for param in self.lora_parameters(name).values())
+
     def _attention(self, hidden: torch.Tensor, batch: PackedBatch) -> tuple[dict[str, Any], dict[str, Any]]:
         """Masks by attention type, and the keyword arguments every decoder layer gets besides its mask.
 
@@ -160,9 +165,8 @@ class StageModel:
         from lorafusion_megatron.model import set_active_adapters
 
         set_active_adapters(self.model, [adapter])
-        for name in self.adapters:
-            for param in self.lora_parameters(name).values():
-                param.requires_grad_(True)
+        for param in self._all_lora_parameters:
+            param.requires_grad_(True)
 
     def _layers(
         self, hidden: torch.Tensor, batch: PackedBatch, checkpoint_contexts: Callable[[], tuple[Any, Any]]
