@@ -212,6 +212,7 @@ def launch(folder: Path, work: Path, timeout: float | None) -> dict[str, Any]:
         "bubble_ratio": summary["bubble_ratio"],
         "bubble_ratio_per_stage": summary["bubble_ratio_per_stage"],
         "optimizer_steps": len(summary["steps"]),
+        "rank0_phase_seconds": summary["rank0_phase_seconds"],
         "pipeline_stages": summary["pipeline_stages"],
     }
 
@@ -334,6 +335,8 @@ class Benchmark:
             f"(overhead {record['launch_overhead_seconds']:.0f} s); {self.elapsed():.0f} s elapsed",
             flush=True,
         )
+        phases = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in record["rank0_phase_seconds"].items())
+        print(f"{'':>24}  rank 0: {phases}", flush=True)
 
 
 def _parser() -> argparse.ArgumentParser:

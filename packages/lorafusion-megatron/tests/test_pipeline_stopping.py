@@ -78,16 +78,16 @@ def _stop_at_step(monkeypatch: pytest.MonkeyPatch, signum: signal.Signals, when:
     """Send this process ``signum`` (a real signal, as Ctrl-C or a job scheduler sends) in optimizer step ``when``."""
     from lorafusion_megatron.pipeline.optim import StageOptimizer
 
-    step = StageOptimizer.step
+    begin_step = StageOptimizer.begin_step
     taken = [0]
 
     def step_then_signal(self: StageOptimizer) -> Any:
         taken[0] += 1
         if taken[0] == when:
             os.kill(os.getpid(), signum)
-        return step(self)
+        return begin_step(self)
 
-    monkeypatch.setattr(StageOptimizer, "step", step_then_signal)
+    monkeypatch.setattr(StageOptimizer, "begin_step", step_then_signal)
 
 
 def _check_stopped(summary: dict[str, Any], config: TrainerConfig, steps: int) -> None:

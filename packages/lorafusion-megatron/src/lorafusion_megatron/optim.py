@@ -103,12 +103,21 @@ class AdapterOptimizer:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
         else:
             norm = torch.zeros(())
+        learning_rate = self.update()
+        return StepStats(step=self.steps_done, learning_rate=learning_rate, grad_norm=float(norm))
+
+    def update(self) -> float:
+        """AdamW step with the gradients as they are (no clipping), advance the schedule, clear the gradients.
+
+        Returns:
+            The learning rate the step used.
+        """
         learning_rate = float(self.scheduler.get_last_lr()[0])
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
-        return StepStats(step=self.steps_done, learning_rate=learning_rate, grad_norm=float(norm))
+        return learning_rate
 
     def state_dict(self) -> dict[str, Any]:
         """Optimizer moments, schedule position and step count."""

@@ -4,6 +4,12 @@ Only megatron-core's stable ``parallel_state`` API is used (``initialize_model_p
 tensor parallelism 1, the pipeline/data-parallel ranks and groups, ``destroy_model_parallel``),
 which works the same on gloo (CPU) and NCCL (GPU) in megatron-core 0.16 to 0.20. The device
 follows the backend: CUDA device ``LOCAL_RANK`` with NCCL, the CPU with gloo.
+
+Beside megatron-core's groups, two gloo groups carry the run's control messages (a gradient
+norm, a stop flag: a few bytes of host memory), posted asynchronously so that no stage waits
+for the others at an optimizer step: ``control_group`` over each pipeline's ranks and
+``world_control_group`` over all ranks. Being gloo groups of their own, they never queue behind
+(or in front of) the activations' NCCL transfers, and a pending one occupies no GPU.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ class Layout:
         pipeline_group: This replica's pipeline group.
         data_group: This stage's data-parallel group.
         device: Where this process computes.
+        control_group: Gloo group of this replica's pipeline ranks (``None`` in a single process).
+        world_control_group: Gloo group of all ranks (``None`` in a single process).
     """
 
     rank: int
@@ -54,6 +62,8 @@ class Layout:
     pipeline_group: Any
     data_group: Any
     device: torch.device
+    control_group: Any = None
+    world_control_group: Any = None
 
     @property
     def is_first(self) -> bool:
@@ -64,6 +74,17 @@ class Layout:
     def is_last(self) -> bool:
         """The last pipeline stage."""
         return self.stage == self.num_stages - 1
+
+
+def _control_groups(pipeline_group: Any) -> tuple[Any, Any]:
+    """New gloo groups (every rank must call this, in the same order): this pipeline's, and the world's."""
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, dist.get_process_group_ranks(pipeline_group))
+    pipelines = sorted({tuple(ranks) for ranks in everyone})
+    mine, _ = dist.new_subgroups_by_enumeration([list(ranks) for ranks in pipelines], backend="gloo")  # type: ignore[no-untyped-call]
+    return mine, dist.new_group(backend="gloo")
 
 
 def _init_process_group(backend: str, init_method: str | None, rank: int | None, world_size: int | None) -> None:
@@ -123,6 +144,7 @@ def parallel_layout(
         from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=pipeline_stages)
+    control_group, world_control_group = _control_groups(parallel_state.get_pipeline_model_parallel_group())
     try:
         stage = parallel_state.get_pipeline_model_parallel_rank()
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -138,8 +160,12 @@ def parallel_layout(
             pipeline_group=parallel_state.get_pipeline_model_parallel_group(),
             data_group=parallel_state.get_data_parallel_group(),
             device=device,
+            control_group=control_group,
+            world_control_group=world_control_group,
         )
     finally:
+        for group in (control_group, world_control_group):
+            dist.destroy_process_group(group)
         parallel_state.destroy_model_parallel()
         if owns_world:
             dist.destroy_process_group()

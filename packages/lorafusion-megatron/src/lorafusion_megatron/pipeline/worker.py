@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,6 +47,23 @@ def make_pipeline_plan(config: TrainerConfig, data: dict[str, JobData], parallel
     from lorafusion_megatron.planning import make_plan
 
     return make_plan(config, data, pipeline_stages=parallel.pipeline_stages, data_parallel=parallel.data_parallel)
+
+
+@dataclass
+class _Phases:
+    """Seconds this rank spent in each phase of the run, in order (start-up cost shows where it goes)."""
+
+    seconds: dict[str, float]
+    mark: float
+
+    @classmethod
+    def start(cls) -> _Phases:
+        return cls({}, time.perf_counter())
+
+    def done(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = now - self.mark
+        self.mark = now
 
 
 def _rank_zero_decides(layout: Layout, decide: Callable[[], Any]) -> Any:
@@ -148,10 +166,11 @@ def run_rank(
 
     from lorafusion_megatron.pipeline.groups import parallel_layout
     from lorafusion_megatron.pipeline.programs import build_program, split_for_checkpoints
-    from lorafusion_megatron.pipeline.stopping import RANK_STOP_MESSAGE, rank_stop_signal, stop_agreement
+    from lorafusion_megatron.pipeline.stopping import RANK_STOP_MESSAGE, StopAgreement, rank_stop_signal
     from lorafusion_megatron.profiler.run import with_profiled_capacity
     from lorafusion_megatron.trainer import prepare_data
 
+    phases = _Phases.start()
     config = with_profiled_capacity(config)
     with (
         rank_stop_signal() as stop,
@@ -159,6 +178,7 @@ def run_rank(
             parallel.pipeline_stages, backend=backend, init_method=init_method, rank=rank, world_size=world_size
         ) as layout,
     ):
+        phases.done("capacity and process groups")
         if layout.rank == 0:
             stop.message = RANK_STOP_MESSAGE
         if layout.num_replicas != parallel.data_parallel:
@@ -167,26 +187,32 @@ def run_rank(
                 f"but parallel.data_parallel = {parallel.data_parallel}"
             )
         prepared = prepare_data(config)
+        phases.done("data")
         plan, checkpoint = _shared_plan(config, prepared.jobs, parallel, layout, resume)
+        phases.done("plan")
         program = build_program(plan, parallel.schedule, parallel.baseline_microbatch_samples)
         if config.save_steps is not None:
             program = split_for_checkpoints(program, config.save_steps)
         session = _RankSession.build(config, parallel, layout, prepared.jobs, plan, program)
+        phases.done("stage model")
         start = session.restore(checkpoint) if checkpoint is not None else 0
         # One collective on the pipeline group before its first point-to-point transfer: with NCCL,
         # a group's first call must involve all its ranks, which a pipeline's warm-up does not.
         dist.all_reduce(torch.zeros(1, device=layout.device), group=layout.pipeline_group)
         dist.barrier()
+        phases.done("restore and first collective")
         with session.showing_progress(start):
             position = session.engine.execute(
-                program, start=start, on_drain=session.on_drain, should_stop=stop_agreement(stop, layout)
+                program, start=start, on_drain=session.on_drain, stop=StopAgreement(stop, layout)
             )
             if session.progress is not None:
                 session.progress.finish(position)
+        phases.done("training")
         finished = position >= program.num_microbatches
         saved = None if finished else session.save_checkpoint(position)
         if finished:
             session.write_adapters()
+        phases.done("outputs")
         everyone: list[Any] = [None] * layout.world_size
         progress = None if session.progress is None else session.progress.state.to_json()
         dist.all_gather_object(everyone, (session.engine.stats, progress))
@@ -201,6 +227,7 @@ def run_rank(
         summary["num_microbatches"] = program.num_microbatches
         summary["checkpoint"] = None if saved is None else str(saved)
         summary["run_state"] = next(state for _, state in everyone if state is not None)
+        summary["rank0_phase_seconds"] = phases.seconds
         path = Path(config.output_dir) / "pipeline_summary.json"
         write_json_atomically(path, summary)
         _log.info(
