@@ -213,6 +213,8 @@ def launch(folder: Path, work: Path, timeout: float | None) -> dict[str, Any]:
         "bubble_ratio_per_stage": summary["bubble_ratio_per_stage"],
         "optimizer_steps": len(summary["steps"]),
         "rank0_phase_seconds": summary["rank0_phase_seconds"],
+        "idle_shares_per_stage": summary["idle_shares_per_stage"],
+        "first_forward_seconds_per_stage": summary["first_forward_seconds_per_stage"],
         "pipeline_stages": summary["pipeline_stages"],
     }
 
@@ -337,6 +339,11 @@ class Benchmark:
         )
         phases = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in record["rank0_phase_seconds"].items())
         print(f"{'':>24}  rank 0: {phases}", flush=True)
+        for stage, (shares, first) in enumerate(
+            zip(record["idle_shares_per_stage"], record["first_forward_seconds_per_stage"], strict=True)
+        ):
+            idle = ", ".join(f"{part} {share:.1%}" for part, share in shares.items())
+            print(f"{'':>24}  stage {stage} idle: {idle}; first forward {first or 0:.2f} s", flush=True)
 
 
 def _parser() -> argparse.ArgumentParser:

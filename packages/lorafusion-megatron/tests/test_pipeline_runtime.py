@@ -78,6 +78,14 @@ def test_every_schedule_ends_with_the_trainers_adapters(tiny_base: Path, tmp_pat
     assert summary["schedule"] == schedule
     assert summary["tokens"] > 0
     assert len(summary["bubble_ratio_per_stage"]) == 1
+    (idle,) = summary["idle_shares_per_stage"]
+    assert set(idle) == {"exchange", "optimizer", "pack", "other"}
+    assert all(share >= 0 for share in idle.values())
+    assert sum(idle.values()) >= summary["bubble_ratio"] - 1e-9  # the parts cover the idle time
+    assert idle["optimizer"] > 0  # 8 steps
+    assert idle["pack"] > 0  # every microbatch packed
+    assert summary["first_forward_seconds_per_stage"][0] > 0
+    assert set(summary["rank0_phase_seconds"]) >= {"data", "plan", "base weights", "adapters", "training", "outputs"}
     steps = summary["steps"]
     assert sorted((s["adapter"], s["step"]) for s in steps) == sorted(
         [("first", k) for k in range(1, 5)] + [("second", k) for k in range(1, 5)]

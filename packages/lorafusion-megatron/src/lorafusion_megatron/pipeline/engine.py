@@ -93,6 +93,11 @@ class EngineStats:
         replica: Data-parallel rank.
         wall_seconds: From the start of the program to the end of its last action.
         busy_seconds: Time spent computing forwards and backwards.
+        exchange_seconds: Time in transfers with the neighbours (mostly waiting for them).
+        step_seconds: Time in optimizer steps (both halves).
+        pack_seconds: Time packing microbatches and moving them to the device.
+        first_forward_seconds: The first forward alone (one-time costs: kernels loaded, memory
+            allocated), part of ``busy_seconds``.
         tokens: Real tokens of the microbatches this replica ran.
         microbatches: Microbatches run (no-ops included).
         steps: The steps taken, in order.
@@ -102,6 +107,10 @@ class EngineStats:
     replica: int
     wall_seconds: float = 0.0
     busy_seconds: float = 0.0
+    exchange_seconds: float = 0.0
+    step_seconds: float = 0.0
+    pack_seconds: float = 0.0
+    first_forward_seconds: float | None = None
     tokens: int = 0
     microbatches: int = 0
     steps: list[StepRecord] = field(default_factory=list)
@@ -110,6 +119,15 @@ class EngineStats:
     def bubble_ratio(self) -> float:
         """Idle share of the wall time."""
         return 1.0 - self.busy_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    def idle_shares(self) -> dict[str, float]:
+        """Where the idle time went, as shares of the wall time (``other``: the engine's own host work)."""
+        if self.wall_seconds <= 0:
+            return {}
+        parts = {"exchange": self.exchange_seconds, "optimizer": self.step_seconds, "pack": self.pack_seconds}
+        shares = {name: seconds / self.wall_seconds for name, seconds in parts.items()}
+        shares["other"] = max(0.0, self.bubble_ratio - sum(shares.values()))
+        return shares
 
 
 @dataclass
@@ -302,7 +320,9 @@ class StageEngine:
         stages = self.layout.num_stages
         for action in one_f_one_b(len(microbatches), stages, self.layout.stage):
             if isinstance(action, Exchange):
+                begin = time.perf_counter()
                 self._exchange(action, run)
+                self.stats.exchange_seconds += time.perf_counter() - begin
                 sent = action.send_backward
                 if sent is not None and sent < run.limit and microbatches[sent].step_after:
                     for adapter in microbatches[sent].step_after:
@@ -319,7 +339,9 @@ class StageEngine:
             else:
                 microbatch = microbatches[action.index]
                 self._finish_steps([segment.adapter for segment in microbatch.segments])
+                begin = time.perf_counter()
                 batch = self._pack(microbatch)
+                self.stats.pack_seconds += time.perf_counter() - begin
                 run.in_flight[action.index] = self._forward(microbatch, batch, run.received.pop(action.index, None))
                 self.stats.tokens += batch.num_tokens
         self.stats.microbatches += run.limit
@@ -365,7 +387,10 @@ class StageEngine:
         if self.layout.is_last:
             output = self._objective(microbatch, batch, output)
         self._synchronize()
-        self.stats.busy_seconds += time.perf_counter() - begin
+        seconds = time.perf_counter() - begin
+        self.stats.busy_seconds += seconds
+        if self.stats.first_forward_seconds is None:
+            self.stats.first_forward_seconds = seconds
         return _InFlight(batch=batch, inputs=inputs, output=output)
 
     def _objective(self, microbatch: Microbatch, batch: PackedBatch, token_loss: torch.Tensor) -> torch.Tensor:
@@ -412,16 +437,21 @@ class StageEngine:
         A replica that ran no microbatch of the adapter since its last step finishes that one first.
         """
         self._finish_steps([adapter])
+        begin = time.perf_counter()
         global_batch = self._steps_done[adapter]
         loss = self._global_batch_loss(adapter, global_batch) if self.layout.is_last else None
         self.optimizers[adapter].begin_step()
         self._unfinished[adapter] = loss
+        self.stats.step_seconds += time.perf_counter() - begin
 
     def _finish_steps(self, adapters: list[str]) -> None:
         """The second half of the begun steps of ``adapters`` (others are skipped), in step order."""
         for adapter in [a for a in self._unfinished if a in adapters]:
+            begin = time.perf_counter()
             loss = self._unfinished.pop(adapter)
             stats = self.optimizers[adapter].finish_step()
+            self._synchronize()
+            self.stats.step_seconds += time.perf_counter() - begin
             self._steps_done[adapter] = stats.step
             record = StepRecord(
                 adapter=adapter,

@@ -242,13 +242,16 @@ def _materialise(config: TrainerConfig, skeleton: Any, spec: StageSpec, device: 
             param.copy_(tensors[name])
 
 
-def build_stage_model(config: TrainerConfig, spec: StageSpec, device: torch.device) -> StageModel:
+def build_stage_model(
+    config: TrainerConfig, spec: StageSpec, device: torch.device, on_phase: Callable[[str], None] | None = None
+) -> StageModel:
     """Build stage ``spec`` of the run's base model on ``device`` with every job's adapter.
 
     Args:
         config: The run (base model, jobs, seed, activation checkpointing).
         spec: The stage's layers.
         device: Where the stage computes.
+        on_phase: Called with the name of each step of the build as it ends (start-up timing).
 
     Raises:
         TrainerError: The checkpoint lacks a tensor, or a job targets a module the model lacks.
@@ -272,7 +275,10 @@ def build_stage_model(config: TrainerConfig, spec: StageSpec, device: torch.devi
         )
     skeleton.name_or_path = config.base_model.model_name_or_path
     skeleton.config.use_cache = False
+    mark = on_phase or (lambda _phase: None)
+    mark("meta model")
     _materialise(config, skeleton, spec, device)
+    mark("base weights")
     skeleton.requires_grad_(False)
     skeleton.train()
     # Adapters only on this stage's layers: no rank creates (on the CPU) the LoRA tensors of layers
@@ -284,12 +290,14 @@ def build_stage_model(config: TrainerConfig, spec: StageSpec, device: torch.devi
         name_or_path=config.base_model.model_name_or_path,
         layers=spec.layers,
     )
+    mark("adapters")
     fused = config.runtime.fused_kernels
     if fused:
         import lorafusion_kernels
 
         lorafusion_kernels.patch_peft_model(model)
     install_dropout_seeding({i: skeleton.model.layers[i] for i in spec.layers}, run_seed=config.runtime.seed)
+    mark("kernel patch and dropout seeding")
     return StageModel(
         spec=spec,
         model=model,

@@ -117,7 +117,8 @@ def summarise(stats: list[EngineStats], schedule: str) -> dict[str, Any]:
     first_stage = [s for s in stats if s.stage == 0]
     tokens = sum(s.tokens for s in first_stage)
     stages = sorted({s.stage for s in stats})
-    bubbles = [max(s.bubble_ratio for s in stats if s.stage == stage) for stage in stages]
+    slowest = [max((s for s in stats if s.stage == stage), key=lambda s: s.bubble_ratio) for stage in stages]
+    bubbles = [s.bubble_ratio for s in slowest]
     last = max(stages)
     steps = [asdict(r) for s in stats if s.stage == last and s.replica == 0 for r in s.steps]
     return {
@@ -127,6 +128,8 @@ def summarise(stats: list[EngineStats], schedule: str) -> dict[str, Any]:
         "tokens_per_second": tokens / wall if wall > 0 else 0.0,
         "bubble_ratio_per_stage": bubbles,
         "bubble_ratio": sum(bubbles) / len(bubbles),
+        "idle_shares_per_stage": [s.idle_shares() for s in slowest],
+        "first_forward_seconds_per_stage": [s.first_forward_seconds for s in slowest],
         "steps": steps,
     }
 
@@ -193,8 +196,7 @@ def run_rank(
         program = build_program(plan, parallel.schedule, parallel.baseline_microbatch_samples)
         if config.save_steps is not None:
             program = split_for_checkpoints(program, config.save_steps)
-        session = _RankSession.build(config, parallel, layout, prepared.jobs, plan, program)
-        phases.done("stage model")
+        session = _RankSession.build(config, parallel, layout, prepared.jobs, plan, program, phases)
         start = session.restore(checkpoint) if checkpoint is not None else 0
         # One collective on the pipeline group before its first point-to-point transfer: with NCCL,
         # a group's first call must involve all its ranks, which a pipeline's warm-up does not.
@@ -266,6 +268,7 @@ class _RankSession:
         data: dict[str, JobData],
         plan: Plan,
         program: Program,
+        phases: _Phases,
     ) -> _RankSession:
         from lorafusion_megatron.model import load_model_config
         from lorafusion_megatron.pipeline.engine import StageEngine
@@ -275,7 +278,7 @@ class _RankSession:
         from lorafusion_megatron.pipeline.stage_model import build_stage_model
 
         spec = partition_model(load_model_config(config.base_model).to_dict(), layout.num_stages)[layout.stage]
-        stage = build_stage_model(config, spec, layout.device)
+        stage = build_stage_model(config, spec, layout.device, on_phase=phases.done)
         optimizers = {
             job.name: StageOptimizer(
                 job,
@@ -292,6 +295,7 @@ class _RankSession:
             data=data,
             optimizers=optimizers,
         )
+        phases.done("optimizers")
         return cls(config, parallel, layout, plan, program, data, stage, optimizers, engine)
 
     @property
