@@ -8,7 +8,7 @@ import math
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from lorafusion_megatron.attention import VARLEN, register_varlen_attention, torch_varlen_available
 from lorafusion_megatron.errors import TrainerError
@@ -272,18 +272,24 @@ def attach_adapters(
     peft_model: PeftModel | None = None
     with quiet_peft_deprecations():
         for job in jobs:
-            # PEFT's own initialisation (overwritten below) draws from the global generator.
-            torch.manual_seed(job_seed(seed, job.name, "lora-init") % 2**63)
+            # Empty LoRA tensors (on the meta device): PEFT's own initialisation, drawn on the CPU
+            # and copied to the device module by module, would be overwritten below; it took about
+            # 10 ms per LoRA module, tens of seconds for a pipeline stage of a 32B model with 4 jobs.
             config = lora_config(job, name_or_path, layers=layers)
             if peft_model is None:
-                peft_model = get_peft_model(model, config, adapter_name=job.name)
+                peft_model = get_peft_model(model, config, adapter_name=job.name, low_cpu_mem_usage=True)
             else:
-                peft_model.add_adapter(job.name, config)
+                peft_model.add_adapter(job.name, config, low_cpu_mem_usage=True)
     assert peft_model is not None
     set_active_adapters(peft_model, [job.name for job in jobs])
     with torch.no_grad():
         for job in jobs:
-            for name, param in lora_parameters(peft_model, job.name).items():
+            for name in lora_parameters(peft_model, job.name):
+                module_path = name.rpartition(".")[0]  # <layer>.lora_A.<job>
+                layer: Any = peft_model.get_submodule(module_path.rsplit(".", 2)[0])  # a PEFT LoraLayer
+                module = peft_model.get_submodule(module_path)
+                module.to_empty(device=layer.get_base_layer().weight.device)
+                param = module.get_parameter("weight")
                 if ".lora_A." in name:
                     generator = torch.Generator(device=param.device)
                     generator.manual_seed(job_seed(seed, job.name, f"lora-init:{name}") % 2**63)

@@ -3,11 +3,11 @@
 The rank builds the whole ``AutoModelForCausalLM`` on the meta device (no memory, no time), turns
 only its own modules into real tensors (the embedding on the first stage, its decoder layers, the
 final norm and LM head on the last) and fills them from the checkpoint by name. PEFT then attaches
-the adapters exactly as the single-process trainer does: parameter names, and even the seeded
-initial LoRA weights, are those of the full model (PEFT draws every layer's initial ``lora_A`` on
-the CPU before moving it next to its base weight, so a layer on the meta device consumes the same
-random numbers and keeps nothing). Adapters saved from the stages therefore merge into one PEFT
-folder per job with the usual key names.
+the adapters exactly as the single-process trainer does, to the stage's own layers only:
+parameter names, and even the seeded initial LoRA weights, are those of the full model (every
+``lora_A`` is drawn on its device from a generator seeded by its name,
+:func:`~lorafusion_megatron.model.attach_adapters`). Adapters saved from the stages therefore
+merge into one PEFT folder per job with the usual key names.
 
 With ``runtime.fused_kernels`` (the default) every microbatch, mixed or not, runs through
 ``lorafusion_kernels.multi_lora_batch``: each LoRA layer routes each segment's tokens to that
