@@ -202,10 +202,14 @@ def launch(folder: Path, work: Path, timeout: float | None) -> dict[str, Any]:
     summary = json.loads(summary_file.read_text(encoding="utf-8"))
     if summary.get("position", 0) < summary.get("num_microbatches", 0):
         return failure | {"error": f"stopped at microbatch {summary['position']} of {summary['num_microbatches']}"}
+    overhead = seconds - summary["wall_seconds"]
+    return measured(summary) | {"process_seconds": seconds, "launch_overhead_seconds": overhead}
+
+
+def measured(summary: dict[str, Any]) -> dict[str, Any]:
+    """A run record's measurements from the run's ``pipeline_summary.json``."""
     return {
         "status": "ok",
-        "process_seconds": seconds,
-        "launch_overhead_seconds": seconds - summary["wall_seconds"],
         "wall_seconds": summary["wall_seconds"],
         "tokens": summary["tokens"],
         "tokens_per_second": summary["tokens_per_second"],
@@ -247,6 +251,8 @@ class Benchmark:
         self.work = work
         self.begin = time.perf_counter()
         self.runs: list[dict[str, Any]] = []
+        self.prepared = 0
+        """Launch folders made so far (their number starts each folder's name)."""
         self.simulated: dict[str, Any] = {}
         self.header = provenance()
 
@@ -282,6 +288,7 @@ class Benchmark:
                     "warmup_samples": self.args.warmup_samples,
                     "deadline_seconds": self.args.deadline_seconds,
                     "timed": "the program of each launch: pipeline_summary.json's wall time (stage 0's tokens)",
+                    "one_launch": self.args.one_launch,
                 },
                 "elapsed_seconds": self.elapsed(),
                 "runs": self.runs,
@@ -290,51 +297,113 @@ class Benchmark:
             },
         )
 
-    def run(self, cell: Cell, repeat: int, *, warmup: bool) -> None:
+    def _prepare(self, cell: Cell, repeat: int, *, warmup: bool) -> tuple[Path, dict[str, Any]]:
+        """The cell's folder with its config, and its record so far (what it should train)."""
         a = self.args
         samples, steps = (a.warmup_samples, 1) if warmup else (a.steps * a.global_batch_size, a.steps)
-        folder = self.work / f"{len(self.runs):02d}-{'warmup' if warmup else cell.name}"
+        folder = self.work / f"{self.prepared:02d}-{'warmup' if warmup else cell.name}"
+        self.prepared += 1
         folder.mkdir(parents=True)
         mapping = run_config(a, cell, samples=samples, steps=steps)
+        if a.one_launch:
+            mapping["output_dir"] = str(folder.resolve())
         write_config(folder / "config.yaml", mapping)
-        tokens = expected_tokens(mapping)
-        record: dict[str, Any] = {
+        return folder, {
             "adapters": cell.adapters,
             "schedule": cell.schedule,
             "repeat": repeat,
             "warmup": warmup,
             "fused_kernels": mapping["runtime"]["fused_kernels"],
-            "expected_tokens": tokens,
+            "expected_tokens": expected_tokens(mapping),
         }
-        predicted = predict_seconds(self.runs, cell.schedule, tokens)
+
+    def _record(self, folder: Path, cell: Cell, record: dict[str, Any]) -> None:
+        """Check, report, simulate (once per adapter count) and keep a finished launch's record."""
+        if record["status"] == "ok" and record["tokens"] != record["expected_tokens"]:
+            record["status"] = "failed"
+            record["error"] = (
+                f"trained {record['tokens']} tokens, the data holds {record['expected_tokens']}: not the same samples"
+            )
+        self._report(folder.name, record)
+        if record["status"] == "ok" and not record["warmup"] and str(cell.adapters) not in self.simulated:
+            self.simulated[str(cell.adapters)] = simulated(folder / "plan.json")
+        self.runs.append(record)
+        self.write()
+
+    def run(self, cell: Cell, repeat: int, *, warmup: bool) -> None:
+        """One launch of the launcher for ``cell`` (skipped if predicted to end past the deadline)."""
+        a = self.args
+        folder, record = self._prepare(cell, repeat, warmup=warmup)
+        predicted = predict_seconds(self.runs, cell.schedule, record["expected_tokens"])
         record["predicted_seconds"] = predicted
         left = None if a.deadline_seconds is None else a.deadline_seconds - self.elapsed()
         if left is not None and predicted is not None and predicted > left:
             record["status"] = "skipped"
             print(f"{folder.name:>24}: skipped, predicted {predicted:.0f} s with {left:.0f} s left", flush=True)
-        else:
-            # A launch may overrun its prediction a little; one that hangs is stopped after the deadline.
-            record |= launch(folder, self.work, None if left is None else left + a.grace_seconds)
-            if record["status"] == "ok" and record["tokens"] != tokens:
-                record["status"] = "failed"
-                record["error"] = f"trained {record['tokens']} tokens, the data holds {tokens}: not the same samples"
-            self._report(folder.name, record)
-            if record["status"] == "ok" and not warmup and str(cell.adapters) not in self.simulated:
-                self.simulated[str(cell.adapters)] = simulated(folder / "plan.json")
-        self.runs.append(record)
+            self.runs.append(record)
+            self.write()
+            return
+        # A launch may overrun its prediction a little; one that hangs is stopped after the deadline.
+        self._record(folder, cell, record | launch(folder, self.work, None if left is None else left + a.grace_seconds))
+
+    def run_in_one_launch(self, cells: list[tuple[Cell, int, bool]]) -> None:
+        """Every ``(cell, repeat, warmup)`` in one launch of ``pipeline_cells.py`` (start-up paid once)."""
+        a = self.args
+        prepared = [(cell, *self._prepare(cell, repeat, warmup=warmup)) for cell, repeat, warmup in cells]
+        spec = self.work / "cells.json"
+        deadline = None if a.deadline_seconds is None else a.deadline_seconds - self.elapsed()
+        spec.write_text(
+            json.dumps(
+                {
+                    "folders": [str(folder.resolve()) for _, folder, _ in prepared],
+                    "warmup": sum(warmup for _, _, warmup in cells),
+                    "deadline_seconds": deadline,
+                }
+            ),
+            encoding="utf-8",
+        )
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.stages}"]
+        command += [str(Path(__file__).with_name("pipeline_cells.py")), str(spec)]
+        log = self.work / "one-launch.log"
+        begin = time.perf_counter()
+        with log.open("w", encoding="utf-8") as out:
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                code = process.wait(timeout=None if deadline is None else deadline + a.grace_seconds)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                code = None
+        seconds = time.perf_counter() - begin
+        print(f"one launch of {len(cells)} cell(s): exit status {code}, {seconds:.0f} s", flush=True)
+        for cell, folder, record in prepared:
+            summary_file = folder / "pipeline_summary.json"
+            if summary_file.is_file():
+                summary = json.loads(summary_file.read_text(encoding="utf-8"))
+                self._record(folder, cell, record | measured(summary) | {"launch_overhead_seconds": None})
+            elif code == 0:
+                print(f"{folder.name:>24}: skipped (predicted past the deadline)", flush=True)
+                self.runs.append(record | {"status": "skipped"})
+            else:
+                error = "timed out" if code is None else f"exit status {code}"
+                self._record(folder, cell, record | {"status": "failed", "error": error, "log_tail": ""})
+        if code != 0:
+            print(_tail(log.read_text(encoding="utf-8"), self.work), flush=True)
         self.write()
 
     def _report(self, name: str, record: dict[str, Any]) -> None:
         if record["status"] != "ok":
-            print(f"{name:>24}: FAILED ({record['error']}) after {record['process_seconds']:.0f} s", flush=True)
+            after = f" after {record['process_seconds']:.0f} s" if "process_seconds" in record else ""
+            print(f"{name:>24}: FAILED ({record['error']}){after}", flush=True)
             print(record.get("log_tail", ""), flush=True)
             return
         stages = ", ".join(f"{b:.1%}" for b in record["bubble_ratio_per_stage"])
+        overhead = record.get("launch_overhead_seconds")
+        launched = "" if overhead is None else f", launch {record['process_seconds']:.0f} s (overhead {overhead:.0f} s)"
         print(
             f"{name:>24}: {record['tokens_per_second']:>9,.0f} tokens/s, "
             f"bubble {record['bubble_ratio']:.1%} ({stages}); "
-            f"{record['tokens']:,} tokens in {record['wall_seconds']:.1f} s, launch {record['process_seconds']:.0f} s "
-            f"(overhead {record['launch_overhead_seconds']:.0f} s); {self.elapsed():.0f} s elapsed",
+            f"{record['tokens']:,} tokens in {record['wall_seconds']:.1f} s{launched}; {self.elapsed():.0f} s elapsed",
             flush=True,
         )
         phases = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in record["rank0_phase_seconds"].items())
@@ -370,6 +439,11 @@ def _parser() -> argparse.ArgumentParser:
         "--warmup-samples", type=int, default=4, help="samples per job of the untimed warm-up launch (0: none)"
     )
     parser.add_argument("--deadline-seconds", type=float, help="launch nothing predicted to end after this")
+    parser.add_argument(
+        "--one-launch",
+        action="store_true",
+        help="run every cell in one launch of pipeline_cells.py (process group and stage model built once)",
+    )
     parser.add_argument("--grace-seconds", type=float, default=60.0, help="a launch's allowance past the deadline")
     parser.add_argument("--work", type=Path, help="folder for the launches' configs, logs and outputs (default: temp)")
     parser.add_argument("--out", type=Path, default=Path("bench_pipeline.json"))
@@ -399,13 +473,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{args.steps} global batches of {args.global_batch_size} per adapter, capacity {args.capacity}",
             flush=True,
         )
-        if args.warmup_samples:
-            bench.run(cells_in_order(args, 0)[0], 0, warmup=True)
-            if bench.runs[-1]["status"] != "ok":
-                raise SystemExit("the warm-up launch failed (its log is above): every other launch would fail too")
-        for repeat in range(args.repeats):
-            for cell in cells_in_order(args, repeat):
-                bench.run(cell, repeat, warmup=False)
+        warmup = [(cells_in_order(args, 0)[0], 0, True)] if args.warmup_samples else []
+        timed = [(cell, repeat, False) for repeat in range(args.repeats) for cell in cells_in_order(args, repeat)]
+        if args.one_launch:
+            bench.run_in_one_launch(warmup + timed)
+        else:
+            for cell, repeat, is_warmup in warmup:
+                bench.run(cell, repeat, warmup=is_warmup)
+                if bench.runs[-1]["status"] != "ok":
+                    raise SystemExit("the warm-up launch failed (its log is above): every other launch would fail too")
+            for cell, repeat, is_warmup in timed:
+                bench.run(cell, repeat, warmup=is_warmup)
         bench.write()
     cells = summarise_cells(bench.runs)
     print(f"\n{'cell':>18} {'runs':>4} {'tokens/s':>10} {'bubble':>7} {'lorafusion x':>12}")

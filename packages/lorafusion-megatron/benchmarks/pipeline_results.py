@@ -24,6 +24,12 @@ def _median_per_stage(per_run: Sequence[Sequence[float]]) -> list[float]:
     return [statistics.median(values) for values in zip(*per_run, strict=True)]
 
 
+def _median_or_none(values: Iterable[float | None]) -> float | None:
+    """The median of the values given (``None`` for runs of a one-launch call, which has no per-cell launch)."""
+    known = [value for value in values if value is not None]
+    return statistics.median(known) if known else None
+
+
 def summarise_cells(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """One summary per ``(adapters, schedule)`` over its successful, timed (not warm-up) runs.
 
@@ -57,7 +63,7 @@ def summarise_cells(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                 "tokens_per_second_max": max(rates),
                 "bubble_ratio": statistics.median(run["bubble_ratio"] for run in group),
                 "bubble_ratio_per_stage": _median_per_stage([run["bubble_ratio_per_stage"] for run in group]),
-                "launch_overhead_seconds": statistics.median(run["launch_overhead_seconds"] for run in group),
+                "launch_overhead_seconds": _median_or_none(run["launch_overhead_seconds"] for run in group),
             }
         )
     fused_rate = {cell["adapters"]: cell["tokens_per_second"] for cell in cells if cell["schedule"] == "lorafusion"}

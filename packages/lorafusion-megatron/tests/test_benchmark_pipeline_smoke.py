@@ -176,14 +176,19 @@ def test_the_report_draws_a_png(scripts: dict[str, ModuleType], tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_bench_pipeline_runs_every_schedule_on_two_cpu_stages(tmp_path: Path) -> None:
-    """Six launches of two gloo processes each (about 40 s apiece on two loaded cores)."""
+@pytest.mark.parametrize("one_launch", [False, True], ids=["a-launch-per-cell", "one-launch"])
+def test_bench_pipeline_runs_every_schedule_on_two_cpu_stages(tmp_path: Path, one_launch: bool) -> None:
+    """Six cells on two gloo processes: six launches (about 40 s apiece on two loaded cores), or one."""
     out = tmp_path / "pipeline.json"
     args = ["--preset", "tiny", "--stages", "2", "--dtype", "float32", "--capacity", "256"]
     args += ["--length-scale", "0.03", "--global-batch-size", "2", "--steps", "2", "--repeats", "1"]
     args += ["--adapters", "2", "1", "--baseline-adapters", "2", "1", "--warmup-samples", "0", "--out", str(out)]
+    args += ["--one-launch"] if one_launch else []
     subprocess.run([sys.executable, str(BENCHMARKS / "bench_pipeline.py"), *args], check=True, cwd=tmp_path)
     document = json.loads(out.read_text())
+    assert document["method"]["one_launch"] is one_launch
+    overheads = [run["launch_overhead_seconds"] for run in document["runs"]]
+    assert all((overhead is None) is one_launch for overhead in overheads)
     assert document["provenance"]["versions"]["torch"]
     assert [run["status"] for run in document["runs"]] == ["ok"] * 6
     cells = {(c["adapters"], c["schedule"]): c for c in document["cells"]}

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from lorafusion_megatron.state import RunState
     from lorafusion_sched.models import Plan
 
-__all__ = ["make_pipeline_plan", "run_rank", "summarise"]
+__all__ = ["make_pipeline_plan", "run_rank", "shared_plan", "summarise"]
 
 _log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def _rank_zero_decides(layout: Layout, decide: Callable[[], Any]) -> Any:
     return value
 
 
-def _shared_plan(
+def shared_plan(
     config: TrainerConfig, data: dict[str, JobData], parallel: ParallelConfig, layout: Layout, resume: bool
 ) -> tuple[Plan, Path | None]:
     """The plan every rank executes, and the checkpoint to resume from (``None`` for a fresh run).
@@ -191,7 +191,7 @@ def run_rank(
             )
         prepared = prepare_data(config)
         phases.done("data")
-        plan, checkpoint = _shared_plan(config, prepared.jobs, parallel, layout, resume)
+        plan, checkpoint = shared_plan(config, prepared.jobs, parallel, layout, resume)
         phases.done("plan")
         program = build_program(plan, parallel.schedule, parallel.baseline_microbatch_samples)
         if config.save_steps is not None:

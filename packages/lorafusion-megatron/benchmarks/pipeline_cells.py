@@ -1,0 +1,143 @@
+"""Many cells of the pipeline benchmark in one launch: process group and stage model built once.
+
+A launch of the real launcher costs 70 to 110 s besides its training on the 32B and 70B presets
+(process group, data, the stage model, writing the adapters): with one launch per cell, most of a
+device call. ``bench_pipeline.py --one-launch`` starts this program once instead, one rank per
+stage under ``torch.distributed.run``. Each rank builds its stage model with the adapters of the
+cell with the most jobs, then runs the cells in turn as the launcher's ranks would: the cell's own
+plan (made by rank 0 and broadcast), program, fresh optimizers and engine, and the LoRA layers
+patched for ``lorafusion_kernels`` or not, by the cell's ``runtime.fused_kernels``; rank 0 writes
+the cell's ``plan.json`` and ``pipeline_summary.json`` into the cell's folder, as the launcher
+does. The measurement is the launcher's: the program's wall time and each stage's busy time.
+Two differences from separate launches: the adapters' weights carry over from cell to cell (the
+throughput does not depend on their values), and no adapter folders are written.
+
+Cells predicted (from the cells before them) to end past ``deadline_seconds`` after the program
+started are skipped, by rank 0 for all.
+
+    python -m torch.distributed.run --standalone --nproc-per-node S pipeline_cells.py cells.json
+
+``cells.json``: ``{"folders": [...], "warmup": 1, "deadline_seconds": 480.0 or null}``, each folder
+holding a ``config.yaml`` whose ``output_dir`` is the folder itself; the first ``warmup`` cells are
+warm-ups (their rates are left out of the predictions: they include compiling the kernels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from lorafusion_megatron.atomic_files import write_json_atomically
+from lorafusion_megatron.config import TrainerConfig, load_config
+
+
+def _tokens(config: TrainerConfig, jobs: dict[str, Any]) -> int:
+    return sum(sum(jobs[job.name].sample_tokens) for job in config.jobs)
+
+
+def _predicted(done: list[tuple[str, float]], schedule: str, tokens: int) -> float | None:
+    """Seconds a cell should take from the tokens/s of the cells before it (``None`` before the first)."""
+    if not done:
+        return None
+    own = [rate for name, rate in done if name == schedule]
+    rate = statistics.median(own) if own else 0.5 * min(rate for _, rate in done)
+    return tokens / rate
+
+
+def run_cells(configs: list[TrainerConfig], warmup: int, deadline_seconds: float | None) -> None:
+    """Run every cell on this rank (all ranks call it with the same cells)."""
+    import torch
+    import torch.distributed as dist
+
+    import lorafusion_kernels
+    from lorafusion_megatron.model import load_model_config, set_active_adapters
+    from lorafusion_megatron.pipeline.engine import StageEngine
+    from lorafusion_megatron.pipeline.groups import parallel_layout
+    from lorafusion_megatron.pipeline.optim import StageOptimizer
+    from lorafusion_megatron.pipeline.p2p import StageLink
+    from lorafusion_megatron.pipeline.partition import partition_model
+    from lorafusion_megatron.pipeline.programs import build_program
+    from lorafusion_megatron.pipeline.stage_model import build_stage_model
+    from lorafusion_megatron.pipeline.worker import shared_plan, summarise
+    from lorafusion_megatron.trainer import prepare_data
+
+    begin = time.perf_counter()
+    largest = max(configs, key=lambda config: len(config.jobs))
+    fused_runtime = largest.runtime.model_copy(update={"fused_kernels": True})
+    with parallel_layout(largest.parallel.pipeline_stages) as layout:
+        spec = partition_model(load_model_config(largest.base_model).to_dict(), layout.num_stages)[layout.stage]
+        stage = build_stage_model(largest.model_copy(update={"runtime": fused_runtime}), spec, layout.device)
+        # With NCCL, a group's first call must involve all its ranks (see the worker).
+        dist.all_reduce(torch.zeros(1, device=layout.device), group=layout.pipeline_group)
+        start_up = time.perf_counter() - begin
+        done: list[tuple[str, float]] = []
+        for index, config in enumerate(configs):
+            prepared = prepare_data(config)
+            schedule = config.parallel.schedule
+            predicted = _predicted(done, schedule, _tokens(config, prepared.jobs))
+            skip = [
+                deadline_seconds is not None
+                and predicted is not None
+                and time.perf_counter() - begin + predicted > deadline_seconds
+            ]
+            dist.broadcast_object_list(skip, src=0)
+            if skip[0]:
+                continue
+            plan, _ = shared_plan(config, prepared.jobs, config.parallel, layout, resume=False)
+            program = build_program(plan, schedule, config.parallel.baseline_microbatch_samples)
+            fused = config.runtime.fused_kernels
+            names = [job.name for job in config.jobs]
+            if fused:
+                lorafusion_kernels.patch_peft_model(stage.model)
+            else:
+                lorafusion_kernels.unpatch_peft_model(stage.model)
+            set_active_adapters(stage.model, names)
+            cell_stage = dataclasses.replace(stage, adapters=tuple(names), fused=fused)
+            optimizers = {
+                job.name: StageOptimizer(
+                    job,
+                    cell_stage.lora_parameters(job.name),
+                    prepared.jobs[job.name].num_global_batches(drop_last=config.scheduler.drop_last),
+                    layout,
+                )
+                for job in config.jobs
+            }
+            engine = StageEngine(
+                layout=layout,
+                stage=cell_stage,
+                link=StageLink(layout, cell_stage.hidden_size, cell_stage.dtype),
+                data=prepared.jobs,
+                optimizers=optimizers,
+            )
+            dist.barrier()
+            position = engine.execute(program)
+            everyone: list[Any] = [None] * layout.world_size
+            dist.all_gather_object(everyone, engine.stats)
+            summary = summarise(everyone, program.name)
+            if index >= warmup:
+                done.append((schedule, summary["tokens_per_second"]))
+            if layout.rank == 0:
+                summary |= {
+                    "pipeline_stages": layout.num_stages,
+                    "data_parallel": layout.num_replicas,
+                    "position": position,
+                    "num_microbatches": program.num_microbatches,
+                    "rank0_phase_seconds": {"shared start-up (one launch)": start_up},
+                }
+                write_json_atomically(Path(config.output_dir) / "pipeline_summary.json", summary)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    spec = json.loads(Path(args[0]).read_text(encoding="utf-8"))
+    configs = [load_config(Path(folder) / "config.yaml") for folder in spec["folders"]]
+    run_cells(configs, spec["warmup"], spec["deadline_seconds"])
+
+
+if __name__ == "__main__":
+    main()
