@@ -56,14 +56,11 @@ def run_cells(configs: list[TrainerConfig], warmup: int, deadline_seconds: float
 
     import lorafusion_kernels
     from lorafusion_megatron.model import load_model_config, set_active_adapters
-    from lorafusion_megatron.pipeline.engine import StageEngine
     from lorafusion_megatron.pipeline.groups import parallel_layout
-    from lorafusion_megatron.pipeline.optim import StageOptimizer
-    from lorafusion_megatron.pipeline.p2p import StageLink
     from lorafusion_megatron.pipeline.partition import partition_model
     from lorafusion_megatron.pipeline.programs import build_program
     from lorafusion_megatron.pipeline.stage_model import build_stage_model
-    from lorafusion_megatron.pipeline.worker import shared_plan, summarise
+    from lorafusion_megatron.pipeline.worker import shared_plan, stage_engine, summarise
     from lorafusion_megatron.trainer import prepare_data
 
     begin = time.perf_counter()
@@ -98,22 +95,7 @@ def run_cells(configs: list[TrainerConfig], warmup: int, deadline_seconds: float
                 lorafusion_kernels.unpatch_peft_model(stage.model)
             set_active_adapters(stage.model, names)
             cell_stage = dataclasses.replace(stage, adapters=tuple(names), fused=fused)
-            optimizers = {
-                job.name: StageOptimizer(
-                    job,
-                    cell_stage.lora_parameters(job.name),
-                    prepared.jobs[job.name].num_global_batches(drop_last=config.scheduler.drop_last),
-                    layout,
-                )
-                for job in config.jobs
-            }
-            engine = StageEngine(
-                layout=layout,
-                stage=cell_stage,
-                link=StageLink(layout, cell_stage.hidden_size, cell_stage.dtype),
-                data=prepared.jobs,
-                optimizers=optimizers,
-            )
+            _, engine = stage_engine(config, layout, cell_stage, prepared.jobs)
             dist.barrier()
             position = engine.execute(program)
             everyone: list[Any] = [None] * layout.world_size

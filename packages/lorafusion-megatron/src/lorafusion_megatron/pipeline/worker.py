@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from lorafusion_megatron.state import RunState
     from lorafusion_sched.models import Plan
 
-__all__ = ["make_pipeline_plan", "run_rank", "shared_plan", "summarise"]
+__all__ = ["make_pipeline_plan", "run_rank", "shared_plan", "stage_engine", "summarise"]
 
 _log = logging.getLogger(__name__)
 
@@ -109,6 +109,33 @@ def shared_plan(
     plan = plan_from_json(plan_json)
     check_plan(plan, data, drop_last=config.scheduler.drop_last)
     return plan, None if checkpoint is None else Path(checkpoint)
+
+
+def stage_engine(
+    config: TrainerConfig, layout: Layout, stage: StageModel, data: dict[str, JobData]
+) -> tuple[dict[str, StageOptimizer], StageEngine]:
+    """Fresh optimizers of every job of ``config`` on this stage, and the engine that runs the stage."""
+    from lorafusion_megatron.pipeline.engine import StageEngine
+    from lorafusion_megatron.pipeline.optim import StageOptimizer
+    from lorafusion_megatron.pipeline.p2p import StageLink
+
+    optimizers = {
+        job.name: StageOptimizer(
+            job,
+            stage.lora_parameters(job.name),
+            data[job.name].num_global_batches(drop_last=config.scheduler.drop_last),
+            layout,
+        )
+        for job in config.jobs
+    }
+    engine = StageEngine(
+        layout=layout,
+        stage=stage,
+        link=StageLink(layout, stage.hidden_size, stage.dtype),
+        data=data,
+        optimizers=optimizers,
+    )
+    return optimizers, engine
 
 
 def summarise(stats: list[EngineStats], schedule: str) -> dict[str, Any]:
@@ -271,30 +298,12 @@ class _RankSession:
         phases: _Phases,
     ) -> _RankSession:
         from lorafusion_megatron.model import load_model_config
-        from lorafusion_megatron.pipeline.engine import StageEngine
-        from lorafusion_megatron.pipeline.optim import StageOptimizer
-        from lorafusion_megatron.pipeline.p2p import StageLink
         from lorafusion_megatron.pipeline.partition import partition_model
         from lorafusion_megatron.pipeline.stage_model import build_stage_model
 
         spec = partition_model(load_model_config(config.base_model).to_dict(), layout.num_stages)[layout.stage]
         stage = build_stage_model(config, spec, layout.device, on_phase=phases.done)
-        optimizers = {
-            job.name: StageOptimizer(
-                job,
-                stage.lora_parameters(job.name),
-                data[job.name].num_global_batches(drop_last=config.scheduler.drop_last),
-                layout,
-            )
-            for job in config.jobs
-        }
-        engine = StageEngine(
-            layout=layout,
-            stage=stage,
-            link=StageLink(layout, stage.hidden_size, stage.dtype),
-            data=data,
-            optimizers=optimizers,
-        )
+        optimizers, engine = stage_engine(config, layout, stage, data)
         phases.done("optimizers")
         return cls(config, parallel, layout, plan, program, data, stage, optimizers, engine)
 
