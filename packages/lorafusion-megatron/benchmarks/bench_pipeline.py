@@ -36,7 +36,6 @@ import json
 import os
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pipeline_results import SCHEDULES, summarise_cells
+from pipeline_results import SCHEDULES, expected_rate, summarise_cells
 from provenance import provenance
 
 from lorafusion_megatron.atomic_files import write_json_atomically
@@ -151,17 +150,14 @@ def cells_in_order(args: argparse.Namespace, repeat: int) -> list[Cell]:
 def predict_seconds(runs: Sequence[dict[str, Any]], schedule: str, tokens: int) -> float | None:
     """A launch's expected seconds from the timed launches before it; ``None`` before the first.
 
-    The largest launch overhead seen so far, plus ``tokens`` at the median tokens/s of
-    ``schedule``'s runs (or, for a schedule not run yet, at half the slowest rate seen). The
-    warm-up's rate is left out: it includes compiling the kernels.
+    The largest launch overhead seen so far, plus ``tokens`` at :func:`~pipeline_results.expected_rate`
+    of the timed runs. The warm-up's rate is left out: it includes compiling the kernels.
     """
     done = [run for run in runs if run["status"] == "ok"]
-    timed = [run for run in done if not run["warmup"]]
-    if not timed:
+    rate = expected_rate([(run["schedule"], run["tokens_per_second"]) for run in done if not run["warmup"]], schedule)
+    if rate is None:
         return None
     overhead = max(run["launch_overhead_seconds"] for run in done)
-    own = [run["tokens_per_second"] for run in timed if run["schedule"] == schedule]
-    rate = statistics.median(own) if own else 0.5 * min(run["tokens_per_second"] for run in timed)
     return overhead + tokens / rate
 
 

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from pipeline_results import expected_rate
 
 from lorafusion_megatron.atomic_files import write_json_atomically
 from lorafusion_megatron.config import TrainerConfig, load_config
@@ -42,11 +43,8 @@ def _tokens(config: TrainerConfig, jobs: dict[str, Any]) -> int:
 
 def _predicted(done: list[tuple[str, float]], schedule: str, tokens: int) -> float | None:
     """Seconds a cell should take from the tokens/s of the cells before it (``None`` before the first)."""
-    if not done:
-        return None
-    own = [rate for name, rate in done if name == schedule]
-    rate = statistics.median(own) if own else 0.5 * min(rate for _, rate in done)
-    return tokens / rate
+    rate = expected_rate(done, schedule)
+    return None if rate is None else tokens / rate
 
 
 def run_cells(configs: list[TrainerConfig], warmup: int, deadline_seconds: float | None) -> None:

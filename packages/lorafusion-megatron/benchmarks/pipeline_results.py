@@ -24,6 +24,17 @@ def _median_per_stage(per_run: Sequence[Sequence[float]]) -> list[float]:
     return [statistics.median(values) for values in zip(*per_run, strict=True)]
 
 
+def expected_rate(rates: Sequence[tuple[str, float]], schedule: str) -> float | None:
+    """Tokens/s to expect of ``schedule`` from ``(schedule, tokens/s)`` of timed runs; ``None`` before any.
+
+    The median of ``schedule``'s own runs, or, for a schedule not run yet, half the slowest rate seen.
+    """
+    if not rates:
+        return None
+    own = [rate for name, rate in rates if name == schedule]
+    return statistics.median(own) if own else 0.5 * min(rate for _, rate in rates)
+
+
 def _median_or_none(values: Iterable[float | None]) -> float | None:
     """The median of the values given (``None`` for runs of a one-launch call, which has no per-cell launch)."""
     known = [value for value in values if value is not None]
