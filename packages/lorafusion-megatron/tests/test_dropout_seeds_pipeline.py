@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -17,34 +16,12 @@ from safetensors.torch import load_file
 
 from lorafusion_megatron.config import TrainerConfig, parse_config
 from lorafusion_megatron.pipeline.options import ParallelConfig
+from lorafusion_megatron.testing import two_job_config
 from lorafusion_megatron.trainer import Trainer
 
 
 def _config(tiny_base: Path, output: Path, *, fused: bool) -> TrainerConfig:
-    jobs: list[dict[str, Any]] = [
-        {
-            "name": name,
-            "dataset": {"synthetic": dataset, "num_samples": samples, "length_scale": 0.03},
-            "r": 4,
-            "lora_alpha": 8,
-            "lora_dropout": 0.1,
-            "target_modules": ["q_proj", "v_proj", "down_proj"],
-            "learning_rate": 1e-2,
-            "global_batch_size": batch,
-            "max_grad_norm": 0.05,
-        }
-        for name, dataset, samples, batch in (("first", "xsum", 10, 3), ("second", "wikisum", 7, 2))
-    ]
-    return parse_config(
-        {
-            "output_dir": str(output),
-            "base_model": {"model_name_or_path": str(tiny_base), "dtype": "float32", "attn_implementation": "sdpa"},
-            "jobs": jobs,
-            "scheduler": {"capacity": 256, "padding_multiple": 16},
-            "runtime": {"device": "cpu", "seed": 0, "fused_kernels": fused},
-            "logging": {"progress_bar": False},
-        }
-    )
+    return parse_config(two_job_config(tiny_base, output, lora_dropout=0.1, max_grad_norm=0.05, fused_kernels=fused))
 
 
 def _adapters(folder: Path) -> dict[str, dict[str, torch.Tensor]]:

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from lorafusion_megatron.config import TrainerConfig, parse_config
 from lorafusion_megatron.pipeline.options import ParallelConfig
+from lorafusion_megatron.testing import two_job_config
 from lorafusion_megatron.trainer import Trainer
 
 
@@ -38,29 +39,7 @@ def _assert_same_adapters(got: Path, want: Path) -> None:
 
 
 def _config(tiny_base: Path, output: Path) -> TrainerConfig:
-    jobs: list[dict[str, Any]] = [
-        {
-            "name": name,
-            "dataset": {"synthetic": dataset, "num_samples": samples, "length_scale": 0.03},
-            "r": 4,
-            "lora_alpha": 8,
-            "target_modules": ["q_proj", "v_proj", "down_proj"],
-            "learning_rate": 1e-2,
-            "global_batch_size": batch,
-            "max_grad_norm": 0.05,
-        }
-        for name, dataset, samples, batch in (("first", "xsum", 10, 3), ("second", "wikisum", 7, 2))
-    ]
-    return parse_config(
-        {
-            "output_dir": str(output),
-            "base_model": {"model_name_or_path": str(tiny_base), "dtype": "float32", "attn_implementation": "sdpa"},
-            "jobs": jobs,
-            "scheduler": {"capacity": 256, "padding_multiple": 16},
-            "runtime": {"device": "cpu", "seed": 0},
-            "logging": {"progress_bar": False},
-        }
-    )
+    return parse_config(two_job_config(tiny_base, output, max_grad_norm=0.05))
 
 
 @pytest.mark.parametrize("schedule", ["lorafusion", "megatron-1f1b", "mlora"])

@@ -23,31 +23,12 @@ from safetensors.torch import load_file
 
 from lorafusion_megatron.config import TrainerConfig, parse_config
 from lorafusion_megatron.pipeline.options import ParallelConfig
+from lorafusion_megatron.testing import two_job_config
 
 
 def _config_dict(tiny_base: Path, output: Path) -> dict[str, Any]:
     """Two jobs, capacity 64: a dozen microbatches and several steps per job."""
-    jobs = [
-        {
-            "name": name,
-            "dataset": {"synthetic": dataset, "num_samples": samples, "length_scale": 0.03},
-            "r": 4,
-            "lora_alpha": 8,
-            "lora_dropout": 0.1,
-            "target_modules": ["q_proj", "v_proj", "down_proj"],
-            "learning_rate": 1e-2,
-            "global_batch_size": batch,
-        }
-        for name, dataset, samples, batch in (("first", "xsum", 10, 3), ("second", "wikisum", 7, 2))
-    ]
-    return {
-        "output_dir": str(output),
-        "base_model": {"model_name_or_path": str(tiny_base), "dtype": "float32", "attn_implementation": "sdpa"},
-        "jobs": jobs,
-        "scheduler": {"capacity": 64, "padding_multiple": 16},
-        "runtime": {"device": "cpu", "seed": 0},
-        "logging": {"progress_bar": False},
-    }
+    return two_job_config(tiny_base, output, lora_dropout=0.1, capacity=64)
 
 
 def _adapters(output: Path) -> dict[str, dict[str, torch.Tensor]]:

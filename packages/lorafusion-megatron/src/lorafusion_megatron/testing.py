@@ -7,7 +7,8 @@ can drive :class:`~lorafusion_megatron.runner.MicrobatchRunner` or the executor 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,7 +22,47 @@ if TYPE_CHECKING:
 
     from lorafusion_sched.models import Microbatch
 
-__all__ = ["lora_grads", "plan_microbatch", "random_job", "tiny_peft_model"]
+__all__ = ["lora_grads", "plan_microbatch", "random_job", "tiny_peft_model", "two_job_config"]
+
+
+def two_job_config(
+    base: Path,
+    output: Path,
+    *,
+    lora_dropout: float = 0.0,
+    max_grad_norm: float = 1.0,
+    capacity: int = 256,
+    fused_kernels: bool = True,
+) -> dict[str, Any]:
+    """The config mapping of a small CPU run: two jobs on the model in ``base``, fp32, sdpa.
+
+    ``first`` trains 10 XSum-like samples in global batches of 3 and ``second`` 7 WikiSum-like
+    samples in global batches of 2 (short synthetic lengths): several steps per job, a last global
+    batch smaller than the others, and microbatches that mix the jobs. LoRA r=4, alpha 8 on
+    ``q_proj``, ``v_proj`` and ``down_proj``.
+    """
+    jobs = [
+        {
+            "name": name,
+            "dataset": {"synthetic": dataset, "num_samples": samples, "length_scale": 0.03},
+            "r": 4,
+            "lora_alpha": 8,
+            "lora_dropout": lora_dropout,
+            "target_modules": ["q_proj", "v_proj", "down_proj"],
+            "learning_rate": 1e-2,
+            "global_batch_size": batch,
+            "max_grad_norm": max_grad_norm,
+        }
+        for name, dataset, samples, batch in (("first", "xsum", 10, 3), ("second", "wikisum", 7, 2))
+    ]
+    return {
+        "output_dir": str(output),
+        "base_model": {"model_name_or_path": str(base), "dtype": "float32", "attn_implementation": "sdpa"},
+        "jobs": jobs,
+        "scheduler": {"capacity": capacity, "padding_multiple": 16},
+        "runtime": {"device": "cpu", "seed": 0, "fused_kernels": fused_kernels},
+        "logging": {"progress_bar": False},
+    }
 
 
 def tiny_peft_model(
