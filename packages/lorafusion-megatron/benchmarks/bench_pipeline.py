@@ -12,15 +12,19 @@ stage are the run's own ``pipeline_summary.json`` (tokens of stage 0 over the sl
 time of the program; the bubble ratio of a stage is ``1 - busy / wall`` of its slowest replica).
 
 Method, as for ``bench_trainer.py``: an untimed warm-up launch first (the first cell with
-``--warmup-samples`` samples per job: Triton compiles the kernels into its on-disk cache, which the
-later launches read), then ``--repeats`` rounds over the cells, the schedules of each ``n``
+``--warmup-samples`` samples per job, one global batch by default: Triton compiles the kernels for
+every specialisation a timed cell meets, into its on-disk cache, which the later launches read;
+with ``--one-launch``, into the process itself), then ``--repeats`` rounds over the cells, the schedules of each ``n``
 interleaved and their order rotated each round; the results give the median, min and max over the
 repeats. The baselines run plain PEFT LoRA layers (``runtime.fused_kernels: false``, as in the
 paper, which gives Megatron-LM and mLoRA the unfused LoRA kernel) unless ``--baseline-kernels fused``.
 Cells run in priority order (all schedules at the first ``--adapters`` count, then ``lorafusion``
 at the other counts, then the baselines there, round by round); with ``--deadline-seconds`` a launch
 predicted (from the launches before it) to end past the deadline is skipped and recorded as such.
-The results file is rewritten after every launch, so a killed call keeps what it measured.
+The results file is rewritten after every launch, so a killed call keeps what it measured. Each
+run's record also holds the bubble its measured compute durations imply (``replayed_bubble_ratio``,
+:func:`lorafusion_megatron.pipeline.trace.replay`) and, with ``--one-launch``, the Triton kernels
+compiled during the run; each run's ``pipeline_trace.json`` is copied to ``<out>-traces/``.
 
     python packages/lorafusion-megatron/benchmarks/bench_pipeline.py --preset qwen2.5-32b --stages 2 \\
         --checkpointing --deadline-seconds 480 --out pipeline.json
@@ -35,6 +39,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -215,6 +220,9 @@ def measured(summary: dict[str, Any]) -> dict[str, Any]:
         "rank0_phase_seconds": summary["rank0_phase_seconds"],
         "idle_shares_per_stage": summary["idle_shares_per_stage"],
         "first_forward_seconds_per_stage": summary["first_forward_seconds_per_stage"],
+        "replayed_bubble_ratio": summary["replayed_bubble_ratio"],
+        "replayed_bubble_ratio_per_stage": summary["replayed_bubble_ratio_per_stage"],
+        "kernel_compiles_per_stage": summary.get("kernel_compiles_per_stage"),
         "pipeline_stages": summary["pipeline_stages"],
     }
 
@@ -321,6 +329,11 @@ class Benchmark:
                 f"trained {record['tokens']} tokens, the data holds {record['expected_tokens']}: not the same samples"
             )
         self._report(folder.name, record)
+        trace = folder / "pipeline_trace.json"
+        if trace.is_file():
+            traces = self.args.out.with_name(f"{self.args.out.stem}-traces")
+            traces.mkdir(exist_ok=True)
+            shutil.copyfile(trace, traces / f"{folder.name}.json")
         if record["status"] == "ok" and not record["warmup"] and str(cell.adapters) not in self.simulated:
             self.simulated[str(cell.adapters)] = simulated(folder / "plan.json")
         self.runs.append(record)
@@ -409,6 +422,17 @@ class Benchmark:
         ):
             idle = ", ".join(f"{part} {share:.1%}" for part, share in shares.items())
             print(f"{'':>24}  stage {stage} idle: {idle}; first forward {first or 0:.2f} s", flush=True)
+        replayed = ", ".join(f"{b:.1%}" for b in record["replayed_bubble_ratio_per_stage"])
+        compiles = "; ".join(
+            f"stage {stage} {c['count']} in {c['seconds']:.1f} s"
+            for stage, c in enumerate(record["kernel_compiles_per_stage"] or [])
+            if c["count"] is not None
+        )
+        print(
+            f"{'':>24}  replayed from the measured durations: bubble {record['replayed_bubble_ratio']:.1%} ({replayed})"
+            + (f"; kernel compilations: {compiles}" if compiles else ""),
+            flush=True,
+        )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -432,7 +456,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--repeats", type=int, default=2, help="rounds over the cells")
     parser.add_argument(
-        "--warmup-samples", type=int, default=4, help="samples per job of the untimed warm-up launch (0: none)"
+        "--warmup-samples",
+        type=int,
+        help="samples per job of the untimed warm-up (0: none; default: one global batch, which meets the "
+        "kernels' specialisations a timed cell meets, so none compiles inside a timed cell)",
     )
     parser.add_argument("--deadline-seconds", type=float, help="launch nothing predicted to end after this")
     parser.add_argument(
@@ -453,6 +480,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("--stages must be at least 2: with one stage `train` runs the single-process trainer")
     if any(not 1 <= n <= len(HET) for n in [*args.adapters, *args.baseline_adapters]):
         parser.error(f"adapter counts must lie in 1..{len(HET)} (the Het workload has {len(HET)} datasets)")
+    if args.warmup_samples is None:
+        args.warmup_samples = args.global_batch_size
     if args.warmup_samples < 0:
         parser.error("--warmup-samples must be 0 (no warm-up) or more")
 

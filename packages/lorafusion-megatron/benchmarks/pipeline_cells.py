@@ -13,7 +13,10 @@ Two differences from separate launches: the adapters' weights carry over from ce
 throughput does not depend on their values), and no adapter folders are written.
 
 Cells predicted (from the cells before them) to end past ``deadline_seconds`` after the program
-started are skipped, by rank 0 for all.
+started are skipped, by rank 0 for all. Each cell's summary also counts the Triton kernels each
+rank compiled (or loaded from the on-disk cache) during the cell, and their seconds, under
+``kernel_compiles_per_stage``: a compile inside a timed cell stalls the whole pipeline. Rank 0
+writes the cell's ``pipeline_trace.json`` (:mod:`lorafusion_megatron.pipeline.trace`) too.
 
     python -m torch.distributed.run --standalone --nproc-per-node S pipeline_cells.py cells.json
 
@@ -47,6 +50,47 @@ def _predicted(done: list[tuple[str, float]], schedule: str, tokens: int) -> flo
     return None if rate is None else tokens / rate
 
 
+class CompileCounter:
+    """Counts Triton's kernel compilations in this process through its JIT hooks (Triton 3.4 and later).
+
+    A compilation here is what Triton does the first time a kernel meets a new specialisation:
+    compile it, or load it from the on-disk cache. Without the hooks (an older Triton) the counts
+    stay ``None``.
+    """
+
+    def __init__(self) -> None:
+        self.count: int | None = None
+        self.seconds: float | None = None
+        self._began: float | None = None
+        try:
+            from triton import knobs
+        except ImportError:
+            return
+        if not hasattr(knobs.runtime, "jit_post_compile_hook"):
+            return
+        self.count, self.seconds = 0, 0.0
+        knobs.runtime.jit_cache_hook = self._before
+        knobs.runtime.jit_post_compile_hook = self._after
+
+    def _before(self, **_: Any) -> bool:
+        self._began = time.perf_counter()
+        return False  # False: compile as usual
+
+    def _after(self, **_: Any) -> None:
+        if self.count is None or self.seconds is None or self._began is None:
+            return
+        self.count += 1
+        self.seconds += time.perf_counter() - self._began
+        self._began = None
+
+    def take(self) -> dict[str, float | None]:
+        """The compilations since the last call."""
+        taken = {"count": self.count, "seconds": self.seconds}
+        if self.count is not None:
+            self.count, self.seconds = 0, 0.0
+        return taken
+
+
 def run_cells(configs: list[TrainerConfig], warmup: int, deadline_seconds: float | None) -> None:
     """Run every cell on this rank (all ranks call it with the same cells)."""
     import torch
@@ -58,10 +102,12 @@ def run_cells(configs: list[TrainerConfig], warmup: int, deadline_seconds: float
     from lorafusion_megatron.pipeline.partition import partition_model
     from lorafusion_megatron.pipeline.programs import build_program
     from lorafusion_megatron.pipeline.stage_model import build_stage_model
+    from lorafusion_megatron.pipeline.trace import chrome_trace
     from lorafusion_megatron.pipeline.worker import shared_plan, stage_engine, summarise
     from lorafusion_megatron.trainer import prepare_data
 
     begin = time.perf_counter()
+    compiles = CompileCounter()
     largest = max(configs, key=lambda config: len(config.jobs))
     fused_runtime = largest.runtime.model_copy(update={"fused_kernels": True})
     with parallel_layout(largest.parallel.pipeline_stages) as layout:
@@ -95,10 +141,12 @@ def run_cells(configs: list[TrainerConfig], warmup: int, deadline_seconds: float
             cell_stage = dataclasses.replace(stage, adapters=tuple(names), fused=fused)
             _, engine = stage_engine(config, layout, cell_stage, prepared.jobs)
             dist.barrier()
+            compiles.take()
             position = engine.execute(program)
             everyone: list[Any] = [None] * layout.world_size
-            dist.all_gather_object(everyone, engine.stats)
-            summary = summarise(everyone, program.name)
+            dist.all_gather_object(everyone, (engine.stats, compiles.take()))
+            stats = [rank_stats for rank_stats, _ in everyone]
+            summary = summarise(stats, program.name)
             if index >= warmup:
                 done.append((schedule, summary["tokens_per_second"]))
             if layout.rank == 0:
@@ -108,8 +156,14 @@ def run_cells(configs: list[TrainerConfig], warmup: int, deadline_seconds: float
                     "position": position,
                     "num_microbatches": program.num_microbatches,
                     "rank0_phase_seconds": {"shared start-up (one launch)": start_up},
+                    "kernel_compiles_per_stage": [
+                        counted
+                        for rank_stats, counted in sorted(everyone, key=lambda e: e[0].stage)
+                        if rank_stats.replica == 0
+                    ],
                 }
                 write_json_atomically(Path(config.output_dir) / "pipeline_summary.json", summary)
+                write_json_atomically(Path(config.output_dir) / "pipeline_trace.json", chrome_trace(stats))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from lorafusion_megatron.pipeline.stopping import StopAgreement
     from lorafusion_sched.models import Microbatch
 
-__all__ = ["EngineStats", "StageEngine", "StepRecord"]
+__all__ = ["ActionTiming", "EngineStats", "StageEngine", "StepRecord"]
 
 _log = logging.getLogger(__name__)
 
@@ -84,6 +84,25 @@ class StepRecord:
     loss: float | None
 
 
+@dataclass(frozen=True)
+class ActionTiming:
+    """One forward or backward of one microbatch on this stage (host clock, compute stream synchronised).
+
+    Attributes:
+        key: The microbatch's index in the whole program (the same on every stage).
+        backward: Backward (else forward).
+        tokens: The microbatch's real tokens.
+        start: Seconds since this engine's first :meth:`StageEngine.execute` began.
+        end: As ``start``, when the action's compute had finished.
+    """
+
+    key: int
+    backward: bool
+    tokens: int
+    start: float
+    end: float
+
+
 @dataclass
 class EngineStats:
     """What one stage measured.
@@ -101,6 +120,7 @@ class EngineStats:
         tokens: Real tokens of the microbatches this replica ran.
         microbatches: Microbatches run (no-ops included).
         steps: The steps taken, in order.
+        timeline: Every forward and backward, in the order they ran (see :mod:`.trace`).
     """
 
     stage: int
@@ -114,6 +134,7 @@ class EngineStats:
     tokens: int = 0
     microbatches: int = 0
     steps: list[StepRecord] = field(default_factory=list)
+    timeline: list[ActionTiming] = field(default_factory=list)
 
     @property
     def bubble_ratio(self) -> float:
@@ -219,6 +240,8 @@ class StageEngine:
         self._unfinished: dict[str, float | None] = {}
         """Adapters whose step was begun and not finished, with the loss of their global batch."""
         self.stats = EngineStats(stage=layout.stage, replica=layout.replica)
+        self._origin: float | None = None
+        """Host clock at the start of the first :meth:`execute` (the timeline's zero)."""
         self.stopped = False
         """Whether the last :meth:`execute` ended early because ``stop`` said so."""
 
@@ -257,6 +280,8 @@ class StageEngine:
             PipelineMismatchError: ``start`` falls inside a round of the replicas.
         """
         begin = time.perf_counter()
+        if self._origin is None:
+            self._origin = begin
         self.stopped = False
         d = program.data_parallel
         position, offset = program.num_microbatches, 0
@@ -342,7 +367,9 @@ class StageEngine:
                 begin = time.perf_counter()
                 batch = self._pack(microbatch)
                 self.stats.pack_seconds += time.perf_counter() - begin
-                run.in_flight[action.index] = self._forward(microbatch, batch, run.received.pop(action.index, None))
+                run.in_flight[action.index] = self._forward(
+                    run.keys[action.index], microbatch, batch, run.received.pop(action.index, None)
+                )
                 self.stats.tokens += batch.num_tokens
         self.stats.microbatches += run.limit
         return run.limit
@@ -380,15 +407,22 @@ class StageEngine:
             )
         return batch
 
-    def _forward(self, microbatch: Microbatch, batch: PackedBatch, inputs: torch.Tensor | None) -> _InFlight:
+    def _record(self, key: int, tokens: int, begin: float, *, backward: bool) -> float:
+        """Count the action that began at ``begin`` and just ended as busy; returns its seconds."""
+        end = time.perf_counter()
+        assert self._origin is not None
+        self.stats.busy_seconds += end - begin
+        self.stats.timeline.append(ActionTiming(key, backward, tokens, begin - self._origin, end - self._origin))
+        return end - begin
+
+    def _forward(self, key: int, microbatch: Microbatch, batch: PackedBatch, inputs: torch.Tensor | None) -> _InFlight:
         begin = time.perf_counter()
         with drawing_for(microbatch):
             output = self.stage.forward(batch, inputs)
         if self.layout.is_last:
             output = self._objective(microbatch, batch, output)
         self._synchronize()
-        seconds = time.perf_counter() - begin
-        self.stats.busy_seconds += seconds
+        seconds = self._record(key, batch.num_tokens, begin, backward=False)
         if self.stats.first_forward_seconds is None:
             self.stats.first_forward_seconds = seconds
         return _InFlight(batch=batch, inputs=inputs, output=output)
@@ -427,7 +461,7 @@ class StageEngine:
             grad = flight.inputs.grad
             run.input_grads[index] = grad if grad is not None else torch.zeros_like(flight.inputs)
         self._synchronize()
-        self.stats.busy_seconds += time.perf_counter() - begin
+        self._record(run.keys[index], flight.batch.num_tokens, begin, backward=True)
         if self.on_backward is not None:
             self.on_backward(run.keys[index])
 

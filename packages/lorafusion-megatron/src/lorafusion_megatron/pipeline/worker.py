@@ -139,7 +139,14 @@ def stage_engine(
 
 
 def summarise(stats: list[EngineStats], schedule: str) -> dict[str, Any]:
-    """Throughput and per-stage bubble ratios from every rank's measurements."""
+    """Throughput and per-stage bubble ratios from every rank's measurements.
+
+    ``replayed_bubble_ratio_per_stage`` is the part of the bubble the measured compute durations
+    alone imply (:func:`~lorafusion_megatron.pipeline.trace.replay`).
+    """
+    from lorafusion_megatron.pipeline.trace import replay
+
+    replayed = replay(stats)
     wall = max(s.wall_seconds for s in stats)
     first_stage = [s for s in stats if s.stage == 0]
     tokens = sum(s.tokens for s in first_stage)
@@ -157,6 +164,8 @@ def summarise(stats: list[EngineStats], schedule: str) -> dict[str, Any]:
         "bubble_ratio": sum(bubbles) / len(bubbles),
         "idle_shares_per_stage": [s.idle_shares() for s in slowest],
         "first_forward_seconds_per_stage": [s.first_forward_seconds for s in slowest],
+        "replayed_bubble_ratio_per_stage": replayed.bubble_ratio_per_stage,
+        "replayed_bubble_ratio": replayed.bubble_ratio,
         "steps": steps,
     }
 
@@ -197,6 +206,7 @@ def run_rank(
     from lorafusion_megatron.pipeline.groups import parallel_layout
     from lorafusion_megatron.pipeline.programs import build_program, split_for_checkpoints
     from lorafusion_megatron.pipeline.stopping import RANK_STOP_MESSAGE, StopAgreement, rank_stop_signal
+    from lorafusion_megatron.pipeline.trace import chrome_trace
     from lorafusion_megatron.profiler.run import with_profiled_capacity
     from lorafusion_megatron.trainer import prepare_data
 
@@ -259,6 +269,7 @@ def run_rank(
         summary["rank0_phase_seconds"] = phases.seconds
         path = Path(config.output_dir) / "pipeline_summary.json"
         write_json_atomically(path, summary)
+        write_json_atomically(path.with_name("pipeline_trace.json"), chrome_trace([stats for stats, _ in everyone]))
         _log.info(
             "%s: %.0f tokens/s, bubble ratio per stage %s",
             program.name,
