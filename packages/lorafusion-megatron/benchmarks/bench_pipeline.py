@@ -24,7 +24,8 @@ predicted (from the launches before it) to end past the deadline is skipped and 
 The results file is rewritten after every launch, so a killed call keeps what it measured. Each
 run's record also holds the bubble its measured compute durations imply (``replayed_bubble_ratio``,
 :func:`lorafusion_megatron.pipeline.trace.replay`) and, with ``--one-launch``, the Triton kernels
-compiled during the run; each run's ``pipeline_trace.json`` is copied to ``<out>-traces/``.
+compiled and the garbage collector's pauses during the run; each run's ``pipeline_trace.json`` is
+copied to ``<out>-traces/``.
 
     python packages/lorafusion-megatron/benchmarks/bench_pipeline.py --preset qwen2.5-32b --stages 2 \\
         --checkpointing --deadline-seconds 480 --out pipeline.json
@@ -223,6 +224,7 @@ def measured(summary: dict[str, Any]) -> dict[str, Any]:
         "replayed_bubble_ratio": summary["replayed_bubble_ratio"],
         "replayed_bubble_ratio_per_stage": summary["replayed_bubble_ratio_per_stage"],
         "kernel_compiles_per_stage": summary.get("kernel_compiles_per_stage"),
+        "gc_pauses_per_stage": summary.get("gc_pauses_per_stage"),
         "pipeline_stages": summary["pipeline_stages"],
     }
 
@@ -423,16 +425,20 @@ class Benchmark:
             idle = ", ".join(f"{part} {share:.1%}" for part, share in shares.items())
             print(f"{'':>24}  stage {stage} idle: {idle}; first forward {first or 0:.2f} s", flush=True)
         replayed = ", ".join(f"{b:.1%}" for b in record["replayed_bubble_ratio_per_stage"])
-        compiles = "; ".join(
-            f"stage {stage} {c['count']} in {c['seconds']:.1f} s"
-            for stage, c in enumerate(record["kernel_compiles_per_stage"] or [])
-            if c["count"] is not None
-        )
         print(
             f"{'':>24}  replayed from the measured durations: bubble {record['replayed_bubble_ratio']:.1%} ({replayed})"
-            + (f"; kernel compilations: {compiles}" if compiles else ""),
-            flush=True,
         )
+        for stage, compiles in enumerate(record["kernel_compiles_per_stage"] or []):
+            if compiles["count"]:
+                print(f"{'':>24}  stage {stage}: {compiles['count']} kernel compilations, {compiles['seconds']:.1f} s")
+                for kernel in compiles["kernels"]:
+                    print(f"{'':>26}  {kernel[:200]}")
+        for stage, pauses in enumerate(record["gc_pauses_per_stage"] or []):
+            print(
+                f"{'':>24}  stage {stage}: {pauses['count']} gc pauses, {pauses['seconds']:.2f} s, "
+                f"longest {pauses['longest_seconds'] * 1e3:.0f} ms ({pauses['full_count']} full)",
+                flush=True,
+            )
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -7,7 +7,8 @@
 #   kind nvidia-h200-x4:  bash packages/lorafusion-megatron/benchmarks/device_pipeline.sh llama-3.1-70b
 # Extra arguments go to bench_pipeline.py (e.g. --repeats 1, --baseline-kernels fused).
 # NCCL_TEST=0 skips the NCCL test (a second call on a machine where it already passed).
-# Five files come back in $OUT: the results JSON, its markdown table and plot, and two logs.
+# Six files come back in $OUT: the results JSON, its markdown table and plot, the runs' traces
+# (pipeline_trace.json of each, in a .tar.gz), and two logs.
 # The call is planned to end within BUDGET seconds (default 550, under the device's 600): the NCCL
 # test runs under a timeout, and the benchmark launches nothing it predicts to end past the budget.
 set -uo pipefail
@@ -64,6 +65,10 @@ python3 packages/lorafusion-megatron/benchmarks/bench_pipeline.py --preset "$pre
 bench_status=${PIPESTATUS[0]}
 stamp "benchmark exit status $bench_status"
 
+# The device returns at most 8 files: the runs' traces travel as one archive.
+if [[ -d $out/$name-traces ]]; then
+  tar -czf "$out/$name-traces.tar.gz" -C "$out" "$name-traces" && rm -r "$out/$name-traces"
+fi
 if [[ -f $out/$name.json ]]; then
   python3 packages/lorafusion-megatron/benchmarks/report_pipeline.py "$out/$name.json" \
     --markdown "$out/$name.md" --plot "$out/$name.png"

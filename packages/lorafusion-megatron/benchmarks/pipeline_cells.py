@@ -13,10 +13,12 @@ Two differences from separate launches: the adapters' weights carry over from ce
 throughput does not depend on their values), and no adapter folders are written.
 
 Cells predicted (from the cells before them) to end past ``deadline_seconds`` after the program
-started are skipped, by rank 0 for all. Each cell's summary also counts the Triton kernels each
-rank compiled (or loaded from the on-disk cache) during the cell, and their seconds, under
-``kernel_compiles_per_stage``: a compile inside a timed cell stalls the whole pipeline. Rank 0
-writes the cell's ``pipeline_trace.json`` (:mod:`lorafusion_megatron.pipeline.trace`) too.
+started are skipped, by rank 0 for all. Each cell's summary also records two kinds of stall that
+a pipeline turns into idle time on every other stage: the Triton kernels each rank compiled (or
+loaded from the on-disk cache) during the cell, with their seconds and names, under
+``kernel_compiles_per_stage``, and the garbage collector's pauses under ``gc_pauses_per_stage``
+(the start-up objects are frozen, as the launcher does: :mod:`lorafusion_megatron.gc_tuning`).
+Rank 0 writes the cell's ``pipeline_trace.json`` (:mod:`lorafusion_megatron.pipeline.trace`) too.
 
     python -m torch.distributed.run --standalone --nproc-per-node S pipeline_cells.py cells.json
 
@@ -28,6 +30,7 @@ warm-ups (their rates are left out of the predictions: they include compiling th
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import sys
 import time
@@ -61,6 +64,7 @@ class CompileCounter:
     def __init__(self) -> None:
         self.count: int | None = None
         self.seconds: float | None = None
+        self.kernels: list[str] = []
         self._began: float | None = None
         try:
             from triton import knobs
@@ -76,19 +80,48 @@ class CompileCounter:
         self._began = time.perf_counter()
         return False  # False: compile as usual
 
-    def _after(self, **_: Any) -> None:
+    def _after(self, **hook: Any) -> None:
         if self.count is None or self.seconds is None or self._began is None:
             return
         self.count += 1
         self.seconds += time.perf_counter() - self._began
+        self.kernels.append(str(hook.get("repr", "?")))
         self._began = None
 
-    def take(self) -> dict[str, float | None]:
-        """The compilations since the last call."""
-        taken = {"count": self.count, "seconds": self.seconds}
+    def take(self) -> dict[str, Any]:
+        """The compilations since the last call: count, seconds and each one's kernel and specialisation."""
+        taken = {"count": self.count, "seconds": self.seconds, "kernels": self.kernels}
         if self.count is not None:
-            self.count, self.seconds = 0, 0.0
+            self.count, self.seconds, self.kernels = 0, 0.0, []
         return taken
+
+
+class GcPauses:
+    """The garbage collector's pauses in this process (``gc.callbacks``), per generation collected."""
+
+    def __init__(self) -> None:
+        self._began = 0.0
+        self._pauses: list[tuple[int, float]] = []
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self._pauses.append((int(info["generation"]), time.perf_counter() - self._began))
+
+    def take(self) -> dict[str, Any]:
+        """Count, total and longest seconds of the full (generation 2) and of all collections since the last call."""
+        full = [seconds for generation, seconds in self._pauses if generation == 2]
+        every = [seconds for _, seconds in self._pauses]
+        self._pauses = []
+        return {
+            "full_count": len(full),
+            "full_seconds": sum(full),
+            "count": len(every),
+            "seconds": sum(every),
+            "longest_seconds": max(every, default=0.0),
+        }
 
 
 def run_cells(configs: list[TrainerConfig], warmup: int, deadline_seconds: float | None) -> None:
@@ -97,6 +130,7 @@ def run_cells(configs: list[TrainerConfig], warmup: int, deadline_seconds: float
     import torch.distributed as dist
 
     import lorafusion_kernels
+    from lorafusion_megatron.gc_tuning import start_up_objects_frozen
     from lorafusion_megatron.model import load_model_config, set_active_adapters
     from lorafusion_megatron.pipeline.groups import parallel_layout
     from lorafusion_megatron.pipeline.partition import partition_model
@@ -107,7 +141,7 @@ def run_cells(configs: list[TrainerConfig], warmup: int, deadline_seconds: float
     from lorafusion_megatron.trainer import prepare_data
 
     begin = time.perf_counter()
-    compiles = CompileCounter()
+    compiles, pauses = CompileCounter(), GcPauses()
     largest = max(configs, key=lambda config: len(config.jobs))
     fused_runtime = largest.runtime.model_copy(update={"fused_kernels": True})
     with parallel_layout(largest.parallel.pipeline_stages) as layout:
@@ -117,53 +151,53 @@ def run_cells(configs: list[TrainerConfig], warmup: int, deadline_seconds: float
         dist.all_reduce(torch.zeros(1, device=layout.device), group=layout.pipeline_group)
         start_up = time.perf_counter() - begin
         done: list[tuple[str, float]] = []
-        for index, config in enumerate(configs):
-            prepared = prepare_data(config)
-            schedule = config.parallel.schedule
-            predicted = _predicted(done, schedule, _tokens(config, prepared.jobs))
-            skip = [
-                deadline_seconds is not None
-                and predicted is not None
-                and time.perf_counter() - begin + predicted > deadline_seconds
-            ]
-            dist.broadcast_object_list(skip, src=0)
-            if skip[0]:
-                continue
-            plan, _ = shared_plan(config, prepared.jobs, config.parallel, layout, resume=False)
-            program = build_program(plan, schedule, config.parallel.baseline_microbatch_samples)
-            fused = config.runtime.fused_kernels
-            names = [job.name for job in config.jobs]
-            if fused:
-                lorafusion_kernels.patch_peft_model(stage.model)
-            else:
-                lorafusion_kernels.unpatch_peft_model(stage.model)
-            set_active_adapters(stage.model, names)
-            cell_stage = dataclasses.replace(stage, adapters=tuple(names), fused=fused)
-            _, engine = stage_engine(config, layout, cell_stage, prepared.jobs)
-            dist.barrier()
-            compiles.take()
-            position = engine.execute(program)
-            everyone: list[Any] = [None] * layout.world_size
-            dist.all_gather_object(everyone, (engine.stats, compiles.take()))
-            stats = [rank_stats for rank_stats, _ in everyone]
-            summary = summarise(stats, program.name)
-            if index >= warmup:
-                done.append((schedule, summary["tokens_per_second"]))
-            if layout.rank == 0:
-                summary |= {
-                    "pipeline_stages": layout.num_stages,
-                    "data_parallel": layout.num_replicas,
-                    "position": position,
-                    "num_microbatches": program.num_microbatches,
-                    "rank0_phase_seconds": {"shared start-up (one launch)": start_up},
-                    "kernel_compiles_per_stage": [
-                        counted
-                        for rank_stats, counted in sorted(everyone, key=lambda e: e[0].stage)
-                        if rank_stats.replica == 0
-                    ],
-                }
-                write_json_atomically(Path(config.output_dir) / "pipeline_summary.json", summary)
-                write_json_atomically(Path(config.output_dir) / "pipeline_trace.json", chrome_trace(stats))
+        with start_up_objects_frozen():
+            for index, config in enumerate(configs):
+                prepared = prepare_data(config)
+                schedule = config.parallel.schedule
+                predicted = _predicted(done, schedule, _tokens(config, prepared.jobs))
+                skip = [
+                    deadline_seconds is not None
+                    and predicted is not None
+                    and time.perf_counter() - begin + predicted > deadline_seconds
+                ]
+                dist.broadcast_object_list(skip, src=0)
+                if skip[0]:
+                    continue
+                plan, _ = shared_plan(config, prepared.jobs, config.parallel, layout, resume=False)
+                program = build_program(plan, schedule, config.parallel.baseline_microbatch_samples)
+                fused = config.runtime.fused_kernels
+                names = [job.name for job in config.jobs]
+                if fused:
+                    lorafusion_kernels.patch_peft_model(stage.model)
+                else:
+                    lorafusion_kernels.unpatch_peft_model(stage.model)
+                set_active_adapters(stage.model, names)
+                cell_stage = dataclasses.replace(stage, adapters=tuple(names), fused=fused)
+                _, engine = stage_engine(config, layout, cell_stage, prepared.jobs)
+                dist.barrier()
+                compiles.take()
+                pauses.take()
+                position = engine.execute(program)
+                everyone: list[Any] = [None] * layout.world_size
+                dist.all_gather_object(everyone, (engine.stats, compiles.take(), pauses.take()))
+                everyone.sort(key=lambda e: (e[0].replica, e[0].stage))
+                stats = [rank_stats for rank_stats, _, _ in everyone]
+                summary = summarise(stats, program.name)
+                if index >= warmup:
+                    done.append((schedule, summary["tokens_per_second"]))
+                if layout.rank == 0:
+                    summary |= {
+                        "pipeline_stages": layout.num_stages,
+                        "data_parallel": layout.num_replicas,
+                        "position": position,
+                        "num_microbatches": program.num_microbatches,
+                        "rank0_phase_seconds": {"shared start-up (one launch)": start_up},
+                        "kernel_compiles_per_stage": [c for rank_stats, c, _ in everyone if rank_stats.replica == 0],
+                        "gc_pauses_per_stage": [g for rank_stats, _, g in everyone if rank_stats.replica == 0],
+                    }
+                    write_json_atomically(Path(config.output_dir) / "pipeline_summary.json", summary)
+                    write_json_atomically(Path(config.output_dir) / "pipeline_trace.json", chrome_trace(stats))
 
 
 def main(argv: list[str] | None = None) -> None:

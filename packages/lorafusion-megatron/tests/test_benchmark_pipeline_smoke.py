@@ -193,6 +193,7 @@ def test_bench_pipeline_runs_every_schedule_on_two_cpu_stages(tmp_path: Path, on
     assert [run["status"] for run in document["runs"]] == ["ok"] * 6
     assert all(len(run["replayed_bubble_ratio_per_stage"]) == 2 for run in document["runs"])
     assert all((run["kernel_compiles_per_stage"] is None) is not one_launch for run in document["runs"])
+    assert all((run["gc_pauses_per_stage"] is None) is not one_launch for run in document["runs"])
     assert len(list((tmp_path / "pipeline-traces").glob("*.json"))) == 6
     cells = {(c["adapters"], c["schedule"]): c for c in document["cells"]}
     assert set(cells) == {(n, s) for n in (1, 2) for s in SCHEDULES}

@@ -24,6 +24,7 @@ from lorafusion_megatron.data.job_data import JobData, load_job_data
 from lorafusion_megatron.dropout_seeds import drawing_for, install_dropout_seeding
 from lorafusion_megatron.eval_reporting import EVAL_HISTORY, EvalHistory, eval_table
 from lorafusion_megatron.executor import StopSignal, execute_plan
+from lorafusion_megatron.gc_tuning import start_up_objects_frozen
 from lorafusion_megatron.planning import check_plan, make_plan, plan_from_json
 from lorafusion_megatron.reporting import ProgressDisplay, TensorBoardLogger, summary_table
 from lorafusion_megatron.state import JobProgress, RunState
@@ -148,6 +149,7 @@ class Trainer:
             )
         session.start(plan, state, self.console, resumed=checkpoint_path is not None)
         with (
+            start_up_objects_frozen(),
             self.stop,
             ProgressDisplay(
                 len(plan.microbatches), state.position, enabled=config.logging.progress_bar, console=self.console

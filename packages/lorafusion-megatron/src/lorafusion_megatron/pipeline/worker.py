@@ -203,6 +203,7 @@ def run_rank(
     import torch
     import torch.distributed as dist
 
+    from lorafusion_megatron.gc_tuning import start_up_objects_frozen
     from lorafusion_megatron.pipeline.groups import parallel_layout
     from lorafusion_megatron.pipeline.programs import build_program, split_for_checkpoints
     from lorafusion_megatron.pipeline.stopping import RANK_STOP_MESSAGE, StopAgreement, rank_stop_signal
@@ -240,7 +241,7 @@ def run_rank(
         dist.all_reduce(torch.zeros(1, device=layout.device), group=layout.pipeline_group)
         dist.barrier()
         phases.done("restore and first collective")
-        with session.showing_progress(start):
+        with start_up_objects_frozen(), session.showing_progress(start):
             position = session.engine.execute(
                 program, start=start, on_drain=session.on_drain, stop=StopAgreement(stop, layout)
             )
