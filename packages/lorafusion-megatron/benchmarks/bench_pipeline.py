@@ -431,8 +431,8 @@ class Benchmark:
         for stage, compiles in enumerate(record["kernel_compiles_per_stage"] or []):
             if compiles["count"]:
                 print(f"{'':>24}  stage {stage}: {compiles['count']} kernel compilations, {compiles['seconds']:.1f} s")
-                for kernel in compiles["kernels"]:
-                    print(f"{'':>26}  {kernel[:200]}")
+                names = sorted({kernel["name"] for kernel in compiles["kernels"]})
+                print(f"{'':>26}  {', '.join(names)}")
         for stage, pauses in enumerate(record["gc_pauses_per_stage"] or []):
             print(
                 f"{'':>24}  stage {stage}: {pauses['count']} gc pauses, {pauses['seconds']:.2f} s, "

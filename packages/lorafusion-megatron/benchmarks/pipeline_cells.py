@@ -64,7 +64,7 @@ class CompileCounter:
     def __init__(self) -> None:
         self.count: int | None = None
         self.seconds: float | None = None
-        self.kernels: list[str] = []
+        self.kernels: list[dict[str, str]] = []
         self._began: float | None = None
         try:
             from triton import knobs
@@ -85,7 +85,10 @@ class CompileCounter:
             return
         self.count += 1
         self.seconds += time.perf_counter() - self._began
-        self.kernels.append(str(hook.get("repr", "?")))
+        # The kernel's name and Triton's specialisation key (each argument's type and properties,
+        # e.g. divisibility by 16): two compilations of one kernel differ in the key.
+        name = str(hook.get("repr", "?")).split("[", 1)[0]
+        self.kernels.append({"name": name, "key": str(hook.get("key", "?"))})
         self._began = None
 
     def take(self) -> dict[str, Any]:

@@ -175,6 +175,38 @@ def test_the_report_draws_a_png(scripts: dict[str, ModuleType], tmp_path: Path) 
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_one_launch_counts_compilations_and_gc_pauses(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    knobs = pytest.importorskip("triton.knobs")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import pipeline_cells
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    compiles = pipeline_cells.CompileCounter()
+    assert knobs.runtime.jit_cache_hook is not None
+    # What Triton's JIT does around a compilation (the hook's keyword arguments).
+    assert compiles._before(key="k", repr="_kernel[num_warps=4](x: ())") is False
+    compiles._after(key=(("*bf16", "D"), ("i32", "")), repr="_kernel[num_warps=4](x: ())")
+    taken = compiles.take()
+    assert taken["count"] == 1
+    assert taken["seconds"] >= 0
+    assert taken["kernels"] == [{"name": "_kernel", "key": "(('*bf16', 'D'), ('i32', ''))"}]
+    assert compiles.take() == {"count": 0, "seconds": 0.0, "kernels": []}
+
+    pauses = pipeline_cells.GcPauses()
+    try:
+        pauses.take()
+        gc.collect()
+        taken = pauses.take()
+    finally:
+        gc.callbacks.remove(pauses._callback)
+    assert taken["full_count"] == 1
+    assert taken["count"] >= 1
+    assert 0 <= taken["longest_seconds"] <= taken["seconds"] + 1e-12
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("one_launch", [False, True], ids=["a-launch-per-cell", "one-launch"])
 def test_bench_pipeline_runs_every_schedule_on_two_cpu_stages(tmp_path: Path, one_launch: bool) -> None:
