@@ -113,7 +113,7 @@ def load_kept_tile(
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "row_offset"])
 def _dropout_keep_mask_kernel(
     seed_ptr, mask_ptr, M, K, row_offset, keep_threshold, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
 ):

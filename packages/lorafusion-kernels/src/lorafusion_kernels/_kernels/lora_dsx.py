@@ -27,7 +27,7 @@ from lorafusion_kernels.tuning.config import KernelConfig, register_heuristic
 KERNEL = "dsx"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "m_per_split"])
 def _lora_dsx_kernel(
     ds_ptr,
     x_ptr,

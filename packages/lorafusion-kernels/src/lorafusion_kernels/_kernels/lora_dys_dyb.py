@@ -28,7 +28,7 @@ from lorafusion_kernels.tuning.config import KernelConfig, register_heuristic
 KERNEL = "dys_dyb"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _lora_dys_dyb_kernel(
     dy_ptr,
     b_ptr,

@@ -44,7 +44,7 @@ def _lora_start(ds, a, offs_m, c_start, seed_ptr, inv_keep, keep_threshold, HAS_
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _lora_dyw_dsa_kernel(
     dy_ptr,
     w_ptr,
@@ -96,7 +96,7 @@ def _lora_dyw_dsa_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _lora_dyw_dsa_tma_kernel(
     dy_desc,
     w_desc,

@@ -27,7 +27,7 @@ from lorafusion_kernels.tuning.config import KernelConfig, register_heuristic
 KERNEL = "xa"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _lora_xa_kernel(
     x_ptr,
     a_ptr,

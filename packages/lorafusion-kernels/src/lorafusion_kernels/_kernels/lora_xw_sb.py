@@ -26,7 +26,7 @@ from lorafusion_kernels.tuning.config import KernelConfig, register_heuristic
 KERNEL = "xw_sb"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _lora_xw_sb_kernel(
     x_ptr,
     w_ptr,
@@ -76,7 +76,7 @@ def _lora_xw_sb_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _lora_xw_sb_tma_kernel(
     x_desc,
     w_desc,

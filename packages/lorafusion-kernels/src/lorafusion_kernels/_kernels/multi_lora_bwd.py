@@ -220,7 +220,7 @@ def _routed_dsa(
     return lora
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _multi_lora_dx_kernel(
     dy_ptr,
     w_ptr,
@@ -266,7 +266,7 @@ def _multi_lora_dx_kernel(
     tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=(offs_m[:, None] < T) & (offs_k[None, :] < K))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _multi_lora_dx_tma_kernel(
     dy_desc,
     w_desc,

@@ -128,7 +128,7 @@ def _routed_sb(
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _multi_lora_linear_kernel(
     x_ptr,
     w_ptr,
@@ -172,7 +172,7 @@ def _multi_lora_linear_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < T) & (offs_n[None, :] < N))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _multi_lora_linear_tma_kernel(
     x_desc,
     w_desc,
