@@ -48,7 +48,7 @@ register_fallback(DA_KERNEL, lora_dsx.KERNEL)
 register_fallback(DX_KERNEL, lora_dyw_dsa.KERNEL)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_n"])
 def _multi_lora_dy_kernel(
     dy_ptr,
     b_ptr,
@@ -64,10 +64,11 @@ def _multi_lora_dy_kernel(
     stride_sm,
     stride_dsm,
     stride_dbn,
+    split_n,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    SPLIT_N: tl.constexpr,
+    ATOMIC_DS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -81,7 +82,7 @@ def _multi_lora_dy_kernel(
     )
     dy_rows = dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym
     ds_acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for n0 in range(pid_split * BLOCK_N, N, SPLIT_N * BLOCK_N):
+    for n0 in range(pid_split * BLOCK_N, N, split_n * BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         dyt = tl.load(dy_rows + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0)
@@ -96,13 +97,13 @@ def _multi_lora_dy_kernel(
         tl.atomic_add(db_ptrs, db, mask=n_mask[:, None] & r_mask[None, :], sem="relaxed")
     ds_ptrs = ds_ptr + offs_m.to(tl.int64)[:, None] * stride_dsm + offs_r[None, :]
     ds_mask = m_mask[:, None] & r_mask[None, :]
-    if SPLIT_N == 1:
-        tl.store(ds_ptrs, ds_acc * scale, mask=ds_mask)
-    else:
+    if ATOMIC_DS:
         tl.atomic_add(ds_ptrs, ds_acc * scale, mask=ds_mask, sem="relaxed")
+    else:
+        tl.store(ds_ptrs, ds_acc * scale, mask=ds_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split"])
 def _multi_lora_da_kernel(
     ds_ptr,
     x_ptr,
@@ -118,14 +119,14 @@ def _multi_lora_da_kernel(
     stride_xm,
     stride_os,
     stride_om,
-    SPLIT: tl.constexpr,
+    split,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid ``(adapters, cdiv(K, BLOCK_K), SPLIT)``: program ``(a, j, s)`` sums every ``SPLIT``-th tile.
+    """Grid ``(adapters, cdiv(K, BLOCK_K), split)``: program ``(a, j, s)`` sums every ``split``-th tile.
 
     The tiles are adapter ``a``'s own; the sum goes to column block ``j`` of its rows in the partial
     ``out[s]`` (the partials are summed later in a fixed order).
@@ -142,7 +143,7 @@ def _multi_lora_da_kernel(
     k_mask = offs_k < K
     seed_lo, seed_hi, thr = adapter_dropout(seed_ptr, thr_ptr, adapter, HAS_DROPOUT)
     acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
-    for t in range(t0 + pid_s, t1, SPLIT):
+    for t in range(t0 + pid_s, t1, split):
         row0 = tl.load(tiles_ptr + t * 3)
         row1 = tl.load(tiles_ptr + t * 3 + 1)
         offs_m = row0 + tl.arange(0, BLOCK_M)
@@ -362,10 +363,11 @@ def multi_lora_dys_dyb(
             s.stride(0),
             ds.stride(0),
             db.stride(0),
+            split,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             BLOCK_R=block_r,
-            SPLIT_N=split,
+            ATOMIC_DS=split > 1,
             DOT_PRECISION=dot_precision(dy.dtype),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
@@ -433,7 +435,7 @@ def multi_lora_dsx(
         x.stride(0),
         partial_stride(out),
         out.stride(-2),
-        SPLIT=split,
+        split,
         BLOCK_M=cfg.block_m,
         BLOCK_K=cfg.block_n,
         BLOCK_R=block_r,
