@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lorafusion_megatron.pipeline.engine import ActionTiming, EngineStats
-from lorafusion_megatron.pipeline.trace import chrome_trace, replay
+from lorafusion_megatron.pipeline.engine import EngineStats
+from lorafusion_megatron.pipeline.trace import ActionTiming, Timeline, chrome_trace, replay
 
 
 def _stats(stage: int, actions: list[tuple[str, int, float]], *, replica: int = 0, gap: float = 0.5) -> EngineStats:
@@ -14,7 +14,7 @@ def _stats(stage: int, actions: list[tuple[str, int, float]], *, replica: int = 
     clock = 0.0
     for kind, key, seconds in actions:
         clock += gap
-        stats.timeline.append(ActionTiming(key, kind == "B", 100 + key, clock, clock + seconds))
+        stats.timeline.append(key, backward=kind == "B", tokens=100 + key, start=clock, end=clock + seconds)
         clock += seconds
     return stats
 
@@ -55,11 +55,23 @@ def test_one_stage_has_no_bubble_to_replay() -> None:
 
 def test_timelines_that_do_not_form_a_pipeline_are_refused() -> None:
     first, last = _two_stage_1f1b()
-    last.timeline = [a for a in last.timeline if a.key != 1]  # stage 1 never ran microbatch 1
+    kept = Timeline()  # stage 1 never ran microbatch 1
+    for a in last.timeline:
+        if a.key != 1:
+            kept.append(a.key, backward=a.backward, tokens=a.tokens, start=a.start, end=a.end)
+    last.timeline = kept
     with pytest.raises(ValueError, match="deadlock"):
         replay([first, last])
     with pytest.raises(ValueError, match="missing"):
         replay([last])
+
+
+def test_a_timeline_gives_back_what_it_recorded() -> None:
+    timeline = Timeline()
+    timeline.append(7, backward=True, tokens=300, start=1.5, end=2.25)
+    timeline.append(8, backward=False, tokens=12, start=2.5, end=2.75)
+    assert len(timeline) == 2
+    assert list(timeline) == [ActionTiming(7, True, 300, 1.5, 2.25), ActionTiming(8, False, 12, 2.5, 2.75)]
 
 
 def test_the_chrome_trace_has_a_box_per_action_on_its_stages_row() -> None:

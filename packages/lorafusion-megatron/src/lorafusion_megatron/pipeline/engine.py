@@ -46,6 +46,7 @@ from lorafusion_megatron.dropout_seeds import drawing_for
 from lorafusion_megatron.pipeline.activations import backward_from, release_storage
 from lorafusion_megatron.pipeline.p2p import Expect, PipelineMismatchError, Transfer
 from lorafusion_megatron.pipeline.schedule import Exchange, one_f_one_b
+from lorafusion_megatron.pipeline.trace import Timeline
 
 if TYPE_CHECKING:
     import torch
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
     from lorafusion_megatron.pipeline.stopping import StopAgreement
     from lorafusion_sched.models import Microbatch
 
-__all__ = ["ActionTiming", "EngineStats", "StageEngine", "StepRecord"]
+__all__ = ["EngineStats", "StageEngine", "StepRecord"]
 
 _log = logging.getLogger(__name__)
 
@@ -84,25 +85,6 @@ class StepRecord:
     loss: float | None
 
 
-@dataclass(frozen=True)
-class ActionTiming:
-    """One forward or backward of one microbatch on this stage (host clock, compute stream synchronised).
-
-    Attributes:
-        key: The microbatch's index in the whole program (the same on every stage).
-        backward: Backward (else forward).
-        tokens: The microbatch's real tokens.
-        start: Seconds since this engine's first :meth:`StageEngine.execute` began.
-        end: As ``start``, when the action's compute had finished.
-    """
-
-    key: int
-    backward: bool
-    tokens: int
-    start: float
-    end: float
-
-
 @dataclass
 class EngineStats:
     """What one stage measured.
@@ -120,7 +102,7 @@ class EngineStats:
         tokens: Real tokens of the microbatches this replica ran.
         microbatches: Microbatches run (no-ops included).
         steps: The steps taken, in order.
-        timeline: Every forward and backward, in the order they ran (see :mod:`.trace`).
+        timeline: Every forward and backward, in the order they ran (:mod:`.trace`).
     """
 
     stage: int
@@ -134,7 +116,7 @@ class EngineStats:
     tokens: int = 0
     microbatches: int = 0
     steps: list[StepRecord] = field(default_factory=list)
-    timeline: list[ActionTiming] = field(default_factory=list)
+    timeline: Timeline = field(default_factory=Timeline)
 
     @property
     def bubble_ratio(self) -> float:
@@ -412,7 +394,9 @@ class StageEngine:
         end = time.perf_counter()
         assert self._origin is not None
         self.stats.busy_seconds += end - begin
-        self.stats.timeline.append(ActionTiming(key, backward, tokens, begin - self._origin, end - self._origin))
+        self.stats.timeline.append(
+            key, backward=backward, tokens=tokens, start=begin - self._origin, end=end - self._origin
+        )
         return end - begin
 
     def _forward(self, key: int, microbatch: Microbatch, batch: PackedBatch, inputs: torch.Tensor | None) -> _InFlight:

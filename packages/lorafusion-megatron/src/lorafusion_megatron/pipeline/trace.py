@@ -1,6 +1,8 @@
 """What the stages' timelines say: a trace to look at, and the bubble the measured durations imply.
 
-Every stage records each forward and backward it ran (:class:`~.engine.ActionTiming`).
+Every stage records each forward and backward it ran in a :class:`Timeline` (flat arrays, not one
+Python object per action: a long run records millions, which the garbage collector would have to
+walk, see :mod:`lorafusion_megatron.gc_tuning`).
 :func:`chrome_trace` lays them out in the Chrome trace event format (open the file in
 https://ui.perfetto.dev or chrome://tracing): one process per data-parallel replica, one row per
 stage, one box per action.
@@ -16,15 +18,62 @@ steps, packing, host work between actions).
 
 from __future__ import annotations
 
+from array import array
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lorafusion_megatron.pipeline.engine import ActionTiming, EngineStats
+    from lorafusion_megatron.pipeline.engine import EngineStats
 
-__all__ = ["Replay", "chrome_trace", "replay"]
+__all__ = ["ActionTiming", "Replay", "Timeline", "chrome_trace", "replay"]
+
+
+@dataclass(frozen=True)
+class ActionTiming:
+    """One forward or backward of one microbatch on a stage (host clock, compute stream synchronised).
+
+    Attributes:
+        key: The microbatch's index in the whole program (the same on every stage).
+        backward: Backward (else forward).
+        tokens: The microbatch's real tokens.
+        start: Seconds since the stage's engine first began to execute.
+        end: As ``start``, when the action's compute had finished.
+    """
+
+    key: int
+    backward: bool
+    tokens: int
+    start: float
+    end: float
+
+
+class Timeline:
+    """A stage's actions in the order they ran, as flat arrays (iterate for :class:`ActionTiming`)."""
+
+    def __init__(self) -> None:
+        self._keys = array("q")
+        self._tokens = array("q")
+        self._backward = array("b")
+        self._starts = array("d")
+        self._ends = array("d")
+
+    def append(self, key: int, *, backward: bool, tokens: int, start: float, end: float) -> None:
+        """Record one action."""
+        self._keys.append(key)
+        self._tokens.append(tokens)
+        self._backward.append(backward)
+        self._starts.append(start)
+        self._ends.append(end)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __iter__(self) -> Iterator[ActionTiming]:
+        columns = zip(self._keys, self._backward, self._tokens, self._starts, self._ends, strict=True)
+        for key, backward, tokens, start, end in columns:
+            yield ActionTiming(key, bool(backward), tokens, start, end)
 
 
 def chrome_trace(stats: Sequence[EngineStats]) -> dict[str, Any]:
@@ -78,7 +127,7 @@ def replay(stats: Sequence[EngineStats]) -> Replay:
     """
     by_replica: dict[int, dict[int, list[ActionTiming]]] = defaultdict(dict)
     for rank_stats in stats:
-        by_replica[rank_stats.replica][rank_stats.stage] = rank_stats.timeline
+        by_replica[rank_stats.replica][rank_stats.stage] = list(rank_stats.timeline)
     wall = 0.0
     bubbles: dict[int, float] = defaultdict(float)
     for replica, timelines in sorted(by_replica.items()):
