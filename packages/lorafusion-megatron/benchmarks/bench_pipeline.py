@@ -13,11 +13,12 @@ time of the program; the bubble ratio of a stage is ``1 - busy / wall`` of its s
 
 Method, as for ``bench_trainer.py``: an untimed warm-up launch first (the first cell with
 ``--warmup-samples`` samples per job, one global batch by default: Triton compiles the kernels for
-every specialisation a timed cell meets, into its on-disk cache, which the later launches read;
-with ``--one-launch``, into the process itself), then ``--repeats`` rounds over the cells, the schedules of each ``n``
-interleaved and their order rotated each round; the results give the median, min and max over the
-repeats. The baselines run plain PEFT LoRA layers (``runtime.fused_kernels: false``, as in the
-paper, which gives Megatron-LM and mLoRA the unfused LoRA kernel) unless ``--baseline-kernels fused``.
+the specialisations the timed cells meet, into its on-disk cache, which the later launches read;
+with ``--one-launch``, into the process itself), then ``--repeats`` rounds over the cells, the
+schedules of each ``n`` interleaved and their order rotated each round; the results give the
+median, min and max over the repeats. The baselines run plain PEFT LoRA layers
+(``runtime.fused_kernels: false``, as in the paper, which gives Megatron-LM and mLoRA the unfused
+LoRA kernel) unless ``--baseline-kernels fused``.
 Cells run in priority order (all schedules at the first ``--adapters`` count, then ``lorafusion``
 at the other counts, then the baselines there, round by round); with ``--deadline-seconds`` a launch
 predicted (from the launches before it) to end past the deadline is skipped and recorded as such.
@@ -464,8 +465,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--warmup-samples",
         type=int,
-        help="samples per job of the untimed warm-up (0: none; default: one global batch, which meets the "
-        "kernels' specialisations a timed cell meets, so none compiles inside a timed cell)",
+        help="samples per job of the untimed warm-up (0: none; default: one global batch, so that the kernels "
+        "are compiled for the microbatch shapes the timed cells meet)",
     )
     parser.add_argument("--deadline-seconds", type=float, help="launch nothing predicted to end after this")
     parser.add_argument(
