@@ -58,7 +58,8 @@ def test_every_schedule_ends_with_the_trainers_adapters(tiny_base: Path, tmp_pat
     assert summary["tokens"] > 0
     assert len(summary["bubble_ratio_per_stage"]) == 1
     (idle,) = summary["idle_shares_per_stage"]
-    assert set(idle) == {"exchange", "optimizer", "pack", "other"}
+    assert set(idle) == {"exchange", "norm_wait", "optimizer", "pack", "other"}
+    assert idle["norm_wait"] == 0  # one stage waits for no other stage's norm
     assert all(share >= 0 for share in idle.values())
     assert sum(idle.values()) >= summary["bubble_ratio"] - 1e-9  # the parts cover the idle time
     assert idle["optimizer"] > 0  # 8 steps
@@ -92,6 +93,7 @@ def test_demo_on_two_pipeline_stages_ends_with_the_single_process_adapters(tmp_p
     assert len(summary["bubble_ratio_per_stage"]) == 2
     # The durations alone imply at most the measured bubble (the rest is the runtime's own), up to
     # the skew of the stages' clocks, which start at a barrier.
+    assert all(shares["norm_wait"] >= 0 for shares in summary["idle_shares_per_stage"])
     replayed = summary["replayed_bubble_ratio_per_stage"]
     assert all(0 < r <= m + 0.02 for r, m in zip(replayed, summary["bubble_ratio_per_stage"], strict=True))
     config = build_demo(tmp_path / "single", samples_per_job=12, epochs=1)

@@ -96,6 +96,8 @@ class EngineStats:
         busy_seconds: Time spent computing forwards and backwards.
         exchange_seconds: Time in transfers with the neighbours (mostly waiting for them).
         step_seconds: Time in optimizer steps (both halves).
+        norm_wait_seconds: The part of ``step_seconds`` spent waiting for the other stages'
+            gradient norms (a stage that steps before a stage behind it posted its norm).
         pack_seconds: Time packing microbatches and moving them to the device.
         first_forward_seconds: The first forward alone (one-time costs: kernels loaded, memory
             allocated), part of ``busy_seconds``.
@@ -111,6 +113,7 @@ class EngineStats:
     busy_seconds: float = 0.0
     exchange_seconds: float = 0.0
     step_seconds: float = 0.0
+    norm_wait_seconds: float = 0.0
     pack_seconds: float = 0.0
     first_forward_seconds: float | None = None
     tokens: int = 0
@@ -127,7 +130,12 @@ class EngineStats:
         """Where the idle time went, as shares of the wall time (``other``: the engine's own host work)."""
         if self.wall_seconds <= 0:
             return {}
-        parts = {"exchange": self.exchange_seconds, "optimizer": self.step_seconds, "pack": self.pack_seconds}
+        parts = {
+            "exchange": self.exchange_seconds,
+            "norm_wait": self.norm_wait_seconds,
+            "optimizer": self.step_seconds - self.norm_wait_seconds,
+            "pack": self.pack_seconds,
+        }
         shares = {name: seconds / self.wall_seconds for name, seconds in parts.items()}
         shares["other"] = max(0.0, self.bubble_ratio - sum(shares.values()))
         return shares
@@ -467,9 +475,12 @@ class StageEngine:
         for adapter in [a for a in self._unfinished if a in adapters]:
             begin = time.perf_counter()
             loss = self._unfinished.pop(adapter)
-            stats = self.optimizers[adapter].finish_step()
+            optimizer = self.optimizers[adapter]
+            waited = optimizer.norm_wait_seconds
+            stats = optimizer.finish_step()
             self._synchronize()
             self.stats.step_seconds += time.perf_counter() - begin
+            self.stats.norm_wait_seconds += optimizer.norm_wait_seconds - waited
             self._steps_done[adapter] = stats.step
             record = StepRecord(
                 adapter=adapter,

@@ -25,6 +25,7 @@ only after stage 0 has run it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,8 @@ class StageOptimizer:
         self.inner = AdapterOptimizer(job.model_copy(update={"max_grad_norm": None}), parameters, total_steps)
         self._posted: tuple[Any, torch.Tensor] | None = None
         """The posted all-reduce of :meth:`begin_step` and its host tensor of squared norms."""
+        self.norm_wait_seconds = 0.0
+        """Time :meth:`finish_step` spent waiting for the other stages' norms, all steps together."""
 
     @property
     def stepping(self) -> bool:
@@ -110,7 +113,9 @@ class StageOptimizer:
         self._posted = None
         norm = value
         if work is not None:
+            begin = time.perf_counter()
             work.wait()
+            self.norm_wait_seconds += time.perf_counter() - begin
             norm = value.sqrt()
         if self.max_grad_norm is not None:
             # The same float32 arithmetic as torch.nn.utils.clip_grad_norm_.
