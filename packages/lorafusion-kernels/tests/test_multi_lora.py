@@ -456,7 +456,7 @@ def test_scaling_and_p_stay_fp32_values() -> None:
     assert dev.scaling.dtype == torch.float32
     assert dev.scaling[0].item() == pytest.approx(1.0 / 3.0, rel=1e-7)
     assert dev.inv_keep[0].item() == pytest.approx(1.0 / 0.9, rel=1e-7)
-    assert dev.thresholds.tolist() == [math.ceil(0.1 * 2**24), 0]
+    assert dev.thresholds.tolist() == [math.ceil(0.1 * 2**16), 0]
     assert dev.ranks.tolist() == [[8, 0], [16, 8]]
 
 

@@ -2,7 +2,7 @@
 
 :func:`dropout_keep_mask` reproduces bit for bit the mask that the Triton kernels draw (see
 ``lorafusion_kernels._kernels.dropout`` for the scheme: Philox4x32-7 keyed by the int64 seed,
-counter ``(col // 4, row)``, integer threshold ``ceil(p * 2**24)``). Tests inject it into the
+counter ``(col // 8, row)``, 16 random bits per element, integer threshold ``ceil(p * 2**16)``). Tests inject it into the
 float64 reference, and the plain-torch CPU path uses it, so every device draws the same mask for
 the same seed.
 """
@@ -29,14 +29,14 @@ _SEED_HIGH = 1 << 62
 
 
 def keep_threshold(p: float) -> int:
-    """The integer threshold ``ceil(p * 2**24)``: an element is kept when its 24 random bits reach it.
+    """The integer threshold ``ceil(p * 2**16)``: an element is kept when its 16 random bits reach it.
 
     Raises:
         LoRAFusionKernelsError: if ``p`` is not in ``[0, 1)``.
     """
     if not 0.0 <= p < 1.0:
         raise LoRAFusionKernelsError(f"dropout probability must be in [0, 1), got {p}")
-    return math.ceil(p * (1 << 24))
+    return math.ceil(p * (1 << 16))
 
 
 def draw_seed(device: torch.device | str) -> torch.Tensor:
@@ -110,11 +110,12 @@ def dropout_keep_mask(
         ``[rows, cols]`` bool tensor, True where the element is kept (and scaled by ``1 / (1 - p)``).
     """
     threshold = keep_threshold(p)
-    groups = (cols + 3) // 4
+    groups = (cols + 7) // 8
     row_ids = torch.arange(row_offset, row_offset + rows, dtype=torch.int64, device=device)
     col_ids = torch.arange(groups, dtype=torch.int64, device=device)
     c0 = col_ids[None, :].expand(rows, groups).contiguous()
     c1 = row_ids[:, None].expand(rows, groups).contiguous()
     outputs = _philox4x32(c0, c1, seed)
-    bits = torch.stack(outputs, dim=-1).reshape(rows, groups * 4)[:, :cols]
-    return (bits >> 8) >= threshold
+    words = torch.stack(outputs, dim=-1)  # [rows, groups, 4]
+    halves = torch.stack((words & 0xFFFF, words >> 16), dim=-1).reshape(rows, groups * 8)[:, :cols]
+    return halves >= threshold

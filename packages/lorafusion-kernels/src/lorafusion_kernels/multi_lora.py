@@ -83,7 +83,7 @@ class _DeviceParams:
     inv_keep: torch.Tensor
     """fp32 ``[n]``: ``1 / (1 - p_a)``."""
     thresholds: torch.Tensor
-    """int32 ``[n]``: ``ceil(p_a * 2**24)``."""
+    """int32 ``[n]``: ``ceil(p_a * 2**16)``."""
     zero_seed: torch.Tensor
     """int64 ``[1]``, passed where no dropout runs (the kernels never read it then)."""
 

@@ -6,10 +6,11 @@ mask nor ``x_hat`` is ever stored. The scheme, mirrored bit for bit in plain tor
 :func:`lorafusion_kernels.dropout.dropout_keep_mask`:
 
 - Philox4x32 with 7 rounds, key ``(seed_lo, seed_hi)`` (the two 32-bit halves of the int64 seed),
-  counter ``(col // 4, row, 0, 0)``; its four 32-bit outputs serve columns ``4 * (col // 4) + t``,
-  ``t = 0..3`` (one Philox call per four elements).
-- ``keep = (out_t >> 8) >= ceil(p * 2**24)``: an integer comparison, so the mask does not depend on
-  floating-point rounding of ``p`` on any device; ``P(keep) = 1 - p`` to within ``2**-24``.
+  counter ``(col // 8, row, 0, 0)``; its four 32-bit outputs, cut into eight 16-bit halves (low half
+  first), serve columns ``8 * (col // 8) + t``, ``t = 0..7`` (one Philox call per eight elements:
+  the random numbers, not the loads, were what the memory-bound passes waited for).
+- ``keep = half_t >= ceil(p * 2**16)``: an integer comparison, so the mask does not depend on
+  floating-point rounding of ``p`` on any device; ``P(keep) = 1 - p`` to within ``2**-16``.
 
 Multi-adapter kernels use the same function with ``row`` the token's row in the packed batch and a
 per-segment threshold.
@@ -57,19 +58,21 @@ def dropout_keep_tile(seed_lo, seed_hi, offs_m, k_start, keep_threshold, BLOCK_K
         seed_lo: Low 32 bits of the seed (uint32), from :func:`load_seed`.
         seed_hi: High 32 bits of the seed (uint32).
         offs_m: ``[BLOCK_M]`` global row indices (any int dtype, non-negative).
-        k_start: First global column of the tile; must be a multiple of 4.
-        keep_threshold: ``ceil(p * 2**24)`` as int32 (see :func:`lorafusion_kernels.dropout.keep_threshold`).
-        BLOCK_K: Tile width, a power of two >= 4.
+        k_start: First global column of the tile; must be a multiple of 8.
+        keep_threshold: ``ceil(p * 2**16)`` as int32 (see :func:`lorafusion_kernels.dropout.keep_threshold`).
+        BLOCK_K: Tile width, a power of two >= 8.
     """
-    cols4 = (k_start // 4 + tl.arange(0, BLOCK_K // 4)).to(tl.uint32)
+    cols8 = (k_start // 8 + tl.arange(0, BLOCK_K // 8)).to(tl.uint32)
     rows = offs_m.to(tl.uint32)
-    c0 = cols4[None, :] + rows[:, None] * 0
-    c1 = rows[:, None] + cols4[None, :] * 0
+    c0 = cols8[None, :] + rows[:, None] * 0
+    c1 = rows[:, None] + cols8[None, :] * 0
     zero = c0 * 0
     r0, r1, r2, r3 = _philox4x32(c0, c1, zero, zero, seed_lo, seed_hi)
-    # Column 4j + t takes output t of counter j: interleaving twice lays out r0, r1, r2, r3 in turn.
-    bits = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))
-    return (bits >> 8).to(tl.int32) >= keep_threshold
+    # Counter j's words in turn (interleaving twice lays out r0, r1, r2, r3), then each word's two
+    # halves, low first: column 8j + t takes half t % 2 of word t // 2.
+    words = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))
+    halves = tl.interleave(words & 0xFFFF, words >> 16)
+    return halves.to(tl.int32) >= keep_threshold
 
 
 @triton.jit
@@ -100,8 +103,8 @@ def load_kept_tile(
         seed_lo: Philox key from :func:`dropout_key`.
         seed_hi: Second half of the key.
         offs_m: ``[BLOCK_M]`` rows of the tile in ``x`` (the mask's row index).
-        k_start: Column of the tile's first element, a multiple of 4.
-        keep_threshold: ``ceil(p * 2**24)``, a scalar or per row ``[BLOCK_M, 1]``.
+        k_start: Column of the tile's first element, a multiple of 8.
+        keep_threshold: ``ceil(p * 2**16)``, a scalar or per row ``[BLOCK_M, 1]``.
         HAS_DROPOUT: False loads the tile unchanged (no random numbers).
         BLOCK_K: Tile width.
         mask: Which elements exist (the others load as 0).
@@ -136,7 +139,7 @@ def dropout_keep_mask_triton(
         seed: 1-element int64 tensor on the target device.
         m: Rows.
         k: Columns.
-        keep_threshold: ``ceil(p * 2**24)``.
+        keep_threshold: ``ceil(p * 2**16)``.
         row_offset: Added to every row index (rows of a segment inside a packed batch).
     """
     out = torch.empty((m, k), dtype=torch.int8, device=seed.device)

@@ -107,7 +107,7 @@ def lora_dsx(
         x: ``[M, K]`` the saved (undropped) input.
         out_dtype: dtype of ``dA`` (that of ``A``).
         inv_keep: ``1 / (1 - p)``.
-        keep_threshold: ``ceil(p * 2**24)``.
+        keep_threshold: ``ceil(p * 2**16)``.
         seed: The forward's ``[1]`` int64 seed tensor.
         has_dropout: Whether ``p > 0``.
         config: Launch config; looked up by shape when None.

@@ -171,7 +171,7 @@ def lora_dyw_dsa(
         ds: ``[M, R]`` from :func:`lora_dys_dyb`.
         lora_a: ``[R, K]``.
         inv_keep: ``1 / (1 - p)``.
-        keep_threshold: ``ceil(p * 2**24)``.
+        keep_threshold: ``ceil(p * 2**16)``.
         seed: The forward's ``[1]`` int64 seed tensor.
         has_dropout: Whether ``p > 0``.
         config: Launch config; looked up by shape when None.

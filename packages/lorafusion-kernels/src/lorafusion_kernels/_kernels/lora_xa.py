@@ -110,7 +110,7 @@ def lora_xa(
         x: ``[M, K]`` activations (fp16, bf16 or fp32).
         lora_a: ``[R, K]`` LoRA A (any float dtype; cast to ``x.dtype`` in the kernel).
         scale: ``scaling / (1 - p)`` as a runtime fp32 scalar.
-        keep_threshold: ``ceil(p * 2**24)``.
+        keep_threshold: ``ceil(p * 2**16)``.
         seed: ``[1]`` int64 seed tensor on ``x``'s device (read only with dropout).
         has_dropout: Whether ``p > 0`` (compiles the RNG in; False draws no random numbers).
         config: Launch config; looked up by shape when None.

@@ -9,7 +9,7 @@ Token ``t`` of adapter ``a = a(t)``:
 
 ``S'`` is FusedLoRA's split point, scaled once in fp32 before its single rounding. Routing tables come
 from :class:`lorafusion_kernels.metadata.MultiLoRABatch`; per-adapter ``(r_a, roff_a)`` come as an
-int32 ``[n, 2]`` table, ``scaling_a / (1 - p_a)`` (fp32) and ``ceil(p_a * 2**24)`` (int32) as ``[n]``
+int32 ``[n, 2]`` table, ``scaling_a / (1 - p_a)`` (fp32) and ``ceil(p_a * 2**16)`` (int32) as ``[n]``
 vectors, so no value is rounded to the activation dtype and none is a constexpr.
 """
 
@@ -242,7 +242,7 @@ def multi_lora_shrink(
         block_r: Rank tile (power of two >= every ``r_a``, at least 16): the width of ``S'``.
         max_rank: Largest ``r_a`` (the config lookup key).
         ranks: int32 ``[n, 2]``: ``(r_a, roff_a)``.
-        thresholds: int32 ``[n]``: ``ceil(p_a * 2**24)``.
+        thresholds: int32 ``[n]``: ``ceil(p_a * 2**16)``.
         s_scale: fp32 ``[n]``: ``scaling_a / (1 - p_a)``.
         seed: int64 ``[1]`` dropout seed (read only with dropout).
         has_dropout: Whether any adapter has ``p > 0`` (otherwise no RNG is compiled in).

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from lorafusion_kernels.tuning.config import KernelConfig
 
-SEARCH_SPACE_ID = "v2"
-"""Recorded in each file's provenance; bump it when the candidates below change (v2: the multi_* kernels)."""
+SEARCH_SPACE_ID = "v3"
+"""Recorded in each file's provenance; bump it when the candidates below change (v2: the multi_* kernels;
+v3: 256-row tiles for the skinny passes)."""
 
 MODEL_LAYERS: dict[str, list[tuple[str, int, int]]] = {
     # (layer, n = out_features, k = in_features); q/k/v fused into one qkv projection as LoRAFusion does.
@@ -40,9 +41,14 @@ _SHRINK = [
     for bk in (64, 128, 256)
 ]
 _SKINNY = [
-    KernelConfig(block_m=bm, block_n=bn, block_k=16, split=0, num_warps=4, num_stages=3)
-    for bm in (32, 64, 128)
-    for bn in (64, 128, 256)
+    *(
+        KernelConfig(block_m=bm, block_n=bn, block_k=16, split=0, num_warps=4, num_stages=3)
+        for bm in (32, 64, 128)
+        for bn in (64, 128, 256)
+    ),
+    # Taller tiles: dys_dyb adds one [BLOCK_N, r] partial of dB per row block with fp32 atomics, so
+    # 256 rows issue a quarter of the atomics of 64 (at M = 8192, N = 4096, r = 16: 2.1M against 8.4M).
+    *(KernelConfig(block_m=256, block_n=bn, block_k=16, split=0, num_warps=8, num_stages=3) for bn in (32, 64)),
 ]
 
 CANDIDATES: dict[str, list[KernelConfig]] = {
