@@ -2,9 +2,9 @@
 
 :func:`dropout_keep_mask` reproduces bit for bit the mask that the Triton kernels draw (see
 ``lorafusion_kernels._kernels.dropout`` for the scheme: Philox4x32-7 keyed by the int64 seed,
-counter ``(col // 8, row)``, 16 random bits per element, integer threshold ``ceil(p * 2**16)``). Tests inject it into the
-float64 reference, and the plain-torch CPU path uses it, so every device draws the same mask for
-the same seed.
+counter ``(col // 8, row)``, 16 random bits per element, integer threshold ``ceil(p * 2**16)``).
+Tests inject it into the float64 reference, and the plain-torch CPU path uses it, so every device
+draws the same mask for the same seed.
 """
 
 from __future__ import annotations
