@@ -117,6 +117,28 @@ def test_other_kernel_paths(configs):
         check_against_reference(inputs, p=0.2)
 
 
+@pytest.mark.parametrize(("a_dtype", "b_dtype"), [(torch.float32, torch.float32), (torch.float32, torch.float16)])
+def test_lora_parameters_in_another_dtype(a_dtype, b_dtype):
+    """fp32 adapters on an fp16 layer (PEFT's autocast_adapter_dtype): gradients come back in each parameter's dtype.
+
+    The kernels cast A and B to x's dtype, so with parameters that fp16 holds exactly the result must be
+    the all-fp16 run's, except that dA and dB skip the final rounding to fp16.
+    """
+    inputs = make_lora_inputs(37, 45, 29, 8, dtype=torch.float16)
+    dy = torch.randn(37, 45, generator=torch.Generator().manual_seed(2)).half()
+    results = []
+    for dtypes in ((a_dtype, b_dtype), (torch.float16, torch.float16)):
+        a, b = (t.detach().to(d).requires_grad_() for t, d in zip((inputs.lora_a, inputs.lora_b), dtypes, strict=True))
+        y = fused_lora_linear(inputs.x, inputs.weight, a, b, scaling=1.7, dropout_p=0.25, seed=5)
+        results.append((y, *torch.autograd.grad(y, [inputs.x, a, b], dy)))
+    (y, dx, da, db), (y16, dx16, da16, db16) = results
+    assert (da.dtype, db.dtype) == (a_dtype, b_dtype)
+    assert torch.equal(y, y16)
+    assert torch.equal(dx, dx16)
+    torch.testing.assert_close(da.half(), da16, rtol=0, atol=0)
+    torch.testing.assert_close(db.half(), db16, rtol=0, atol=0)
+
+
 def test_deterministic_mode_is_reproducible_and_matches(monkeypatch):
     inputs = make_lora_inputs(45, 40, 56, 8, dtype=torch.float32)
     dy = torch.randn(45, 40, generator=torch.Generator().manual_seed(1))

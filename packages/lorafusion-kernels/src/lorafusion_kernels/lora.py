@@ -35,7 +35,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from lorafusion_kernels._kernels._common import MAX_RANK, runs_triton
+from lorafusion_kernels._kernels._common import MAX_RANK, runs_triton, zeroed_fp32
 from lorafusion_kernels._kernels.lora_dsx import lora_dsx
 from lorafusion_kernels._kernels.lora_dys_dyb import lora_dys_dyb
 from lorafusion_kernels._kernels.lora_dyw_dsa import lora_dyw_dsa
@@ -157,7 +157,15 @@ def _backward_impl(
     threshold = keep_threshold(dropout_p)
     inv_keep = 1.0 / (1.0 - dropout_p)
     has_dropout = dropout_p > 0.0
-    ds, db = lora_dys_dyb(dy, lora_b, s, scaling=scaling, deterministic=deterministic)
+    if deterministic:
+        ds, db = lora_dys_dyb(dy, lora_b, s, scaling=scaling, deterministic=True)
+        da_out = None
+    else:
+        # One zeroed fp32 buffer [dB | dA | dS] takes every atomic sum: one fill, and for parameters
+        # of one dtype one conversion of the [dB | dA] span (none for fp32 parameters).
+        (m, n), (r, k) = dy.shape, lora_a.shape
+        buffer, (db, da_out, ds) = zeroed_fp32((n, r), (r, k), (m, r), device=dy.device)
+        lora_dys_dyb(dy, lora_b, s, scaling=scaling, deterministic=False, accumulators=(ds, db))
     da = lora_dsx(
         ds,
         x,
@@ -166,6 +174,7 @@ def _backward_impl(
         keep_threshold=threshold,
         seed=seed,
         has_dropout=has_dropout,
+        out=da_out,
     )
     if need_dx:
         dx = lora_dyw_dsa(
@@ -173,7 +182,25 @@ def _backward_impl(
         )
     else:
         dx = dy.new_empty(0)
+    if not deterministic:
+        da, db = _parameter_grads(buffer, db, da, lora_a.dtype, lora_b.dtype)
     return dx, da, db
+
+
+def _parameter_grads(
+    buffer: torch.Tensor, db32: torch.Tensor, da32: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dA, dB)`` in the parameters' dtypes from the fp32 accumulators at the start of ``buffer`` (dB, then dA).
+
+    fp32 parameters take the accumulators as they are; parameters of one lower dtype take one
+    conversion kernel for both (the two results are views of its output).
+    """
+    if a_dtype == b_dtype == torch.float32:
+        return da32, db32
+    if a_dtype != b_dtype:
+        return da32.to(a_dtype), db32.to(b_dtype)
+    converted = buffer[: db32.numel() + da32.numel()].to(a_dtype)
+    return converted[db32.numel() :].view(da32.shape), converted[: db32.numel()].view(db32.shape)
 
 
 _forward_op = torch.library.custom_op(
@@ -200,9 +227,18 @@ def _forward_fake(
     return x.new_empty((x.shape[0], weight.shape[0])), x.new_empty((x.shape[0], lora_a.shape[0]))
 
 
+def _backward_op_impl(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_backward_impl` for the custom op, whose outputs may not share storage: dA is copied out.
+
+    (Eager calls keep dA and dB as views of one buffer; the copy costs one tiny kernel under compile.)
+    """
+    dx, da, db = _backward_impl(*args)
+    return dx, (da.clone() if da.untyped_storage().data_ptr() == db.untyped_storage().data_ptr() else da), db
+
+
 _backward_op = torch.library.custom_op(
     "lorafusion::fused_lora_backward",
-    _backward_impl,
+    _backward_op_impl,
     mutates_args=(),
     schema="(Tensor dy, Tensor x, Tensor weight, Tensor lora_a, Tensor lora_b, Tensor s, Tensor seed, "
     "float scaling, float dropout_p, bool need_dx, bool deterministic) -> (Tensor, Tensor, Tensor)",

@@ -165,6 +165,20 @@ def partial_stride(out: torch.Tensor) -> int:
     return out.stride(0) if out.dim() == 3 else 0
 
 
+def zeroed_fp32(*shapes: tuple[int, int], device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A zeroed fp32 buffer and views of it of ``shapes``, consecutive: one fill kernel for them all.
+
+    Atomic accumulators of one backward share it, and consecutive results of one dtype can be
+    converted by a single ``.to`` of the span of the buffer that holds them.
+
+    Returns:
+        ``(buffer, views)``: the flat buffer and one view per shape, in order.
+    """
+    sizes = [rows * cols for rows, cols in shapes]
+    buffer = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+    return buffer, [part.view(shape) for part, shape in zip(buffer.split(sizes), shapes, strict=True)]
+
+
 def reduce_split_output(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The result in ``dtype`` from :func:`split_output`'s buffer."""
     return out if out.dim() == 2 else out.sum(dim=0).to(dtype)

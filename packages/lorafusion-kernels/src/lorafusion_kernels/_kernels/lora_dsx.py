@@ -47,6 +47,7 @@ def _lora_dsx_kernel(
     inv_keep,
     keep_threshold,
     HAS_DROPOUT: tl.constexpr,
+    ATOMIC_OUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -76,14 +77,14 @@ def _lora_dsx_kernel(
             seed_lo, seed_hi, offs_m, pid_k * BLOCK_N, keep_threshold, HAS_DROPOUT, BLOCK_N,
             mask=mask_m[:, None] & mask_c[None, :],
         )  # fmt: skip
-        acc = tl.dot(tl.trans(ds), x, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(tl.trans(ds.to(x.dtype)), x, acc, input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
         acc = acc * inv_keep
-    tl.store(
-        out_ptr + pid_s * stride_os + offs_r[:, None] * stride_or + offs_c[None, :] * stride_ok,
-        acc.to(out_ptr.dtype.element_ty),
-        mask=mask_r[:, None] & mask_c[None, :],
-    )
+    out_ptrs = out_ptr + pid_s * stride_os + offs_r[:, None] * stride_or + offs_c[None, :] * stride_ok
+    if ATOMIC_OUT:
+        tl.atomic_add(out_ptrs, acc, mask=mask_r[:, None] & mask_c[None, :])
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_c[None, :])
 
 
 register_heuristic(KERNEL, SKINNY_HEURISTIC)
@@ -98,29 +99,34 @@ def lora_dsx(
     keep_threshold: int,
     seed: torch.Tensor,
     has_dropout: bool,
+    out: torch.Tensor | None = None,
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """``dA = dS^T (keep * x) * inv_keep``.
 
     Args:
-        ds: ``[M, R]``.
+        ds: ``[M, R]`` in x's dtype or fp32 (cast to x's dtype in the kernel).
         x: ``[M, K]`` the saved (undropped) input.
         out_dtype: dtype of ``dA`` (that of ``A``).
         inv_keep: ``1 / (1 - p)``.
         keep_threshold: ``ceil(p * 2**16)``.
         seed: The forward's ``[1]`` int64 seed tensor.
         has_dropout: Whether ``p > 0``.
+        out: A zeroed fp32 ``[R, K]`` to add dA into with atomics (then ``out_dtype`` is ignored and
+            ``out`` is returned); None sums the row slices in a fixed order (deterministic).
         config: Launch config; looked up by shape when None.
 
     Returns:
-        ``[R, K]`` in ``out_dtype``.
+        ``[R, K]`` in ``out_dtype``, or ``out``.
     """
     m, k = x.shape
     r = ds.shape[1]
     cfg = config or launch_config(KERNEL, x, m=m, n=r, k=k, r=r)
     tiles = triton.cdiv(k, cfg.block_n)
     split, m_per_split = split_reduction(cfg.split, x, tiles=tiles, length=m, block=cfg.block_m)
-    out = split_output(split, (r, k), out_dtype, x.device)
+    atomic = out is not None
+    if out is None:
+        out = split_output(split, (r, k), out_dtype, x.device)
     _lora_dsx_kernel[(tiles, split)](
         ds,
         x,
@@ -134,12 +140,13 @@ def lora_dsx(
         ds.stride(1),
         x.stride(0),
         x.stride(1),
-        partial_stride(out),
+        0 if atomic else partial_stride(out),
         out.stride(-2),
         out.stride(-1),
         inv_keep,
         keep_threshold,
         HAS_DROPOUT=has_dropout,
+        ATOMIC_OUT=atomic,
         DOT_PRECISION=dot_precision(x.dtype),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -147,4 +154,4 @@ def lora_dsx(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    return reduce_split_output(out, out_dtype)
+    return out if atomic else reduce_split_output(out, out_dtype)

@@ -157,6 +157,7 @@ def lora_dys_dyb(
     *,
     scaling: float,
     deterministic: bool = False,
+    accumulators: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: KernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dS = scaling * dy B`` and ``dB = dy^T S'``.
@@ -167,10 +168,14 @@ def lora_dys_dyb(
         s: ``[M, R]`` saved ``S'`` (``dy.dtype``).
         scaling: The LoRA scaling (fp32 runtime scalar).
         deterministic: No atomics: two launches (dy read twice), bitwise reproducible.
+        accumulators: Zeroed fp32 ``(dS [M, R], dB [N, R])`` to write into (see
+            :func:`~lorafusion_kernels._kernels._common.zeroed_fp32`); they are returned as they
+            are, with no conversion kernels. Ignored in deterministic mode.
         config: Launch config; looked up by shape when None.
 
     Returns:
-        ``(dS [M, R] in dy.dtype, dB [N, R] in lora_b.dtype)``.
+        ``(dS [M, R], dB [N, R])``: the ``accumulators``, or ``dS`` in ``dy.dtype`` and ``dB`` in
+        ``lora_b.dtype``.
     """
     m, n = dy.shape
     r = lora_b.shape[1]
@@ -185,6 +190,11 @@ def lora_dys_dyb(
                 ds_scale=1.0, compute_db=False, split=1, cfg=cfg)  # fmt: skip
         return ds, db
     split = resolve_split(cfg.split, dy, tiles=triton.cdiv(m, cfg.block_m), steps=triton.cdiv(n, cfg.block_n))
+    if accumulators is not None:
+        ds_out, db32 = accumulators
+        _launch(dy, (dy.stride(0), dy.stride(1)), m, n, lora_b, s, ds_out, db32,
+                ds_scale=scaling, compute_db=True, split=split, cfg=cfg)  # fmt: skip
+        return ds_out, db32
     db32 = torch.zeros((n, r), dtype=torch.float32, device=dy.device)
     if split > 1:
         ds_out = torch.zeros((m, r), dtype=torch.float32, device=dy.device)

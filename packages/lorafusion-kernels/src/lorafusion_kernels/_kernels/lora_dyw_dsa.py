@@ -35,7 +35,7 @@ KERNEL = "dyw_dsa"
 @triton.jit
 def _lora_start(ds, a, offs_m, c_start, seed_ptr, inv_keep, keep_threshold, HAS_DROPOUT: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """The accumulator's start ``keep * (dS A) / (1 - p)`` for one ``[BLOCK_M, BLOCK_N]`` tile."""
+    """The accumulator's start ``keep * (dS A) / (1 - p)`` for one ``[BLOCK_M, BLOCK_N]`` tile (ds in dy's dtype)."""
     acc = tl.dot(ds, a.to(ds.dtype), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
         seed_lo, seed_hi = load_seed(seed_ptr)
@@ -81,6 +81,7 @@ def _lora_dyw_dsa_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     ds = tl.load(ds_ptr + rows[:, None] * stride_dsm + offs_r[None, :] * stride_dsr, mask=mask_r[None, :], other=0.0)
+    ds = ds.to(dy_ptr.dtype.element_ty)
     a = tl.load(a_ptr + offs_r[:, None] * stride_ar + cols[None, :] * stride_ak, mask=mask_r[:, None], other=0.0)
     acc = _lora_start(
         ds, a, offs_m, pid_c * BLOCK_N, seed_ptr, inv_keep, keep_threshold, HAS_DROPOUT, DOT_PRECISION, BLOCK_N
@@ -134,7 +135,7 @@ def _lora_dyw_dsa_tma_kernel(
         ds_ptr + offs_m[:, None] * stride_dsm + offs_r[None, :] * stride_dsr,
         mask=(offs_m[:, None] < M) & mask_r[None, :],
         other=0.0,
-    )
+    ).to(dx_desc.dtype)
     a = tl.load(
         a_ptr + offs_r[:, None] * stride_ar + offs_c[None, :] * stride_ak,
         mask=mask_r[:, None] & (offs_c[None, :] < K),
@@ -168,7 +169,7 @@ def lora_dyw_dsa(
     Args:
         dy: ``[M, N]``.
         weight: ``[N, K]`` frozen base weight.
-        ds: ``[M, R]`` from :func:`lora_dys_dyb`.
+        ds: ``[M, R]`` from :func:`lora_dys_dyb`, in dy's dtype or fp32 (cast in the kernel).
         lora_a: ``[R, K]``.
         inv_keep: ``1 / (1 - p)``.
         keep_threshold: ``ceil(p * 2**16)``.
@@ -188,7 +189,7 @@ def lora_dyw_dsa(
     meta = gemm_meta(cfg, block_r=rank_block(r), dtype=dy.dtype)
     sizes = (m, n, k, r)
     dropout = (inv_keep, keep_threshold)
-    if cfg.tma and ds.dtype == dy.dtype and tma_ok(dy, weight, dx):
+    if cfg.tma and tma_ok(dy, weight, dx):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         _lora_dyw_dsa_tma_kernel[grid](
