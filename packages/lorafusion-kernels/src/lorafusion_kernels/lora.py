@@ -166,9 +166,6 @@ def _backward_impl(
         (m, n), (r, k) = dy.shape, lora_a.shape
         buffer, (db, da_out, ds) = zeroed_fp32((n, r), (r, k), (m, r), device=dy.device)
         lora_dys_dyb(dy, lora_b, s, scaling=scaling, deterministic=False, accumulators=(ds, db))
-    # The dA pass draws the mask anyway and leaves it as bits (M * K / 8 bytes, freed with this
-    # backward) for the dx GEMM, whose tiles would otherwise each draw it again before their loop.
-    keep_bits = x.new_empty((x.shape[0], -(-x.shape[1] // 8)), dtype=torch.uint8) if has_dropout and need_dx else None
     da = lora_dsx(
         ds,
         x,
@@ -178,13 +175,11 @@ def _backward_impl(
         seed=seed,
         has_dropout=has_dropout,
         out=da_out,
-        keep_bits=keep_bits,
     )
     if need_dx:
         dx = lora_dyw_dsa(
-            dy, weight, ds, lora_a, inv_keep=inv_keep, keep_threshold=threshold, seed=seed, has_dropout=has_dropout,
-            keep_bits=keep_bits,
-        )  # fmt: skip
+            dy, weight, ds, lora_a, inv_keep=inv_keep, keep_threshold=threshold, seed=seed, has_dropout=has_dropout
+        )
     else:
         dx = dy.new_empty(0)
     if not deterministic:

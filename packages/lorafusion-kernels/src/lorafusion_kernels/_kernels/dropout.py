@@ -116,25 +116,6 @@ def load_kept_tile(
     return x
 
 
-@triton.jit
-def pack_keep_bits(keep, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``[BLOCK_M, BLOCK_N // 8]`` uint8: bit ``t`` of byte ``j`` is ``keep[:, 8 * j + t]``.
-
-    The backward's dA pass draws the mask anyway; it leaves these bytes (an eighth of a byte per
-    element, freed with the backward) for the dx GEMM, which then reads instead of redrawing.
-    """
-    shifts = tl.arange(0, BLOCK_N) % 8
-    weighted = keep.to(tl.int32) << shifts[None, :]
-    return tl.sum(tl.reshape(weighted, (BLOCK_M, BLOCK_N // 8, 8)), axis=2).to(tl.uint8)
-
-
-@triton.jit
-def unpack_keep_bits(packed, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The ``[BLOCK_M, BLOCK_N]`` bool mask of :func:`pack_keep_bits`' ``[BLOCK_M, BLOCK_N // 8]`` bytes."""
-    bits = (packed.to(tl.int32)[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
-    return tl.reshape(bits, (BLOCK_M, BLOCK_N)) != 0
-
-
 @triton.jit(do_not_specialize=["M", "row_offset"])
 def _dropout_keep_mask_kernel(
     seed_ptr, mask_ptr, M, K, row_offset, keep_threshold, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr

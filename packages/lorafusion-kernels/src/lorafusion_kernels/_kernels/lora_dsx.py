@@ -1,10 +1,8 @@
 """Backward, skinny pass: ``dA = dS^T x_hat = dS^T (keep * x) / (1 - p)``, the mask regenerated.
 
 Shapes: ``dS [M, R]``, ``x [M, K]``, ``dA [R, K]``. Program ``(j, s)`` owns columns
-``[j * BLOCK_N, ...)`` of dA and the ``s``-th slice of the rows. The slices are either summed in
-a fixed order (an fp32 workspace ``[split, R, K]`` reduced by torch: deterministic) or added with
-atomics into a zeroed fp32 dA the caller passes (no extra kernels). With dropout the pass can also
-leave the keep mask as bits (``keep_bits``) for the dx GEMM, which then need not draw it again.
+``[j * BLOCK_N, ...)`` of dA and the ``s``-th slice of the rows; slices are summed in a fixed
+order (an fp32 workspace ``[split, R, K]`` reduced by torch), so the result is deterministic.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from lorafusion_kernels._kernels._common import (
     split_output,
     split_reduction,
 )
-from lorafusion_kernels._kernels.dropout import dropout_keep_tile, dropout_key, pack_keep_bits
+from lorafusion_kernels._kernels.dropout import dropout_key, load_kept_tile
 from lorafusion_kernels.tuning.config import KernelConfig, register_heuristic
 
 KERNEL = "dsx"
@@ -35,7 +33,6 @@ def _lora_dsx_kernel(
     x_ptr,
     out_ptr,
     seed_ptr,
-    bits_ptr,
     M,
     K,
     R,
@@ -47,11 +44,9 @@ def _lora_dsx_kernel(
     stride_os,
     stride_or,
     stride_ok,
-    stride_bm,
     inv_keep,
     keep_threshold,
     HAS_DROPOUT: tl.constexpr,
-    STORE_BITS: tl.constexpr,
     ATOMIC_OUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -77,21 +72,11 @@ def _lora_dsx_kernel(
             mask=mask_m[:, None] & mask_r[None, :],
             other=0.0,
         )
-        x = tl.load(
+        x = load_kept_tile(
             x_ptr + offs_m[:, None] * stride_xm + offs_c[None, :] * stride_xk,
+            seed_lo, seed_hi, offs_m, pid_k * BLOCK_N, keep_threshold, HAS_DROPOUT, BLOCK_N,
             mask=mask_m[:, None] & mask_c[None, :],
-            other=0.0,
-        )
-        if HAS_DROPOUT:
-            keep = dropout_keep_tile(seed_lo, seed_hi, offs_m, pid_k * BLOCK_N, keep_threshold, BLOCK_N)
-            x = tl.where(keep, x, 0.0)
-            if STORE_BITS:
-                offs_b = pid_k * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
-                tl.store(
-                    bits_ptr + offs_m[:, None] * stride_bm + offs_b[None, :],
-                    pack_keep_bits(keep, BLOCK_M, BLOCK_N),
-                    mask=mask_m[:, None] & (offs_b[None, :] < tl.cdiv(K, 8)),
-                )
+        )  # fmt: skip
         acc = tl.dot(tl.trans(ds.to(x.dtype)), x, acc, input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
         acc = acc * inv_keep
@@ -115,7 +100,6 @@ def lora_dsx(
     seed: torch.Tensor,
     has_dropout: bool,
     out: torch.Tensor | None = None,
-    keep_bits: torch.Tensor | None = None,
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """``dA = dS^T (keep * x) * inv_keep``.
@@ -130,8 +114,6 @@ def lora_dsx(
         has_dropout: Whether ``p > 0``.
         out: A zeroed fp32 ``[R, K]`` to add dA into with atomics (then ``out_dtype`` is ignored and
             ``out`` is returned); None sums the row slices in a fixed order (deterministic).
-        keep_bits: With dropout, a uint8 ``[M, cdiv(K, 8)]`` to fill with the keep mask, 8 columns
-            per byte (:func:`~lorafusion_kernels._kernels.dropout.pack_keep_bits`), for the dx GEMM.
         config: Launch config; looked up by shape when None.
 
     Returns:
@@ -150,7 +132,6 @@ def lora_dsx(
         x,
         out,
         seed,
-        keep_bits if keep_bits is not None else seed,
         m,
         k,
         r,
@@ -162,11 +143,9 @@ def lora_dsx(
         0 if atomic else partial_stride(out),
         out.stride(-2),
         out.stride(-1),
-        keep_bits.stride(0) if keep_bits is not None else 0,
         inv_keep,
         keep_threshold,
         HAS_DROPOUT=has_dropout,
-        STORE_BITS=has_dropout and keep_bits is not None,
         ATOMIC_OUT=atomic,
         DOT_PRECISION=dot_precision(x.dtype),
         BLOCK_M=cfg.block_m,

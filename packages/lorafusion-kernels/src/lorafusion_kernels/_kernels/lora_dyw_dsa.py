@@ -26,33 +26,20 @@ from lorafusion_kernels._kernels._common import (
     tma_ok,
     wrapped_tile,
 )
-from lorafusion_kernels._kernels.dropout import dropout_keep_tile, load_seed, unpack_keep_bits
+from lorafusion_kernels._kernels.dropout import dropout_keep_tile, load_seed
 from lorafusion_kernels.tuning.config import KernelConfig, register_heuristic
 
 KERNEL = "dyw_dsa"
 
 
 @triton.jit
-def _lora_start(ds, a, offs_m, c_start, seed_ptr, bits_ptr, stride_bm, M, K, inv_keep, keep_threshold,
-                HAS_DROPOUT: tl.constexpr, KEEP_BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """The accumulator's start ``keep * (dS A) / (1 - p)`` for one ``[BLOCK_M, BLOCK_N]`` tile (ds in dy's dtype).
-
-    The mask comes from the dA pass's bits (``KEEP_BITS``) or is drawn again from the seed.
-    """
+def _lora_start(ds, a, offs_m, c_start, seed_ptr, inv_keep, keep_threshold, HAS_DROPOUT: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The accumulator's start ``keep * (dS A) / (1 - p)`` for one ``[BLOCK_M, BLOCK_N]`` tile (ds in dy's dtype)."""
     acc = tl.dot(ds, a.to(ds.dtype), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
-        if KEEP_BITS:
-            offs_b = c_start // 8 + tl.arange(0, BLOCK_N // 8)
-            packed = tl.load(
-                bits_ptr + offs_m[:, None] * stride_bm + offs_b[None, :],
-                mask=(offs_m[:, None] < M) & (offs_b[None, :] < tl.cdiv(K, 8)),
-                other=0,
-            )
-            keep = unpack_keep_bits(packed, BLOCK_M, BLOCK_N)
-        else:
-            seed_lo, seed_hi = load_seed(seed_ptr)
-            keep = dropout_keep_tile(seed_lo, seed_hi, offs_m, c_start, keep_threshold, BLOCK_N)
+        seed_lo, seed_hi = load_seed(seed_ptr)
+        keep = dropout_keep_tile(seed_lo, seed_hi, offs_m, c_start, keep_threshold, BLOCK_N)
         acc = tl.where(keep, acc * inv_keep, 0.0)
     return acc
 
@@ -65,7 +52,6 @@ def _lora_dyw_dsa_kernel(
     a_ptr,
     dx_ptr,
     seed_ptr,
-    bits_ptr,
     M,
     N,
     K,
@@ -80,11 +66,9 @@ def _lora_dyw_dsa_kernel(
     stride_ak,
     stride_dxm,
     stride_dxk,
-    stride_bm,
     inv_keep,
     keep_threshold,
     HAS_DROPOUT: tl.constexpr,
-    KEEP_BITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -99,8 +83,9 @@ def _lora_dyw_dsa_kernel(
     ds = tl.load(ds_ptr + rows[:, None] * stride_dsm + offs_r[None, :] * stride_dsr, mask=mask_r[None, :], other=0.0)
     ds = ds.to(dy_ptr.dtype.element_ty)
     a = tl.load(a_ptr + offs_r[:, None] * stride_ar + cols[None, :] * stride_ak, mask=mask_r[:, None], other=0.0)
-    acc = _lora_start(ds, a, offs_m, pid_c * BLOCK_N, seed_ptr, bits_ptr, stride_bm, M, K, inv_keep, keep_threshold,
-                      HAS_DROPOUT, KEEP_BITS, DOT_PRECISION, BLOCK_M, BLOCK_N)  # fmt: skip
+    acc = _lora_start(
+        ds, a, offs_m, pid_c * BLOCK_N, seed_ptr, inv_keep, keep_threshold, HAS_DROPOUT, DOT_PRECISION, BLOCK_N
+    )
     offs_k = tl.arange(0, BLOCK_K)
     dy_ptrs = dy_ptr + rows[:, None] * stride_dym + offs_k[None, :] * stride_dyn
     w_ptrs = w_ptr + offs_k[:, None] * stride_wn + cols[None, :] * stride_wk
@@ -120,7 +105,6 @@ def _lora_dyw_dsa_tma_kernel(
     ds_ptr,
     a_ptr,
     seed_ptr,
-    bits_ptr,
     M,
     N,
     K,
@@ -129,11 +113,9 @@ def _lora_dyw_dsa_tma_kernel(
     stride_dsr,
     stride_ar,
     stride_ak,
-    stride_bm,
     inv_keep,
     keep_threshold,
     HAS_DROPOUT: tl.constexpr,
-    KEEP_BITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -159,8 +141,7 @@ def _lora_dyw_dsa_tma_kernel(
         mask=mask_r[:, None] & (offs_c[None, :] < K),
         other=0.0,
     )
-    acc = _lora_start(ds, a, offs_m, off_c, seed_ptr, bits_ptr, stride_bm, M, K, inv_keep, keep_threshold,
-                      HAS_DROPOUT, KEEP_BITS, DOT_PRECISION, BLOCK_M, BLOCK_N)  # fmt: skip
+    acc = _lora_start(ds, a, offs_m, off_c, seed_ptr, inv_keep, keep_threshold, HAS_DROPOUT, DOT_PRECISION, BLOCK_N)
     for n in range(tl.cdiv(N, BLOCK_K)):
         dy = dy_desc.load([off_m, n * BLOCK_K])
         w = w_desc.load([n * BLOCK_K, off_c])
@@ -181,7 +162,6 @@ def lora_dyw_dsa(
     keep_threshold: int,
     seed: torch.Tensor,
     has_dropout: bool,
-    keep_bits: torch.Tensor | None = None,
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """``dx = dy W + keep * (dS A) * inv_keep``.
@@ -195,8 +175,6 @@ def lora_dyw_dsa(
         keep_threshold: ``ceil(p * 2**16)``.
         seed: The forward's ``[1]`` int64 seed tensor.
         has_dropout: Whether ``p > 0``.
-        keep_bits: The mask as :func:`~lorafusion_kernels._kernels.lora_dsx.lora_dsx` left it
-            (uint8 ``[M, cdiv(K, 8)]``); None draws it again from the seed.
         config: Launch config; looked up by shape when None.
 
     Returns:
@@ -210,9 +188,7 @@ def lora_dyw_dsa(
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(k, cfg.block_n),)
     meta = gemm_meta(cfg, block_r=rank_block(r), dtype=dy.dtype)
     sizes = (m, n, k, r)
-    bits = keep_bits if keep_bits is not None else seed
-    dropout = (keep_bits.stride(0) if keep_bits is not None else 0, inv_keep, keep_threshold)
-    flags = {"HAS_DROPOUT": has_dropout, "KEEP_BITS": has_dropout and keep_bits is not None}
+    dropout = (inv_keep, keep_threshold)
     if cfg.tma and tma_ok(dy, weight, dx):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -220,11 +196,12 @@ def lora_dyw_dsa(
             TensorDescriptor.from_tensor(dy, [cfg.block_m, cfg.block_k]),
             TensorDescriptor.from_tensor(weight, [cfg.block_k, cfg.block_n]),
             TensorDescriptor.from_tensor(dx, [cfg.block_m, cfg.block_n]),
-            ds, lora_a, seed, bits, *sizes, *ds.stride(), *lora_a.stride(), *dropout, **flags, **meta,
+            ds, lora_a, seed, *sizes, *ds.stride(), *lora_a.stride(), *dropout, HAS_DROPOUT=has_dropout, **meta,
         )  # fmt: skip
         return dx
     _lora_dyw_dsa_kernel[grid](
-        dy, weight, ds, lora_a, dx, seed, bits, *sizes,
-        *dy.stride(), *weight.stride(), *ds.stride(), *lora_a.stride(), *dx.stride(), *dropout, **flags, **meta,
+        dy, weight, ds, lora_a, dx, seed, *sizes,
+        *dy.stride(), *weight.stride(), *ds.stride(), *lora_a.stride(), *dx.stride(), *dropout,
+        HAS_DROPOUT=has_dropout, **meta,
     )  # fmt: skip
     return dx
