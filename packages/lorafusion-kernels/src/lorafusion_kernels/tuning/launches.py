@@ -75,6 +75,7 @@ def _random(problem: LayerProblem, *shape: int, scale: float = 1.0, dtype: torch
 
 def single_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
     """The FusedLoRA kernels ``xa``, ``xw_sb``, ``dys_dyb``, ``dsx``, ``dyw_dsa``."""
+    from lorafusion_kernels._kernels._common import zeroed_fp32
     from lorafusion_kernels._kernels.lora_dsx import lora_dsx
     from lorafusion_kernels._kernels.lora_dys_dyb import lora_dys_dyb
     from lorafusion_kernels._kernels.lora_dyw_dsa import lora_dyw_dsa
@@ -95,12 +96,16 @@ def single_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
         "has_dropout": p > 0,
     }
     inv_keep = 1.0 / (1.0 - p)
+    # As the op's backward runs them: fp32 accumulators, dA by atomics.
+    _, (db32, da32, ds32) = zeroed_fp32((n, r), (r, k), (m, r), device=x.device)
     return {
         "xa": lambda c: lambda: lora_xa(x, a, scale=2.0, config=c, **dropout),
         "xw_sb": lambda c: lambda: lora_xw_sb(x, w, s, b, None, config=c),
-        "dys_dyb": lambda c: lambda: lora_dys_dyb(dy, b, s, scaling=2.0, config=c),
-        "dsx": lambda c: lambda: lora_dsx(s, x, out_dtype=problem.dtype, inv_keep=inv_keep, config=c, **dropout),
-        "dyw_dsa": lambda c: lambda: lora_dyw_dsa(dy, w, s, a, inv_keep=inv_keep, config=c, **dropout),
+        "dys_dyb": lambda c: lambda: lora_dys_dyb(dy, b, s, scaling=2.0, accumulators=(ds32, db32), config=c),
+        "dsx": lambda c: (
+            lambda: lora_dsx(ds32, x, out_dtype=problem.dtype, inv_keep=inv_keep, out=da32, config=c, **dropout)
+        ),
+        "dyw_dsa": lambda c: lambda: lora_dyw_dsa(dy, w, ds32, a, inv_keep=inv_keep, config=c, **dropout),
     }
 
 
