@@ -174,9 +174,12 @@ def zeroed_fp32(*shapes: tuple[int, int], device: torch.device) -> tuple[torch.T
     Returns:
         ``(buffer, views)``: the flat buffer and one view per shape, in order.
     """
-    sizes = [rows * cols for rows, cols in shapes]
-    buffer = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
-    return buffer, [part.view(shape) for part, shape in zip(buffer.split(sizes), shapes, strict=True)]
+    buffer = torch.zeros(sum(rows * cols for rows, cols in shapes), dtype=torch.float32, device=device)
+    views, start = [], 0
+    for rows, cols in shapes:
+        views.append(buffer[start : start + rows * cols].view(rows, cols))
+        start += rows * cols
+    return buffer, views
 
 
 def reduce_split_output(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
