@@ -105,8 +105,10 @@ class Replay:
 
     Attributes:
         wall_seconds: The replay's makespan (the slowest replica's).
-        bubble_ratio_per_stage: ``1 - busy / end`` per stage, ``end`` when its last action ended
-            in the replay (the slowest replica's, as the measured bubble ratio per stage).
+        bubble_ratio_per_stage: ``1 - busy / makespan`` per stage, the makespan being its
+            replica's (the largest ratio over the replicas), as the simulator counts it and as the
+            engine measures it (a stage's clock runs until the run's last optimizer steps, which
+            wait for stage 0's last backward, so the drain at the end counts on every stage).
     """
 
     wall_seconds: float
@@ -134,11 +136,11 @@ def replay(stats: Sequence[EngineStats]) -> Replay:
         if sorted(timelines) != list(range(len(timelines))):
             raise ValueError(f"replica {replica} has the timelines of stages {sorted(timelines)}: one is missing")
         ends = _replay_replica([timelines[s] for s in range(len(timelines))])
-        for stage, stage_ends in enumerate(ends):
-            end = max(stage_ends.values(), default=0.0)
+        makespan = max((max(stage_ends.values(), default=0.0) for stage_ends in ends), default=0.0)
+        wall = max(wall, makespan)
+        for stage in range(len(ends)):
             busy = sum(a.end - a.start for a in timelines[stage])
-            wall = max(wall, end)
-            bubbles[stage] = max(bubbles[stage], 1.0 - busy / end if end > 0 else 0.0)
+            bubbles[stage] = max(bubbles[stage], 1.0 - busy / makespan if makespan > 0 else 0.0)
     return Replay(wall_seconds=wall, bubble_ratio_per_stage=[bubbles[s] for s in sorted(bubbles)])
 
 
