@@ -274,6 +274,31 @@ def test_zero_b_with_dropout_is_exactly_the_frozen_layer() -> None:
 
 @INTERPRET
 @pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_fp32_adapters_on_an_fp16_layer(deterministic: bool) -> None:
+    """fp32 adapters (PEFT's autocast default) on fp16 activations, one adapter fp16: each gradient in its dtype.
+
+    The adapters are stacked in fp32 and cast to fp16 inside the kernels; with values fp16 holds
+    exactly, output and dx equal the all-fp16 run's, and dA/dB equal it once rounded to fp16.
+    """
+    case = MIXED
+    dy = torch.randn(case.t, case.n, generator=torch.Generator().manual_seed(5)).half()
+    half = make_inputs(case, torch.float16)
+    mixed = detached(half, torch.float16)
+    mixed["lora_a"] = [a.detach().float().requires_grad_() for a in half["lora_a"]]
+    mixed["lora_b"] = [b.detach().float().requires_grad_() for b in half["lora_b"][:-1]]
+    mixed["lora_b"].append(half["lora_b"][-1].detach().clone().requires_grad_())
+    y_half = run_fused(case, half, dy, seed=21, deterministic=deterministic)
+    y_mixed = run_fused(case, mixed, dy, seed=21, deterministic=deterministic)
+    assert torch.equal(y_mixed, y_half)
+    assert torch.equal(mixed["x"].grad, half["x"].grad)
+    for got, want in zip([*mixed["lora_a"], *mixed["lora_b"]], [*half["lora_a"], *half["lora_b"]], strict=True):
+        assert got.grad.dtype == got.dtype
+        assert torch.equal(got.grad.to(torch.float16), want.grad)
+
+
+@INTERPRET
+@pytest.mark.usefixtures("interpreter")
 def test_deterministic_mode_is_bitwise_reproducible() -> None:
     case = MIXED
     results = []

@@ -231,8 +231,10 @@ def fused_multi_lora_linear(
         y = _single_adapter(x2, weight, lora_a[only], lora_b[only], scales[only], ps[only], bias, seed, deterministic)
     elif runs_triton(x2):
         params = _AdapterParams(tuple(a.shape[0] for a in lora_a), scales, ps)
-        a_cat = torch.cat([a.to(x.dtype) for a in lora_a], dim=0)
-        b_cat = torch.cat([b.to(x.dtype) for b in lora_b], dim=1)
+        # Stacked in the adapters' own dtype (fp32 under PEFT's default autocast): the kernels cast
+        # tiles to x's dtype as they load them, and the gradients come back without conversions.
+        a_cat = torch.cat([a.to(_stack_dtype(lora_a)) for a in lora_a], dim=0)
+        b_cat = torch.cat([b.to(_stack_dtype(lora_b)) for b in lora_b], dim=1)
         if deterministic is None:
             deterministic = deterministic_mode()
         if torch.compiler.is_compiling():
@@ -402,8 +404,17 @@ def _backward_core(
         "has_dropout": params.has_dropout,
     }
     dx = multi_lora_dyw_dsa(dy, weight, ds, a_cat, batch, **dropout) if need_dx else dy.new_empty(0)
-    da = multi_lora_dsx(ds, x, batch, r_tot=a_cat.shape[0], **dropout) if need_da else x.new_empty(0)
+    da = (
+        multi_lora_dsx(ds, x, batch, r_tot=a_cat.shape[0], out_dtype=a_cat.dtype, **dropout)
+        if need_da
+        else x.new_empty(0)
+    )
     return dx, da, db.to(b_cat.dtype)
+
+
+def _stack_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """The dtype that holds every one of ``tensors`` exactly (their promotion: fp32 if any is fp32)."""
+    return functools.reduce(torch.promote_types, (t.dtype for t in tensors))
 
 
 @functools.lru_cache(maxsize=64)
@@ -525,7 +536,7 @@ def _op_backward_fake(
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dx = dy.new_empty((dy.shape[0], weight.shape[1])) if need_dx else dy.new_empty(0)
-    da = x.new_empty(a_cat.shape) if need_da else x.new_empty(0)
+    da = torch.empty_like(a_cat) if need_da else x.new_empty(0)
     return dx, da, torch.empty_like(b_cat)
 
 
@@ -653,6 +664,6 @@ def _dys_dyb_by_segment(
         if r == 0:
             continue
         rows = slice(start, start + length)
-        ds[rows, :r] = (dy[rows] @ b_cat[:, roff : roff + r]).float() * scale
+        ds[rows, :r] = (dy[rows] @ b_cat[:, roff : roff + r].to(dy.dtype)).float() * scale
         db[:, roff : roff + r] += (dy[rows].t() @ s[rows, :r]).float()
     return ds, db

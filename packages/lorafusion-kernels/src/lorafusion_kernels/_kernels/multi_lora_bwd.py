@@ -91,7 +91,7 @@ def _multi_lora_dy_kernel(
             mask=n_mask[:, None] & r_mask[None, :],
             other=0.0,
         )
-        ds_acc = tl.dot(dyt, bt, ds_acc, input_precision=DOT_PRECISION)
+        ds_acc = tl.dot(dyt, bt.to(dyt.dtype), ds_acc, input_precision=DOT_PRECISION)
         db = tl.dot(tl.trans(dyt), st, input_precision=DOT_PRECISION)
         db_ptrs = db_ptr + offs_n.to(tl.int64)[:, None] * stride_dbn + (roff + offs_r)[None, :]
         tl.atomic_add(db_ptrs, db, mask=n_mask[:, None] & r_mask[None, :], sem="relaxed")
@@ -186,8 +186,11 @@ def _routed_dsa(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DTYPE: tl.constexpr,
 ):
     """``keep_a * (dS A_a) / (1 - p_a)`` on row tile ``pid_m`` (fp32 ``[BLOCK_M, BLOCK_N]``), routed per segment.
+
+    ``dS`` (fp32) and ``A`` (the adapters' dtype) enter the dot in ``DTYPE``, the activations' dtype.
 
     The dropout mask is drawn once for the whole tile with per-row thresholds (rows of different
     segments may have different p). The caller starts its GEMM accumulator from this tile, so only
@@ -210,7 +213,7 @@ def _routed_dsa(
             mask=r_mask[:, None] & k_mask[None, :],
             other=0.0,
         )
-        lora = tl.dot(dst.to(at.dtype), at, lora, input_precision=DOT_PRECISION)
+        lora = tl.dot(dst.to(DTYPE), at.to(DTYPE), lora, input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
             row_thr = tl.where(rows_in, tl.load(thr_ptr + adapter), row_thr)
             row_inv = tl.where(rows_in, tl.load(inv_keep_ptr + adapter), row_inv)
@@ -261,6 +264,7 @@ def _multi_lora_dx_kernel(
     acc = _routed_dsa(
         ds_ptr, a_ptr, seg_ptr, seg_range_ptr, rank_ptr, thr_ptr, inv_keep_ptr, seed_ptr, pid_m, offs_m,
         pid_k * BLOCK_N, K, stride_dsm, stride_am, HAS_DROPOUT, BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION,
+        dy_ptr.dtype.element_ty,
     )  # fmt: skip
     acc = dot_k_loop(acc, dy_ptrs, w_ptrs, N, 1, stride_wn, BLOCK_K, DOT_PRECISION)
     dx_ptrs = dx_ptr + offs_m.to(tl.int64)[:, None] * stride_dxm + offs_k[None, :]
@@ -300,13 +304,13 @@ def _multi_lora_dx_tma_kernel(
     offs_m = off_m + tl.arange(0, BLOCK_M)
     acc = _routed_dsa(
         ds_ptr, a_ptr, seg_ptr, seg_range_ptr, rank_ptr, thr_ptr, inv_keep_ptr, seed_ptr, pid_m, offs_m,
-        off_k, K, stride_dsm, stride_am, HAS_DROPOUT, BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION,
+        off_k, K, stride_dsm, stride_am, HAS_DROPOUT, BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION, dy_desc.dtype,
     )  # fmt: skip
     for n in range(tl.cdiv(N, BLOCK_K)):
         dyt = dy_desc.load([off_m, n * BLOCK_K])
         wt = w_desc.load([n * BLOCK_K, off_k])
         acc = tl.dot(dyt, wt, acc, input_precision=DOT_PRECISION)
-    dx_desc.store([off_m, off_k], acc.to(a_ptr.dtype.element_ty))
+    dx_desc.store([off_m, off_k], acc.to(dx_desc.dtype))
 
 
 def multi_lora_dys_dyb(
@@ -327,7 +331,7 @@ def multi_lora_dys_dyb(
 
     Args:
         dy: ``[T, N]`` upstream gradient, unit stride along N.
-        b_cat: ``[N, R_tot]`` stacked B in ``dy.dtype``.
+        b_cat: ``[N, R_tot]`` stacked B (any float dtype, cast to ``dy.dtype`` in the kernel).
         s: ``S' [T, BLOCK_R]`` saved from the forward.
         batch: Routing metadata of this microbatch.
         ranks: int32 ``[n, 2]``: ``(r_a, roff_a)``.
@@ -387,6 +391,7 @@ def multi_lora_dsx(
     inv_keep: torch.Tensor,
     seed: torch.Tensor,
     has_dropout: bool,
+    out_dtype: torch.dtype | None = None,
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """``dA_cat [R_tot, K]``: adapter ``a``'s rows summed over its own segment tiles only (no atomics).
@@ -405,21 +410,23 @@ def multi_lora_dsx(
         inv_keep: fp32 ``[n]``.
         seed: int64 ``[1]``.
         has_dropout: Whether any adapter has ``p > 0``.
+        out_dtype: dtype of ``dA_cat`` (that of the stacked A); None means ``x.dtype``.
         config: Launch config; looked up by shape when None.
 
     Returns:
-        ``dA_cat`` in ``x.dtype``; an adapter without tokens gets zeros.
+        ``dA_cat`` in ``out_dtype``; an adapter without tokens gets zeros.
     """
     T, K = x.shape
     block_r = ds.shape[1]
+    out_dtype = out_dtype or x.dtype
     if r_tot == 0:
-        return torch.empty((0, K), dtype=x.dtype, device=x.device)
+        return torch.empty((0, K), dtype=out_dtype, device=x.device)
     cfg = config or launch_config(DA_KERNEL, x, m=T, n=max_rank, k=K, r=max_rank)
     tiles = batch.segment_tiles(cfg.block_m)
     col_tiles = triton.cdiv(K, cfg.block_n)
     busiest = max(-(-n // cfg.block_m) for n in batch.adapter_tokens)
     split = resolve_split(cfg.split, x, tiles=batch.num_adapters * col_tiles, steps=max(busiest, 1))
-    out = split_output(split, (r_tot, K), x.dtype, x.device)
+    out = split_output(split, (r_tot, K), out_dtype, x.device)
     _multi_lora_da_kernel[(batch.num_adapters, col_tiles, split)](
         ds,
         x,
@@ -444,7 +451,7 @@ def multi_lora_dsx(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    return reduce_split_output(out, x.dtype)
+    return reduce_split_output(out, out_dtype)
 
 
 def multi_lora_dyw_dsa(
@@ -471,7 +478,7 @@ def multi_lora_dyw_dsa(
         dy: ``[T, N]``, unit stride along N.
         weight: ``[N, K]`` frozen weight, unit stride along K.
         ds: fp32 ``[T, BLOCK_R]``.
-        a_cat: ``[R_tot, K]`` stacked A in ``dy.dtype``.
+        a_cat: ``[R_tot, K]`` stacked A (any float dtype, cast to ``dy.dtype`` in the kernel).
         batch: Routing metadata of this microbatch.
         max_rank: Largest ``r_a`` (the config lookup key).
         ranks: int32 ``[n, 2]``.
@@ -495,7 +502,7 @@ def multi_lora_dyw_dsa(
     grid = (rows.num_tiles * triton.cdiv(K, cfg.block_n),)
     meta = gemm_meta(cfg, block_r=block_r, dtype=dy.dtype)
     routing = (batch.segments, rows.seg_range, ranks, thresholds, inv_keep, seed, T, N, K)
-    if cfg.tma and a_cat.dtype == dy.dtype and tma_ok(dy, weight, dx):
+    if cfg.tma and tma_ok(dy, weight, dx):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         _multi_lora_dx_tma_kernel[grid](

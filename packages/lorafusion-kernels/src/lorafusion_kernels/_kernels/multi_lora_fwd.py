@@ -87,7 +87,7 @@ def _multi_lora_shrink_kernel(
             mask=m_mask[:, None] & k_mask[None, :],
         )  # fmt: skip
         at = tl.load(a_rows + offs_k[:, None], mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-        acc = tl.dot(xt, at, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(xt, at.to(xt.dtype), acc, input_precision=DOT_PRECISION)
     acc = acc * tl.load(s_scale_ptr + adapter)
     s_ptrs = s_ptr + pid_s * stride_ss + offs_m.to(tl.int64)[:, None] * stride_sm + offs_r[None, :]
     tl.store(s_ptrs, acc.to(s_ptr.dtype.element_ty), mask=m_mask[:, None])
@@ -124,7 +124,7 @@ def _routed_sb(
         _, roff, rows_in, r_mask = segment_rows(seg_ptr, rank_ptr, j, offs_m, offs_r)
         st = tl.load(s_rows, mask=rows_in[:, None] & r_mask[None, :], other=0.0)
         bt = tl.load(b_cols + roff, mask=r_mask[:, None], other=0.0)
-        acc = tl.dot(st, bt, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(st, bt.to(st.dtype), acc, input_precision=DOT_PRECISION)
     return acc
 
 
@@ -237,7 +237,8 @@ def multi_lora_shrink(
 
     Args:
         x: ``[T, K]`` packed activations, unit stride along K.
-        a_cat: ``[R_tot, K]`` stacked adapter A matrices in ``x.dtype``, unit stride along K.
+        a_cat: ``[R_tot, K]`` stacked adapter A matrices (any float dtype, cast to ``x.dtype`` in the
+            kernel), unit stride along K.
         batch: Routing metadata of this microbatch (tables on ``x``'s device).
         block_r: Rank tile (power of two >= every ``r_a``, at least 16): the width of ``S'``.
         max_rank: Largest ``r_a`` (the config lookup key).
@@ -303,7 +304,8 @@ def multi_lora_linear(
         weight: ``[N, K]`` frozen weight, unit stride along K.
         bias: ``[N]`` or None.
         s: ``S' [T, BLOCK_R]`` (scaled) from :func:`multi_lora_shrink`.
-        b_cat: ``[N, R_tot]`` stacked adapter B matrices in ``x.dtype``, unit stride along R.
+        b_cat: ``[N, R_tot]`` stacked adapter B matrices (any float dtype, cast to ``x.dtype`` in the
+            kernel), unit stride along R.
         batch: Routing metadata of this microbatch.
         ranks: int32 ``[n, 2]``: ``(r_a, roff_a)``.
         max_rank: Largest ``r_a`` (the config lookup key).
