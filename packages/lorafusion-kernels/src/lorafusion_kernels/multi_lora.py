@@ -233,8 +233,9 @@ def fused_multi_lora_linear(
         params = _AdapterParams(tuple(a.shape[0] for a in lora_a), scales, ps)
         # Stacked in the adapters' own dtype (fp32 under PEFT's default autocast): the kernels cast
         # tiles to x's dtype as they load them, and the gradients come back without conversions.
-        a_cat = torch.cat([a.to(_stack_dtype(lora_a)) for a in lora_a], dim=0)
-        b_cat = torch.cat([b.to(_stack_dtype(lora_b)) for b in lora_b], dim=1)
+        a_dtype, b_dtype = _stack_dtype(lora_a), _stack_dtype(lora_b)
+        a_cat = torch.cat([a.to(a_dtype) for a in lora_a], dim=0)
+        b_cat = torch.cat([b.to(b_dtype) for b in lora_b], dim=1)
         if deterministic is None:
             deterministic = deterministic_mode()
         if torch.compiler.is_compiling():
