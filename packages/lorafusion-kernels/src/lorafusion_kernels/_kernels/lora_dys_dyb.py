@@ -22,6 +22,7 @@ from lorafusion_kernels._kernels._common import (
     launch_config,
     rank_block,
     resolve_split,
+    zeroed_fp32,
 )
 from lorafusion_kernels.tuning.config import KernelConfig, register_heuristic
 
@@ -168,14 +169,14 @@ def lora_dys_dyb(
         s: ``[M, R]`` saved ``S'`` (``dy.dtype``).
         scaling: The LoRA scaling (fp32 runtime scalar).
         deterministic: No atomics: two launches (dy read twice), bitwise reproducible.
-        accumulators: Zeroed fp32 ``(dS [M, R], dB [N, R])`` to write into (see
-            :func:`~lorafusion_kernels._kernels._common.zeroed_fp32`); they are returned as they
-            are, with no conversion kernels. Ignored in deterministic mode.
+        accumulators: Zeroed fp32 ``(dS [M, R], dB [N, R])`` to add into with atomics (see
+            :func:`~lorafusion_kernels._kernels._common.zeroed_fp32`, which lets the caller share
+            one fill with its other accumulators); None allocates them. Ignored in deterministic mode.
         config: Launch config; looked up by shape when None.
 
     Returns:
-        ``(dS [M, R], dB [N, R])``: the ``accumulators``, or ``dS`` in ``dy.dtype`` and ``dB`` in
-        ``lora_b.dtype``.
+        ``(dS [M, R], dB [N, R])``: in deterministic mode ``dS`` in ``dy.dtype`` and ``dB`` in
+        ``lora_b.dtype``; otherwise the fp32 accumulators.
     """
     m, n = dy.shape
     r = lora_b.shape[1]
@@ -190,16 +191,10 @@ def lora_dys_dyb(
                 ds_scale=1.0, compute_db=False, split=1, cfg=cfg)  # fmt: skip
         return ds, db
     split = resolve_split(cfg.split, dy, tiles=triton.cdiv(m, cfg.block_m), steps=triton.cdiv(n, cfg.block_n))
-    if accumulators is not None:
-        ds_out, db32 = accumulators
-        _launch(dy, (dy.stride(0), dy.stride(1)), m, n, lora_b, s, ds_out, db32,
-                ds_scale=scaling, compute_db=True, split=split, cfg=cfg)  # fmt: skip
-        return ds_out, db32
-    db32 = torch.zeros((n, r), dtype=torch.float32, device=dy.device)
-    if split > 1:
-        ds_out = torch.zeros((m, r), dtype=torch.float32, device=dy.device)
+    if accumulators is None:
+        _, (ds_out, db32) = zeroed_fp32((m, r), (n, r), device=dy.device)
     else:
-        ds_out = torch.empty((m, r), dtype=dy.dtype, device=dy.device)
+        ds_out, db32 = accumulators
     _launch(dy, (dy.stride(0), dy.stride(1)), m, n, lora_b, s, ds_out, db32,
             ds_scale=scaling, compute_db=True, split=split, cfg=cfg)  # fmt: skip
-    return ds_out.to(dy.dtype), db32.to(lora_b.dtype)
+    return ds_out, db32
