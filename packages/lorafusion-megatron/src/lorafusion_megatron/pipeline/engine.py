@@ -476,11 +476,10 @@ class StageEngine:
             begin = time.perf_counter()
             loss = self._unfinished.pop(adapter)
             optimizer = self.optimizers[adapter]
-            waited = optimizer.norm_wait_seconds
             stats = optimizer.finish_step()
             self._synchronize()
             self.stats.step_seconds += time.perf_counter() - begin
-            self.stats.norm_wait_seconds += optimizer.norm_wait_seconds - waited
+            self.stats.norm_wait_seconds += optimizer.norm_wait_seconds
             self._steps_done[adapter] = stats.step
             record = StepRecord(
                 adapter=adapter,

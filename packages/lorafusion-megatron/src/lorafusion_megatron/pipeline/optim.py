@@ -64,7 +64,7 @@ class StageOptimizer:
         self._posted: tuple[Any, torch.Tensor] | None = None
         """The posted all-reduce of :meth:`begin_step` and its host tensor of squared norms."""
         self.norm_wait_seconds = 0.0
-        """Time :meth:`finish_step` spent waiting for the other stages' norms, all steps together."""
+        """Time the last :meth:`finish_step` spent waiting for the other stages' norms."""
 
     @property
     def stepping(self) -> bool:
@@ -112,10 +112,11 @@ class StageOptimizer:
         work, value = self._posted
         self._posted = None
         norm = value
+        self.norm_wait_seconds = 0.0
         if work is not None:
             begin = time.perf_counter()
             work.wait()
-            self.norm_wait_seconds += time.perf_counter() - begin
+            self.norm_wait_seconds = time.perf_counter() - begin
             norm = value.sqrt()
         if self.max_grad_norm is not None:
             # The same float32 arithmetic as torch.nn.utils.clip_grad_norm_.
