@@ -255,8 +255,10 @@ def _fused_layer_forward(layer: Any, x: torch.Tensor, batch: MultiLoRABatch, pre
             scaling.append(0.0)
             ps.append(0.0)
         else:
-            lora_a.append(layer.lora_A[name].weight.to(x.dtype))
-            lora_b.append(layer.lora_B[name].weight.to(x.dtype))
+            # In their own dtype (fp32 under PEFT's default autocast_adapter_dtype): the kernels cast
+            # tiles as they load them, and the gradients reach the parameters with no conversion.
+            lora_a.append(layer.lora_A[name].weight)
+            lora_b.append(layer.lora_B[name].weight)
             scaling.append(float(layer.scaling[name]))
             ps.append(_dropout_p(layer, name))
     return fused_multi_lora_linear(

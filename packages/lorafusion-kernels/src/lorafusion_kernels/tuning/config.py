@@ -325,10 +325,30 @@ def _warn_once(reason: str) -> None:
         warnings.warn(reason, LoRAFusionKernelsWarning, stacklevel=3)
 
 
+_LAUNCH_CACHES: list[Any] = []
+
+
+def cached_per_launch(resolve: Callable[..., KernelConfig]) -> Callable[..., KernelConfig]:
+    """Cache ``resolve``, a launcher's config lookup by hashable arguments; :func:`clear_caches` empties it.
+
+    Bounded (the token count is part of the key, and a training run may see thousands of them).
+    """
+    cached = functools.lru_cache(maxsize=16384)(resolve)
+    _LAUNCH_CACHES.append(cached)
+    return cached
+
+
+def forced_config(kernel: str) -> KernelConfig | None:
+    """The config :func:`override_configs` forces on ``kernel``, if any (checked before every cache)."""
+    return _OVERRIDES.get(kernel)
+
+
 def clear_caches() -> None:
     """Forget parsed files, lookups and emitted warnings (after changing the environment overrides)."""
     load_config_file.cache_clear()
     _lookup_cached.cache_clear()
+    for cache in _LAUNCH_CACHES:
+        cache.cache_clear()
     _WARNED.clear()
 
 
