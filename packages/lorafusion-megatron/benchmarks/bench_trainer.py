@@ -3,8 +3,8 @@
 Forward + backward (no optimizer) over packed microbatches of at most 4,096 tokens (the capacity),
 four ways through the same samples:
 
-* ``frozen``: the joint plan's microbatches through the base model alone, gradients through the
-  activations only (the floor);
+* ``frozen``: the joint plan's microbatches through the base model alone, one pass each, gradients
+  through the activations only (the floor);
 * ``peft-sequential``: each job alone, as a plain HF + PEFT loop would train the four one after
   another: the job's own plan (single-adapter microbatches), PEFT's own LoRA layers;
 * ``peft-mixed``: the joint plan's mixed microbatches with PEFT's own LoRA layers, one pass per
@@ -141,32 +141,40 @@ class ModeRun:
         self.seconds: list[float] = []
         self.peaks: list[float] = []
 
-    def _run(self, batches: list[PackedBatch]) -> float:
-        fused = self.mode == "lorafusion"
-        if fused:
+    def run(self, batches: list[PackedBatch]) -> float:
+        """Forward + backward of ``batches`` in this mode; the seconds they took (device synchronised).
+
+        ``frozen`` and ``lorafusion`` run each microbatch in one pass over its whole sequence; the
+        model is patched for ``lorafusion`` only, and under PEFT's ``disable_adapter()`` every LoRA
+        layer of the unpatched model is its base layer, so ``frozen`` runs the base model alone.
+        Entering that context and setting the runner's adapters happen before the clock starts.
+        """
+        if self.mode == "lorafusion":
             lorafusion_kernels.patch_peft_model(self.model)
         else:
             lorafusion_kernels.unpatch_peft_model(self.model)
+        one_pass = self.mode in ("frozen", "lorafusion")
         # A fresh runner: the one of the mode run before may have left other adapters active.
-        runner = MicrobatchRunner(self.model, fused=fused, **self.runner_args)
+        runner = MicrobatchRunner(self.model, fused=one_pass, **self.runner_args)
         adapters = self.model.disable_adapter() if self.mode == "frozen" else contextlib.nullcontext()
-        synchronize(self.device)
-        start = time.perf_counter()
         with adapters:
+            runner.activate(batches[0])
+            synchronize(self.device)
+            start = time.perf_counter()
             for batch in batches:
                 runner.forward_backward(batch, self.work.denominators)
-        synchronize(self.device)
-        seconds = time.perf_counter() - start
+            synchronize(self.device)
+            seconds = time.perf_counter() - start
         self.model.zero_grad(set_to_none=True)
         return seconds
 
     def warm_up(self) -> None:
-        self._run(self.warmup)
+        self.run(self.warmup)
 
     def timed(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        self.seconds.append(self._run(self.work.batches))
+        self.seconds.append(self.run(self.work.batches))
         if self.device.type == "cuda":
             self.peaks.append(torch.cuda.max_memory_allocated() / 2**30)
 

@@ -88,3 +88,15 @@ def test_fused_routing_and_activation_checkpointing_give_the_same_gradients() ->
         assert other.keys() == grads[0].keys()
         for name, grad in grads[0].items():
             torch.testing.assert_close(other[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_activate_sets_the_adapters_of_the_first_pass() -> None:
+    model, _ = tiny_peft()
+    data = {"first": random_job("first", [9], 1, seed=0), "second": random_job("second", [7], 1, seed=1)}
+    batch = pack_microbatch(microbatch(("second", 0, (0,)), ("first", 0, (0,))), data)
+    for fused, expected in ((False, ["second"]), (True, ["first", "second"])):
+        runner = MicrobatchRunner(
+            model, ["first", "second"], attn_implementation="sdpa", dtype=torch.float32, fused=fused
+        )
+        runner.activate(batch)
+        assert sorted(model.base_model.active_adapters) == expected

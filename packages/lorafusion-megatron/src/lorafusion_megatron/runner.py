@@ -102,6 +102,13 @@ class MicrobatchRunner:
                 results.extend(self._pass(batch.segment(index), denominators))
         return results
 
+    def activate(self, batch: PackedBatch) -> None:
+        """Make PEFT's active adapters those of ``batch``'s first pass, as :meth:`forward_backward` would.
+
+        Switching adapters walks every module of the model; a caller that times passes calls this first.
+        """
+        self._set_active(self.adapters if self.fused else (batch.segments[0].adapter,))
+
     def _set_active(self, names: tuple[str, ...]) -> None:
         if self._active != names:
             # PEFT marks inactive adapters frozen; their accumulated .grad is kept and still stepped.
