@@ -130,9 +130,17 @@ class ModeRun:
     """One mode's microbatches through the shared model, untimed (warm-up) or timed."""
 
     def __init__(
-        self, mode: str, model: PeftModel, runner_args: dict[str, Any], work: Workload, device: torch.device
+        self,
+        mode: str,
+        model: PeftModel,
+        runner_args: dict[str, Any],
+        work: Workload,
+        device: torch.device,
+        *,
+        read_back: str = "next",
     ) -> None:
         self.mode = mode
+        self.read_back = read_back
         self.model = model
         self.runner_args = runner_args
         self.work = work
@@ -147,7 +155,9 @@ class ModeRun:
         ``frozen`` and ``lorafusion`` run each microbatch in one pass over its whole sequence; the
         model is patched for ``lorafusion`` only, and under PEFT's ``disable_adapter()`` every LoRA
         layer of the unpatched model is its base layer, so ``frozen`` runs the base model alone.
-        Entering that context and setting the runner's adapters happen before the clock starts.
+        Entering that context and setting the runner's adapters happen before the clock starts. Each
+        microbatch's loss sums are read back once the next microbatch is queued, as the trainer does
+        (``read_back="next"``), or right after it (``"each"``: the host waits for every microbatch).
         """
         if self.mode == "lorafusion":
             lorafusion_kernels.patch_peft_model(self.model)
@@ -161,8 +171,16 @@ class ModeRun:
             runner.activate(batches[0])
             synchronize(self.device)
             start = time.perf_counter()
+            previous = None
             for batch in batches:
-                runner.forward_backward(batch, self.work.denominators)
+                pending = runner.forward_backward(batch, self.work.denominators)
+                if self.read_back == "each":
+                    pending.get()
+                elif previous is not None:
+                    previous.get()  # read back as the trainer does: once the next microbatch is queued
+                previous = pending
+            if previous is not None:
+                previous.get()
             synchronize(self.device)
             seconds = time.perf_counter() - start
         self.model.zero_grad(set_to_none=True)

@@ -28,6 +28,7 @@ import argparse
 import cProfile
 import functools
 import io
+import itertools
 import pstats
 import tempfile
 import time
@@ -152,6 +153,13 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument(
+        "--read-back",
+        nargs="+",
+        default=["next"],
+        choices=("next", "each"),
+        help="when loss sums are read (see bench_trainer.py); several: each mode runs with each",
+    )
     parser.add_argument("--host", nargs="*", default=[], choices=MODES, help="modes to profile on the host too")
     parser.add_argument("--out", type=Path, default=Path("profile_trainer.json"))
     args = parser.parse_args()
@@ -175,17 +183,18 @@ def main() -> None:
         "dtype": torch.bfloat16,
     }
     results = {}
-    for mode in args.modes:
+    for mode, read_back in itertools.product(args.modes, args.read_back):
+        name = mode if len(args.read_back) == 1 else f"{mode}/read-back-{read_back}"
         if mode == "causal":
             run = causal_steps(model, len(work.batches), args.capacity, device)
         else:
-            run = functools.partial(ModeRun(mode, model, runner_args, work, device).run, work.batches)
-        results[mode] = profiled(run, len(work.batches), args.top)
-        r = results[mode]
-        print(f"{mode:>11}: {r['wall_ms']:.1f} ms per microbatch, GPU busy {r['busy_ms']:.1f}, idle {r['idle_ms']:.1f}")
-        print("             by kind (ms): " + ", ".join(f"{kind} {ms:.1f}" for kind, ms in r["kinds_ms"].items()))
-        for name, ms in r["top_kernels_ms"].items():
-            print(f"             {ms:8.3f}  {name}")
+            mode_run = ModeRun(mode, model, runner_args, work, device, read_back=read_back)
+            run = functools.partial(mode_run.run, work.batches)
+        r = results[name] = profiled(run, len(work.batches), args.top)
+        print(f"{name}: {r['wall_ms']:.1f} ms per microbatch, GPU busy {r['busy_ms']:.1f}, idle {r['idle_ms']:.1f}")
+        print("    by kind (ms): " + ", ".join(f"{kind} {ms:.1f}" for kind, ms in r["kinds_ms"].items()))
+        for kernel, ms in r["top_kernels_ms"].items():
+            print(f"    {ms:8.3f}  {kernel}")
         if mode in args.host:
             r["host"] = host_profile(run, 3 * args.top)
             print(r["host"]["cprofile"], r["host"]["torch_ops"], "GPU waits:", r["host"]["gpu_waits"], sep="\n")

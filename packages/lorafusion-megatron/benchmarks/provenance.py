@@ -61,10 +61,26 @@ def _device() -> dict[str, Any]:
     return {"kind": "cpu", "name": f"{platform.machine()} CPU ({os.cpu_count()} cores)", "count": 1}
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` says."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def provenance() -> dict[str, Any]:
-    """The header of a results file: device, CPU cores, Python and package versions, UTC date."""
+    """The header of a results file: device, CPU model and cores, Python and package versions, UTC date.
+
+    The CPU model matters wherever the host, not the GPU, bounds a figure (many small launches).
+    """
     return {
         "device": _device(),
+        "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "versions": {name: _version(name) for name in DISTRIBUTIONS},

@@ -62,14 +62,14 @@ def test_packed_microbatch_equals_samples_one_by_one(attn: str) -> None:
 
     packed = runner.forward_backward(
         pack_microbatch(microbatch(("first", 0, (0, 1, 2)), ("second", 0, (0, 1))), data), denominators
-    )
+    ).get()
     packed_grads = lora_grads(model)
     model.zero_grad(set_to_none=True)
 
     alone = {}
     for name, job in data.items():
         for i in range(len(job)):
-            [result] = runner.forward_backward(pack_microbatch(microbatch((name, 0, (i,))), data), denominators)
+            [result] = runner.forward_backward(pack_microbatch(microbatch((name, 0, (i,))), data), denominators).get()
             alone[(name, i)] = result.loss_sum
     alone_grads = lora_grads(model)
 

@@ -92,7 +92,7 @@ def test_two_stages_give_the_full_models_losses_gradients_and_initial_adapters(
         dtype=torch.float32,
         fused=True,
     )
-    expected = runner.forward_backward(batch, denominators)
+    expected = runner.forward_backward(batch, denominators).get()
 
     hidden = stages[0].forward(batch, None)
     received = hidden.detach().requires_grad_(True)
@@ -134,7 +134,7 @@ def test_plain_peft_stages_give_the_plain_trainers_losses_and_gradients(
     runner = MicrobatchRunner(
         reference, ["first", "second"], attn_implementation="sdpa", dtype=torch.float32, fused=False
     )
-    expected = runner.forward_backward(batch, denominators)
+    expected = runner.forward_backward(batch, denominators).get()
 
     hidden = stages[0].forward(batch, None)
     received = hidden.detach().requires_grad_(True)

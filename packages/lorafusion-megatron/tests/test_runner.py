@@ -61,7 +61,9 @@ def test_results_report_loss_sums_and_token_counts() -> None:
     model, _ = tiny_peft()
     data = {"first": random_job("first", [9, 5], 2, seed=0, prompt=3)}
     runner = MicrobatchRunner(model, ["first", "second"], attn_implementation="sdpa", dtype=torch.float32, fused=False)
-    [result] = runner.forward_backward(pack_microbatch(microbatch(("first", 0, (0, 1))), data), {("first", 0): 1})
+    pending = runner.forward_backward(pack_microbatch(microbatch(("first", 0, (0, 1))), data), {("first", 0): 1})
+    [result] = pending.get()
+    assert pending.get() is pending.get()  # read back once
     assert (result.adapter, result.global_batch, result.tokens) == ("first", 0, 14)
     assert result.targets == (9 - 3) + (5 - 3) == data["first"].global_batch_targets(0)
     assert result.loss_sum > 0

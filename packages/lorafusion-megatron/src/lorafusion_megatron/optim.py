@@ -104,6 +104,7 @@ class AdapterOptimizer:
         else:
             norm = torch.zeros(())
         learning_rate = self.update()
+        # Read after the update is queued: the host waits for the norm, the device has work meanwhile.
         return StepStats(step=self.steps_done, learning_rate=learning_rate, grad_norm=float(norm))
 
     def update(self) -> float:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     import torch
     from peft import PeftModel
 
-__all__ = ["MicrobatchRunner", "SegmentResult"]
+__all__ = ["MicrobatchRunner", "PendingResults", "SegmentResult"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,51 @@ class SegmentResult:
     loss_sum: float
     targets: int
     tokens: int
+
+
+class PendingResults:
+    """A microbatch's segment results, whose loss sums stay on the device until :meth:`get` reads them.
+
+    The read-back is the microbatch's one wait for the device. Reading a microbatch's results only
+    after the next microbatch's work is queued lets the host run up to a microbatch ahead of the
+    device, so the device does not idle while the host launches the next forward.
+
+    Args:
+        batch: The packed batch the results belong to.
+        sums: Per segment, the sum of its token losses (0-d tensors, on the device).
+    """
+
+    def __init__(self, batch: PackedBatch, sums: Sequence[torch.Tensor]) -> None:
+        import torch
+
+        self._batch = batch
+        self._sums: torch.Tensor | None = torch.stack([value.detach() for value in sums])
+        self._results: list[SegmentResult] | None = None
+
+    def get(self) -> list[SegmentResult]:
+        """One result per segment, in sequence order (waits for the device the first time)."""
+        if self._results is None:
+            assert self._sums is not None
+            values = self._sums.tolist()
+            self._sums = None
+            batch = self._batch
+            counted = [
+                span.targets
+                if span.targets is not None
+                else int((batch.targets[span.start : span.start + span.length] != -100).sum())
+                for span in batch.segments
+            ]
+            self._results = [
+                SegmentResult(
+                    adapter=span.adapter,
+                    global_batch=span.global_batch,
+                    loss_sum=float(value),
+                    targets=targets,
+                    tokens=span.length,
+                )
+                for span, value, targets in zip(batch.segments, values, counted, strict=True)
+            ]
+        return self._results
 
 
 class MicrobatchRunner:
@@ -78,8 +123,8 @@ class MicrobatchRunner:
         self.fused = fused
         self._active: tuple[str, ...] | None = None
 
-    def forward_backward(self, batch: PackedBatch, denominators: Mapping[tuple[str, int], int]) -> list[SegmentResult]:
-        """Accumulate the gradients of ``batch`` into the adapters' ``.grad``.
+    def forward_backward(self, batch: PackedBatch, denominators: Mapping[tuple[str, int], int]) -> PendingResults:
+        """Accumulate the gradients of ``batch`` into the adapters' ``.grad``; nothing waits for the device.
 
         Dropout draws as :mod:`lorafusion_megatron.dropout_seeds` says: the caller names the microbatch
         with ``drawing_for``, and a plain-PEFT pass over one segment draws for that segment.
@@ -89,18 +134,18 @@ class MicrobatchRunner:
             denominators: Trained tokens of each ``(adapter, global batch)`` in the whole global batch.
 
         Returns:
-            One result per segment, in sequence order.
+            The segments' results, one per segment in sequence order, read back by ``get()``.
         """
         if self.fused:
             self._set_active(self.adapters)
             with self._routing(batch):
-                return self._pass(batch, denominators)
-        results = []
+                return PendingResults(batch, self._pass(batch, denominators))
+        sums = []
         for index, span in enumerate(batch.segments):
             self._set_active((span.adapter,))
             with drawing_segment(index):
-                results.extend(self._pass(batch.segment(index), denominators))
-        return results
+                sums.extend(self._pass(batch.segment(index), denominators))
+        return PendingResults(batch, sums)
 
     def activate(self, batch: PackedBatch) -> None:
         """Make PEFT's active adapters those of ``batch``'s first pass, as :meth:`forward_backward` would.
@@ -144,12 +189,12 @@ class MicrobatchRunner:
                 if self.fused:
                     self._set_active(self.adapters)
                     with self._routing(batch):
-                        return self._results(batch, self._segment_losses(batch))
+                        return PendingResults(batch, self._segment_losses(batch)).get()
                 results = []
                 for index, span in enumerate(batch.segments):
                     self._set_active((span.adapter,))
                     segment = batch.segment(index)
-                    results.extend(self._results(segment, self._segment_losses(segment)))
+                    results.extend(PendingResults(segment, self._segment_losses(segment)).get())
                 return results
         finally:
             self.model.train(was_training)
@@ -171,32 +216,11 @@ class MicrobatchRunner:
         token_loss = causal_lm_token_losses(causal_lm, outputs.last_hidden_state, batch.targets)
         return [token_loss[span.start : span.start + span.length].sum() for span in batch.segments]
 
-    def _pass(self, batch: PackedBatch, denominators: Mapping[tuple[str, int], int]) -> list[SegmentResult]:
+    def _pass(self, batch: PackedBatch, denominators: Mapping[tuple[str, int], int]) -> list[torch.Tensor]:
+        """Forward and backward of ``batch``; per segment, the sum of its token losses (on the device)."""
         sums = self._segment_losses(batch)
         objective = sums[0].new_zeros(())
         for span, segment_sum in zip(batch.segments, sums, strict=True):
             objective = objective + segment_sum / denominators[(span.adapter, span.global_batch)]
         objective.backward()  # type: ignore[no-untyped-call]
-        return self._results(batch, [segment_sum.detach() for segment_sum in sums])
-
-    @staticmethod
-    def _results(batch: PackedBatch, sums: Sequence[torch.Tensor]) -> list[SegmentResult]:
-        import torch
-
-        values = torch.stack(list(sums)).tolist()  # the microbatch's one read-back from the device
-        counted = [
-            span.targets
-            if span.targets is not None
-            else int((batch.targets[span.start : span.start + span.length] != -100).sum())
-            for span in batch.segments
-        ]
-        return [
-            SegmentResult(
-                adapter=span.adapter,
-                global_batch=span.global_batch,
-                loss_sum=float(value),
-                targets=targets,
-                tokens=span.length,
-            )
-            for span, value, targets in zip(batch.segments, values, counted, strict=True)
-        ]
+        return sums

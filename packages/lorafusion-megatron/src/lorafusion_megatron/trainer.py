@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from lorafusion_megatron.evaluation import Evaluator
     from lorafusion_megatron.optim import AdapterOptimizer
-    from lorafusion_megatron.runner import MicrobatchRunner
+    from lorafusion_megatron.runner import MicrobatchRunner, PendingResults
     from lorafusion_sched.models import Microbatch, Plan
 
 __all__ = ["PreparedData", "TrainResult", "Trainer", "prepare_data"]
@@ -206,6 +206,7 @@ class _Session:
         self.tensorboard = TensorBoardLogger(config.logging.tensorboard_dir, config.logging.logging_steps)
         self._denominators: dict[tuple[str, int], int] = {}
         self._checkpoint_due = False
+        self._unsettled: PendingResults | None = None
         self._clock = time.perf_counter()
 
     @classmethod
@@ -295,7 +296,17 @@ class _Session:
             for span in batch.segments
         }
         with drawing_for(microbatch):
-            results = self.runner.forward_backward(batch, denominators)
+            pending = self.runner.forward_backward(batch, denominators)
+        # The previous microbatch's results are read now, while this one's work is queued: the
+        # device never waits for the host to launch a forward.
+        self._settle()
+        self._unsettled = pending
+
+    def _settle(self) -> None:
+        """Count the unsettled microbatch's tokens and losses into the state (waits for the device)."""
+        if self._unsettled is None:
+            return
+        results, self._unsettled = self._unsettled.get(), None
         for result in results:
             job = self.state.jobs[result.adapter]
             job.tokens += result.tokens
@@ -304,6 +315,7 @@ class _Session:
             job.pending_targets[result.global_batch] = job.pending_targets.get(result.global_batch, 0) + result.targets
 
     def step_adapter(self, index: int, adapter: str) -> None:
+        self._settle()
         job = self.state.jobs[adapter]
         global_batch = job.steps_done
         expected = self._denominator(adapter, global_batch)
@@ -356,6 +368,9 @@ class _Session:
         )
 
     def after_microbatch(self, index: int) -> None:
+        """Advance the position; the counters shown lag by the microbatch whose results are unsettled."""
+        if index + 1 == len(self.plan.microbatches):
+            self._settle()
         self.state.position = index + 1
         self.state.seconds = self._elapsed()
         if self.display is not None:
@@ -371,6 +386,7 @@ class _Session:
 
     def save_checkpoint(self) -> Path:
         """Write a checkpoint of the current position."""
+        self._settle()
         return save_checkpoint(
             self.config.checkpoint_dir,
             state=self.state,
