@@ -110,7 +110,7 @@ def make_provider(name: str, m: int, n: int, k: int, r: int, p: float, dtype: to
 COMPILED: dict[str, Callable[..., torch.Tensor]] = {}
 
 
-def _graph_time(fn: Callable[[], object], rep: int) -> float:
+def graph_time(fn: Callable[[], object], rep: int) -> float:
     """Median time of ``fn`` replayed from a CUDA graph; NaN if it cannot be captured."""
     try:
         return float(do_bench_cudagraph(fn, rep=rep, return_mode="median"))
@@ -142,7 +142,7 @@ def run(
                 torch.cuda.synchronize()
                 fwd_ms = do_bench(fwd, warmup=25, rep=rep, return_mode="median")
                 fwd_bwd_ms = do_bench(fwd_bwd, warmup=25, rep=rep, return_mode="median")
-                graph_ms = _graph_time(fwd_bwd, rep) if graphs else math.nan
+                graph_ms = graph_time(fwd_bwd, rep) if graphs else math.nan
                 params = bench["params"]
                 assert isinstance(params, list)
                 row = {

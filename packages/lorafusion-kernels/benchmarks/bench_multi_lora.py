@@ -13,7 +13,10 @@ GEMM plus a PEFT-style LoRA branch per segment, :func:`lorafusion_kernels.refere
 (:func:`lorafusion_kernels.fused_multi_lora_linear` with the batch metadata built once, outside the
 timing, as a trainer does per microbatch). ``fused_multi_tma`` forces the sm_90 TMA variants of the
 two GEMMs (``--tma``). Times are medians of ``triton.testing.do_bench`` (eager launches, CPU overhead
-included). Results go to ``<out>/<gpu-key>-multi.json`` (rows with ``op = "multi_lora_linear"``).
+included) and, for forward + backward, of ``do_bench_cudagraph`` (``fwd_bwd_graph_ms``: the same call
+replayed from a CUDA graph, GPU time alone; ``--no-graphs`` skips it). The adapters are bf16, or fp32
+with ``--adapter-dtype float32`` (PEFT's default for a bf16 model, which the kernels read as they are).
+Results go to ``<out>/<gpu-key>-multi.json`` (rows with ``op = "multi_lora_linear"``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench_lora import LAYERS, M_VALUES, provenance, saved_bytes
+from bench_lora import LAYERS, M_VALUES, graph_time, provenance, saved_bytes
 from triton.testing import do_bench
 
 from lorafusion_kernels import MultiLoRABatch, fused_lora_linear, fused_multi_lora_linear
@@ -50,16 +53,26 @@ def segment_lengths(m: int, adapters: int, distribution: str) -> list[int]:
 
 
 def make_provider(
-    name: str, m: int, n: int, k: int, r: int, p: float, lengths: list[int], dtype: torch.dtype
+    name: str,
+    m: int,
+    n: int,
+    k: int,
+    r: int,
+    p: float,
+    lengths: list[int],
+    dtype: torch.dtype,
+    adapter_dtype: torch.dtype | None = None,
 ) -> dict[str, object]:
-    """Tensors and closures ``fwd()`` / ``fwd_bwd()`` for one provider and problem."""
+    """Tensors and closures ``fwd()`` / ``fwd_bwd()`` for one provider and problem (adapters in ``adapter_dtype``,
+    default ``dtype``)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     count = len(lengths)
     x = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen).requires_grad_()
     w = torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) / math.sqrt(k)
 
     def rand(*shape: int, scale: float) -> torch.Tensor:
-        return (torch.randn(*shape, device="cuda", dtype=dtype, generator=gen) * scale).requires_grad_()
+        values = torch.randn(*shape, device="cuda", dtype=dtype, generator=gen) * scale
+        return values.to(adapter_dtype or dtype).requires_grad_()
 
     lora_a = [rand(r, k, scale=k**-0.5) for _ in range(count)]
     lora_b = [rand(n, r, scale=r**-0.5) for _ in range(count)]
@@ -112,35 +125,45 @@ def tma_overrides(m: int, n: int, k: int, r: int) -> dict[str, KernelConfig]:
     return out
 
 
-def time_row(bench: dict[str, object], rep: int) -> tuple[float, float]:
-    fwd, fwd_bwd = bench["fwd"], bench["fwd_bwd"]
-    assert callable(fwd)
-    assert callable(fwd_bwd)
-    fwd_bwd()
-    torch.cuda.synchronize()
-    return (
-        float(do_bench(fwd, warmup=25, rep=rep, return_mode="median")),
-        float(do_bench(fwd_bwd, warmup=25, rep=rep, return_mode="median")),
-    )
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """One row's medians in ms (NaN where not measured or failed) and the bytes autograd saves."""
+
+    fwd_ms: float = math.nan
+    fwd_bwd_ms: float = math.nan
+    fwd_bwd_graph_ms: float = math.nan
+    saved_bytes: int = -1
 
 
 def measure(
-    provider: str, m: int, n: int, k: int, r: int, p: float, lengths: list[int], dtype: torch.dtype, rep: int
-) -> tuple[float, float, int]:
-    """``(fwd_ms, fwd_bwd_ms, saved_bytes)`` of one row; NaN times (reported) if the provider fails."""
+    provider: str,
+    problem: tuple[int, int, int, int, float],
+    lengths: list[int],
+    adapter_dtype: torch.dtype,
+    rep: int,
+    graphs: bool,
+) -> Timing:
+    """The :class:`Timing` of one row, ``problem`` being ``(m, n, k, r, p)``; NaN (reported) if the provider fails."""
+    m, n, k, r, p = problem
     try:
-        bench = make_provider(provider.removesuffix("_tma"), m, n, k, r, p, lengths, dtype)
+        bench = make_provider(provider.removesuffix("_tma"), m, n, k, r, p, lengths, torch.bfloat16, adapter_dtype)
+        fwd, fwd_bwd, params = bench["fwd"], bench["fwd_bwd"], bench["params"]
+        assert callable(fwd)
+        assert callable(fwd_bwd)
+        assert isinstance(params, list)
         overrides = tma_overrides(m, n, k, r) if provider.endswith("_tma") else {}
         with override_configs(overrides):
-            fwd_ms, fwd_bwd_ms = time_row(bench, rep)
-            fwd = bench["fwd"]
-            params = bench["params"]
-            assert callable(fwd)
-            assert isinstance(params, list)
-            return fwd_ms, fwd_bwd_ms, saved_bytes(fwd, params)
+            fwd_bwd()
+            torch.cuda.synchronize()
+            return Timing(
+                fwd_ms=float(do_bench(fwd, warmup=25, rep=rep, return_mode="median")),
+                fwd_bwd_ms=float(do_bench(fwd_bwd, warmup=25, rep=rep, return_mode="median")),
+                fwd_bwd_graph_ms=graph_time(fwd_bwd, rep) if graphs else math.nan,
+                saved_bytes=saved_bytes(fwd, params),
+            )
     except Exception as exc:  # report and go on: the other rows still stand
         print(f"  {provider} failed: {type(exc).__name__}: {exc}", flush=True)
-        return math.nan, math.nan, -1
+        return Timing()
 
 
 def run(
@@ -152,24 +175,26 @@ def run(
     r: int,
     p: float,
     rep: int,
+    *,
+    adapter_dtype: torch.dtype = torch.bfloat16,
+    graphs: bool = True,
 ) -> list[dict[str, object]]:
     """Time every (layer, m, adapters, distribution, provider); print one line per row."""
     rows: list[dict[str, object]] = []
-    dtype = torch.bfloat16
     for layer, n, k in layers:
         for m in ms:
-            frozen: tuple[float, float, int] | None = None
+            frozen: Timing | None = None
             for count in counts:
                 for distribution in distributions if count > 1 else distributions[:1]:
                     lengths = segment_lengths(m, count, distribution)
                     for provider in providers:
                         base = provider.removesuffix("_tma")
                         if base == "frozen" and frozen is not None:
-                            fwd_ms, fwd_bwd_ms, saved = frozen
+                            timing = frozen
                         else:
-                            fwd_ms, fwd_bwd_ms, saved = measure(provider, m, n, k, r, p, lengths, dtype, rep)
+                            timing = measure(provider, (m, n, k, r, p), lengths, adapter_dtype, rep, graphs)
                             if base == "frozen":
-                                frozen = (fwd_ms, fwd_bwd_ms, saved)
+                                frozen = timing
                         rows.append(
                             {
                                 "op": "multi_lora_linear",
@@ -180,17 +205,20 @@ def run(
                                 "r": r,
                                 "p": p,
                                 "dtype": "bfloat16",
+                                "adapter_dtype": str(adapter_dtype).removeprefix("torch."),
                                 "adapters": count,
                                 "distribution": distribution,
                                 "segments": lengths,
                                 "provider": provider,
-                                "fwd_ms": round(fwd_ms, 5),
-                                "fwd_bwd_ms": round(fwd_bwd_ms, 5),
-                                "saved_bytes": saved,
+                                "fwd_ms": round(timing.fwd_ms, 5),
+                                "fwd_bwd_ms": round(timing.fwd_bwd_ms, 5),
+                                "fwd_bwd_graph_ms": round(timing.fwd_bwd_graph_ms, 5),
+                                "saved_bytes": timing.saved_bytes,
                             }
                         )
-                        print(f"{layer:22s} m={m:6d} a={count} {distribution:6s} {provider:15s} fwd {fwd_ms:8.4f} ms  "
-                              f"fwd+bwd {fwd_bwd_ms:8.4f} ms  saved {saved / 2**20:8.1f} MiB", flush=True)  # fmt: skip
+                        print(f"{layer:22s} m={m:6d} a={count} {distribution:6s} {provider:15s} "
+                              f"fwd {timing.fwd_ms:8.4f} ms  fwd+bwd {timing.fwd_bwd_ms:8.4f} ms  "
+                              f"graph {timing.fwd_bwd_graph_ms:8.4f} ms", flush=True)  # fmt: skip
             torch.cuda.empty_cache()
     return rows
 
@@ -259,6 +287,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--p", type=float, default=0.1)
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition budget in ms")
     parser.add_argument("--breakdown", action="store_true", help="also time each kernel alone (first layer and m)")
+    parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph timing")
+    parser.add_argument("--adapter-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--tag", default="", help="suffix of the results file name (<gpu-key>-multi<tag>.json)")
     args = parser.parse_args(argv)
     layers = [lay for lay in LAYERS if args.layers is None or any(s in lay[0] for s in args.layers)]
     providers = [*args.providers, *(["fused_multi_tma"] if args.tma else [])]
@@ -267,16 +298,23 @@ def main(argv: list[str] | None = None) -> None:
         _, n, k = layers[0]
         for count in [c for c in args.adapters if c > 1]:
             kernel_times[f"adapters={count}"] = breakdown(args.m[0], n, k, args.r, args.p, count, args.rep)
-    rows = run(layers, args.m, args.adapters, args.distributions, providers, args.r, args.p, args.rep)
+    rows = run(
+        layers, args.m, args.adapters, args.distributions, providers, args.r, args.p, args.rep,
+        adapter_dtype=getattr(torch, args.adapter_dtype), graphs=not args.no_graphs,
+    )  # fmt: skip
     name = torch.cuda.get_device_name()
     result = {
         **provenance("bench_multi_lora.py", argv),
-        "summary": {"fwd_bwd": summarize(rows), "fwd": summarize(rows, "fwd_ms")},
+        "summary": {
+            "fwd_bwd": summarize(rows),
+            "fwd": summarize(rows, "fwd_ms"),
+            "fwd_bwd_graph": summarize(rows, "fwd_bwd_graph_ms"),
+        },
         "kernel_breakdown_ms": kernel_times,
         "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{gpu_key(name)}-multi.json"
+    path = args.out / f"{gpu_key(name)}-multi{args.tag}.json"
     path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     print(json.dumps(result["summary"], indent=2))
     print(f"wrote {path}")

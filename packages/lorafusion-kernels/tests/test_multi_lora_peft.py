@@ -147,6 +147,22 @@ def test_context_in_training_matches_per_row_peft(patched_model: torch.nn.Module
     assert_grads_equal(model, ref_grads)
 
 
+def test_adapter_without_tokens_gets_no_gradient(patched_model: torch.nn.Module) -> None:
+    """An adapter the batch names but gives no tokens takes no part: its ``.grad`` stays None (not zeros)."""
+    model = patched_model
+    model.train()
+    model.zero_grad(set_to_none=True)
+    names = list(ADAPTERS)  # alpha, beta, gamma; beta owns no token
+    batch = MultiLoRABatch.from_segments([SEQ, 0, SEQ], [0, 1, 2], num_adapters=3)
+    ids = input_ids()[:2]
+    with multi_lora_batch(batch, names):
+        logits = model(input_ids=ids.reshape(1, -1)).logits
+    logits.float().square().mean().backward()
+    grads = {n: p.grad for n, p in lora_params(model).items()}
+    assert all(g is None for n, g in grads.items() if ".beta." in n)
+    assert all(g is not None for n, g in grads.items() if ".beta." not in n)
+
+
 def test_checkpointed_recompute_replays_the_segments(patched_model: torch.nn.Module) -> None:
     """Activation checkpointing recomputes in the backward, after the context has exited."""
     model = patched_model

@@ -128,14 +128,17 @@ SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynch
 
 
 def host_profile(run: Callable[[], float], top: int) -> dict[str, Any]:
-    """Where one ``run`` spends host time: ``cProfile`` by own time, torch ops by self CPU time, GPU waits."""
+    """Where one ``run`` spends host time: ``cProfile`` by own and by cumulative time, torch ops by self CPU
+    time, GPU waits."""
     profiler = cProfile.Profile()
     profiler.enable()
     run()
     torch.cuda.synchronize()
     profiler.disable()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()

@@ -234,8 +234,8 @@ def fused_multi_lora_linear(
         # Stacked in the adapters' own dtype (fp32 under PEFT's default autocast): the kernels cast
         # tiles to x's dtype as they load them, and the gradients come back without conversions.
         a_dtype, b_dtype = _stack_dtype(lora_a), _stack_dtype(lora_b)
-        a_cat = torch.cat([a.to(a_dtype) for a in lora_a], dim=0)
-        b_cat = torch.cat([b.to(b_dtype) for b in lora_b], dim=1)
+        a_cat = torch.cat([a if a.dtype == a_dtype else a.to(a_dtype) for a in lora_a], dim=0)
+        b_cat = torch.cat([b if b.dtype == b_dtype else b.to(b_dtype) for b in lora_b], dim=1)
         if deterministic is None:
             deterministic = deterministic_mode()
         if torch.compiler.is_compiling():

@@ -201,7 +201,8 @@ def peft_multi_lora_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: A
             f"{type(layer).__name__} got {tokens} tokens (input {list(x.shape)}) but the multi-LoRA batch "
             f"holds {batch.total_tokens}; every LoRA layer inside `multi_lora_batch` must see the packed tokens"
         )
-    present = [_layer_adapter(layer, names[a]) for a in range(batch.num_adapters)]
+    # An adapter without tokens in this batch takes no part: no stacking, no (zero) gradient to accumulate.
+    present = [_layer_adapter(layer, names[a]) if batch.adapter_tokens[a] else None for a in range(batch.num_adapters)]
     for name in filter(None, present):
         if layer.use_dora.get(name, False) or name in getattr(layer, "lora_variant", {}):
             raise LoRAFusionKernelsError(
