@@ -42,6 +42,15 @@ def runs_triton(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and interpreting()
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host integers (launch grids, splits).
+
+    ``triton.cdiv`` gives the same, but on the host it is a constexpr-function wrapper that costs about
+    2 us per call (measured on the 2-core CI host), and a launch computes several.
+    """
+    return -(-a // b)
+
+
 def rank_block(r: int) -> int:
     """The rank tile: the next power of two >= ``r``, at least 16 (the smallest ``tl.dot`` extent).
 
@@ -168,9 +177,9 @@ def split_reduction(split: int, t: torch.Tensor, *, tiles: int, length: int, blo
         length: Extent of the reduced dimension.
         block: Step of the kernel's loop over it.
     """
-    split = resolve_split(split, t, tiles=tiles, steps=triton.cdiv(length, block))
-    per_program = triton.cdiv(triton.cdiv(length, split), block) * block
-    return triton.cdiv(length, per_program), per_program
+    split = resolve_split(split, t, tiles=tiles, steps=cdiv(length, block))
+    per_program = cdiv(cdiv(length, split), block) * block
+    return cdiv(length, per_program), per_program
 
 
 def split_output(split: int, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from lorafusion_kernels._kernels._common import (
     SKINNY_HEURISTIC,
+    cdiv,
     dot_precision,
     launch_config,
     partial_stride,
@@ -122,7 +123,7 @@ def lora_dsx(
     m, k = x.shape
     r = ds.shape[1]
     cfg = config or launch_config(KERNEL, x, m=m, n=r, k=k, r=r)
-    tiles = triton.cdiv(k, cfg.block_n)
+    tiles = cdiv(k, cfg.block_n)
     split, m_per_split = split_reduction(cfg.split, x, tiles=tiles, length=m, block=cfg.block_m)
     atomic = out is not None
     if out is None:

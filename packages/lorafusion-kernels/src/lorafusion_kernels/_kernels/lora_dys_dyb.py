@@ -18,6 +18,7 @@ import triton.language as tl
 
 from lorafusion_kernels._kernels._common import (
     SKINNY_HEURISTIC,
+    cdiv,
     dot_precision,
     launch_config,
     rank_block,
@@ -120,7 +121,7 @@ def _launch(
     cfg: KernelConfig,
 ) -> None:
     r = right.shape[1]
-    _lora_dys_dyb_kernel[(triton.cdiv(rows, cfg.block_m), split)](
+    _lora_dys_dyb_kernel[(cdiv(rows, cfg.block_m), split)](
         dy,
         right,
         s,
@@ -190,7 +191,7 @@ def lora_dys_dyb(
         _launch(dy, (dy.stride(1), dy.stride(0)), n, m, s, s, db, db,
                 ds_scale=1.0, compute_db=False, split=1, cfg=cfg)  # fmt: skip
         return ds, db
-    split = resolve_split(cfg.split, dy, tiles=triton.cdiv(m, cfg.block_m), steps=triton.cdiv(n, cfg.block_n))
+    split = resolve_split(cfg.split, dy, tiles=cdiv(m, cfg.block_m), steps=cdiv(n, cfg.block_n))
     if accumulators is None:
         _, (ds_out, db32) = zeroed_fp32((m, r), (n, r), device=dy.device)
     else:

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from lorafusion_kernels._kernels._common import (
     GEMM_HEURISTIC,
+    cdiv,
     dot_k_loop,
     gemm_meta,
     grouped_tile,
@@ -185,7 +186,7 @@ def lora_dyw_dsa(
     r = ds.shape[1]
     cfg = config or launch_config(KERNEL, dy, m=m, n=n, k=k, r=r)
     dx = torch.empty((m, k), dtype=dy.dtype, device=dy.device)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(k, cfg.block_n),)
+    grid = (cdiv(m, cfg.block_m) * cdiv(k, cfg.block_n),)
     meta = gemm_meta(cfg, block_r=rank_block(r), dtype=dy.dtype)
     sizes = (m, n, k, r)
     dropout = (inv_keep, keep_threshold)

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from lorafusion_kernels._kernels._common import (
     capability_heuristic,
+    cdiv,
     dot_precision,
     launch_config,
     partial_stride,
@@ -121,7 +122,7 @@ def lora_xa(
     m, k = x.shape
     r = lora_a.shape[0]
     cfg = config or launch_config(KERNEL, x, m=m, n=r, k=k, r=r)
-    tiles = triton.cdiv(m, cfg.block_m)
+    tiles = cdiv(m, cfg.block_m)
     split, k_per_split = split_reduction(cfg.split, x, tiles=tiles, length=k, block=cfg.block_k)
     out = split_output(split, (m, r), x.dtype, x.device)
     _lora_xa_kernel[(tiles, split)](

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from lorafusion_kernels._kernels._common import (
     GEMM_HEURISTIC,
+    cdiv,
     dot_k_loop,
     gemm_meta,
     grouped_tile,
@@ -161,7 +162,7 @@ def lora_xw_sb(
     r = s.shape[1]
     cfg = config or launch_config(KERNEL, x, m=m, n=n, k=k, r=r)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
     meta = gemm_meta(cfg, block_r=rank_block(r), dtype=x.dtype)
     lora = (s, lora_b, bias if bias is not None else y)
     sizes = (m, n, k, r)

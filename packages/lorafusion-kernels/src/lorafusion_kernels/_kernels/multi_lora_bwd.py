@@ -23,6 +23,7 @@ import triton.language as tl
 
 from lorafusion_kernels._kernels import lora_dsx, lora_dys_dyb, lora_dyw_dsa
 from lorafusion_kernels._kernels._common import (
+    cdiv,
     dot_k_loop,
     dot_precision,
     gemm_meta,
@@ -348,7 +349,7 @@ def multi_lora_dys_dyb(
     db = torch.zeros((N, r_tot), dtype=torch.float32, device=dy.device)
     cfg = config or launch_config(DY_KERNEL, dy, m=T, n=N, k=N, r=max_rank)
     tiles = batch.segment_tiles(cfg.block_m)
-    split = resolve_split(cfg.split, dy, tiles=tiles.num_tiles, steps=triton.cdiv(N, cfg.block_n))
+    split = resolve_split(cfg.split, dy, tiles=tiles.num_tiles, steps=cdiv(N, cfg.block_n))
     alloc = torch.zeros if split > 1 else torch.empty
     ds = alloc((T, block_r), dtype=torch.float32, device=dy.device)
     if tiles.num_tiles > 0:
@@ -423,7 +424,7 @@ def multi_lora_dsx(
         return torch.empty((0, K), dtype=out_dtype, device=x.device)
     cfg = config or launch_config(DA_KERNEL, x, m=T, n=max_rank, k=K, r=max_rank)
     tiles = batch.segment_tiles(cfg.block_m)
-    col_tiles = triton.cdiv(K, cfg.block_n)
+    col_tiles = cdiv(K, cfg.block_n)
     busiest = max(-(-n // cfg.block_m) for n in batch.adapter_tokens)
     split = resolve_split(cfg.split, x, tiles=batch.num_adapters * col_tiles, steps=max(busiest, 1))
     out = split_output(split, (r_tot, K), out_dtype, x.device)
@@ -499,7 +500,7 @@ def multi_lora_dyw_dsa(
         return dx
     cfg = config or launch_config(DX_KERNEL, dy, m=T, n=N, k=K, r=max_rank)
     rows = batch.row_tiles(cfg.block_m)
-    grid = (rows.num_tiles * triton.cdiv(K, cfg.block_n),)
+    grid = (rows.num_tiles * cdiv(K, cfg.block_n),)
     meta = gemm_meta(cfg, block_r=block_r, dtype=dy.dtype)
     routing = (batch.segments, rows.seg_range, ranks, thresholds, inv_keep, seed, T, N, K)
     if cfg.tma and tma_ok(dy, weight, dx):

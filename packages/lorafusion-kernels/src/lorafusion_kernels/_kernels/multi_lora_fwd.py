@@ -21,6 +21,7 @@ import triton.language as tl
 
 from lorafusion_kernels._kernels import lora_xa, lora_xw_sb
 from lorafusion_kernels._kernels._common import (
+    cdiv,
     dot_k_loop,
     dot_precision,
     gemm_meta,
@@ -322,7 +323,7 @@ def multi_lora_linear(
     if T == 0:
         return y
     rows = batch.row_tiles(cfg.block_m)
-    grid = (rows.num_tiles * triton.cdiv(N, cfg.block_n),)
+    grid = (rows.num_tiles * cdiv(N, cfg.block_n),)
     meta = gemm_meta(cfg, block_r=block_r, dtype=x.dtype)
     lora = (bias if bias is not None else y, s, b_cat)
     routing = (batch.segments, rows.seg_range, ranks, T, N, K)
