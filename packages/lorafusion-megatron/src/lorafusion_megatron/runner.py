@@ -56,7 +56,7 @@ class PendingResults:
 
     The read-back is the microbatch's one wait for the device. Reading a microbatch's results only
     after the next microbatch's work is queued lets the host run up to a microbatch ahead of the
-    device, so the device does not idle while the host launches the next forward.
+    device instead of leaving it an empty queue at every microbatch boundary.
 
     Args:
         batch: The packed batch the results belong to.

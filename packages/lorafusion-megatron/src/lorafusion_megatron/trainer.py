@@ -297,8 +297,8 @@ class _Session:
         }
         with drawing_for(microbatch):
             pending = self.runner.forward_backward(batch, denominators)
-        # The previous microbatch's results are read now, while this one's work is queued: the
-        # device never waits for the host to launch a forward.
+        # The previous microbatch's results are read only now, once this one's work is queued, so the
+        # host never waits for the device with an empty queue between two microbatches.
         self._settle()
         self._unsettled = pending
 
