@@ -14,10 +14,14 @@ LoRA and capacity), run the way ``bench_trainer.py`` runs them, for each of ``--
 
 Each mode runs its microbatches once untimed, once timed (wall time between two synchronisations,
 set-up such as patching the model and switching adapters outside the clock, as in
-``bench_trainer.py``) and once under ``torch.profiler``. Reported per mode: wall milliseconds per microbatch, the GPU's
-busy time (the kernels' summed device time) and idle time (wall less busy: the GPU waiting for the
-host), the busy time by kind of kernel (GEMM, attention, LoRAFusion's Triton kernels, the rest) and
-the ``--top`` kernels by time. With ``--host``, also where the host's time goes in one more run:
+``bench_trainer.py``) and once under ``torch.profiler``. ``--read-back next each`` runs each mode
+both ways, ``--rounds`` repeats it all (A/B/A/B in one process, on one machine: host-bound
+figures differ between machines).
+
+Reported per mode: wall milliseconds per microbatch, the GPU's busy time (the kernels' summed
+device time) and idle time (wall less busy: the GPU waiting for the host), the busy time by kind
+of kernel (GEMM, attention, LoRAFusion's Triton kernels, the rest) and the ``--top`` kernels by
+time. With ``--host``, also where the host's time goes in one more run:
 the ``--top`` functions of ``cProfile`` by own time, the ``--top`` torch ops by self CPU time, and
 the calls that wait for the GPU (synchronisations and device-to-host copies).
 """
@@ -156,6 +160,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=1, help="times every combination runs (for A/B/A/B)")
     parser.add_argument(
         "--read-back",
         nargs="+",
@@ -186,8 +191,12 @@ def main() -> None:
         "dtype": torch.bfloat16,
     }
     results = {}
-    for mode, read_back in itertools.product(args.modes, args.read_back):
-        name = mode if len(args.read_back) == 1 else f"{mode}/read-back-{read_back}"
+    for round_, mode, read_back in itertools.product(range(args.rounds), args.modes, args.read_back):
+        name = "/".join(
+            [mode]
+            + ([f"read-back-{read_back}"] if len(args.read_back) > 1 else [])
+            + ([f"round-{round_}"] if args.rounds > 1 else [])
+        )
         if mode == "causal":
             run = causal_steps(model, len(work.batches), args.capacity, device)
         else:
