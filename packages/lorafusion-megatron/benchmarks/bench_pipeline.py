@@ -230,23 +230,40 @@ def measured(summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def simulated(plan_file: Path) -> dict[str, Any]:
-    """The scheduler's simulator on the run's plan (default cost model): what the measurement should resemble."""
+def simulated(plan_file: Path, stage_factors: tuple[float, ...] | None) -> dict[str, Any]:
+    """The scheduler's simulator on the run's plan: what the measurement should resemble.
+
+    With the default cost model (equal stages), and again with the stages weighted by the layer
+    partition's estimated costs (``stage_factors``; ``*_with_partition``): whole layers do not
+    divide evenly over the stages, and the slowest stage sets the pace.
+    """
     from lorafusion_megatron.planning import plan_from_json
     from lorafusion_sched import simulate
     from lorafusion_sched.models import CostModel
 
-    runs = simulate(plan_from_json(plan_file.read_text(encoding="utf-8")), CostModel()).runs
+    plan = plan_from_json(plan_file.read_text(encoding="utf-8"))
+    runs = simulate(plan, CostModel()).runs
+    weighted = {run.name: run for run in simulate(plan, CostModel(stage_factors=stage_factors)).runs}
     fused = runs[0].tokens_per_s
     return {
         SIMULATED_AS.get(run.name, run.name): {
             "bubble_ratio": run.bubble_ratio,
             "bubble_ratio_per_stage": list(run.bubble_ratio_per_stage),
+            "bubble_ratio_with_partition": weighted[run.name].bubble_ratio,
+            "bubble_ratio_per_stage_with_partition": list(weighted[run.name].bubble_ratio_per_stage),
             "microbatches": run.num_microbatches,
             "lorafusion_speedup": fused / run.tokens_per_s if run.tokens_per_s else None,
         }
         for run in runs
     }
+
+
+def partition_factors(preset: str, stages: int) -> tuple[float, ...] | None:
+    """``stage_cost_factors`` of a random-weight preset's layer partition over ``stages``."""
+    from lorafusion_megatron.pipeline.partition import stage_cost_factors
+    from lorafusion_megatron.presets import PRESETS
+
+    return stage_cost_factors(PRESETS[preset].config, stages)
 
 
 class Benchmark:
@@ -338,7 +355,8 @@ class Benchmark:
             traces.mkdir(exist_ok=True)
             shutil.copyfile(trace, traces / f"{folder.name}.json")
         if record["status"] == "ok" and not record["warmup"] and str(cell.adapters) not in self.simulated:
-            self.simulated[str(cell.adapters)] = simulated(folder / "plan.json")
+            factors = partition_factors(self.args.preset, self.args.stages)
+            self.simulated[str(cell.adapters)] = simulated(folder / "plan.json", factors)
         self.runs.append(record)
         self.write()
 

@@ -58,18 +58,20 @@ def markdown(document: dict[str, Any]) -> str:
         _setup(document),
         "",
         "| adapters | schedule | runs | tokens/s (median) | min to max | LoRAFusion speedup "
-        "| bubble ratio | per stage | simulated bubble |",
-        "|---:|---|---:|---:|---:|---:|---:|---|---:|",
+        "| bubble ratio | per stage | simulated bubble | simulated, partition's stages |",
+        "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for c in document["cells"]:
         speedup = "" if c["speedup"] is None else f"{c['speedup']:.2f}x"
         stages = ", ".join(f"{b:.1%}" for b in c["bubble_ratio_per_stage"])
         predicted = simulated.get(str(c["adapters"]), {}).get(c["schedule"])
         sim = "" if predicted is None else f"{predicted['bubble_ratio']:.1%}"
+        weighted = None if predicted is None else predicted.get("bubble_ratio_with_partition")
+        sim_partition = "" if weighted is None else f"{weighted:.1%}"  # results before this column: none
         lines.append(
             f"| {c['adapters']} | `{c['schedule']}` | {c['repeats']} | {c['tokens_per_second']:,.0f} "
             f"| {c['tokens_per_second_min']:,.0f} to {c['tokens_per_second_max']:,.0f} | {speedup} "
-            f"| {c['bubble_ratio']:.1%} | {stages} | {sim} |"
+            f"| {c['bubble_ratio']:.1%} | {stages} | {sim} | {sim_partition} |"
         )
     failed = [run for run in document["runs"] if run["status"] != "ok"]
     if failed:

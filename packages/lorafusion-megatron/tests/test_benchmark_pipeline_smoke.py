@@ -233,6 +233,7 @@ def test_bench_pipeline_runs_every_schedule_on_two_cpu_stages(tmp_path: Path, on
         # Every schedule of one adapter count trained the same samples.
         assert len({cells[(n, s)]["tokens"] for s in SCHEDULES}) == 1
         assert set(document["simulated"][str(n)]) == set(SCHEDULES)
+        assert 0.0 <= document["simulated"][str(n)]["lorafusion"]["bubble_ratio_with_partition"] < 1.0
     assert all(len(c["bubble_ratio_per_stage"]) == 2 and c["tokens_per_second"] > 0 for c in cells.values())
     assert str(tmp_path) not in out.read_text()
     report = [sys.executable, str(BENCHMARKS / "report_pipeline.py"), str(out), "--markdown", str(tmp_path / "t.md")]

@@ -95,6 +95,12 @@ def test_plan_prints_statistics_and_writes_json(
     assert plan["capacity"] == 256
 
 
+def test_plan_of_a_pipeline_weighs_its_stages(tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path / "run.yaml", config_dict())
+    assert main(["plan", str(path), "--set", "parallel.pipeline_stages=2"]) == 0
+    assert "partition" in capsys.readouterr().out  # the simulator runs the stages the runtime builds
+
+
 def test_train_then_export_merged_model(tmp_path: Path, config_dict, tiny_base: Path) -> None:
     data = config_dict(base_model={"model_name_or_path": str(tiny_base), "dtype": "float32"})
     path = _write(tmp_path / "run.yaml", data)

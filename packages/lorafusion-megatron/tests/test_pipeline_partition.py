@@ -9,7 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lorafusion_megatron.errors import TrainerError
-from lorafusion_megatron.pipeline.partition import balanced_partition, decoder_costs, partition_model
+from lorafusion_megatron.pipeline.partition import (
+    balanced_partition,
+    decoder_costs,
+    partition_model,
+    stage_cost_factors,
+)
 from lorafusion_megatron.presets import PRESETS
 
 
@@ -64,3 +69,13 @@ def test_llama_70b_on_four_stages() -> None:
     # The LM head is worth about 2.4 layers here, so the last stage holds fewer layers.
     assert len(specs[-1].layers) < len(specs[0].layers)
     assert max(s.cost for s in specs) <= (sum(layers) + head) / 4 + max(layers)
+
+
+def test_stage_cost_factors_weigh_each_stage_against_the_mean() -> None:
+    config = PRESETS["llama-3.1-70b"].config
+    factors = stage_cost_factors(config, 4)
+    assert factors is not None
+    assert sum(factors) == pytest.approx(4.0)
+    costs = [spec.cost for spec in partition_model(config, 4)]
+    assert factors.index(max(factors)) == costs.index(max(costs)) == 2  # the stage with 21 of 80 layers
+    assert stage_cost_factors(config, 1) is None

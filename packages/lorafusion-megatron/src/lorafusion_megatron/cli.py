@@ -101,10 +101,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             f"{adapter.name}: samples / optimizer steps", f"{adapter.num_samples} / {adapter.num_global_batches}"
         )
     Console().print(table)
-    simulated = Table(title="Simulated with the scheduler's default cost model (ratios matter, not seconds)")
+    factors = None
+    if parallel.pipeline_stages > 1:
+        from lorafusion_megatron.model import load_model_config
+        from lorafusion_megatron.pipeline.partition import stage_cost_factors
+
+        factors = stage_cost_factors(load_model_config(config.base_model).to_dict(), parallel.pipeline_stages)
+    stages_note = "" if factors is None else ", stages weighted by the layer partition's costs"
+    simulated = Table(
+        title=f"Simulated with the scheduler's default cost model{stages_note} (ratios matter, not seconds)"
+    )
     for header in ("schedule", "bubble ratio", "tokens/s", "lorafusion speedup"):
         simulated.add_column(header, justify="left" if header == "schedule" else "right")
-    runs = simulate(plan, CostModel()).runs
+    runs = simulate(plan, CostModel(stage_factors=factors)).runs
     for run in runs:
         speedup = runs[0].tokens_per_s / run.tokens_per_s if run.tokens_per_s else 0.0
         simulated.add_row(run.name, f"{run.bubble_ratio:.1%}", f"{run.tokens_per_s:,.0f}", f"{speedup:.2f}x")
