@@ -231,11 +231,7 @@ def fused_multi_lora_linear(
         y = _single_adapter(x2, weight, lora_a[only], lora_b[only], scales[only], ps[only], bias, seed, deterministic)
     elif runs_triton(x2):
         params = _AdapterParams(tuple(a.shape[0] for a in lora_a), scales, ps)
-        # Stacked in the adapters' own dtype (fp32 under PEFT's default autocast): the kernels cast
-        # tiles to x's dtype as they load them, and the gradients come back without conversions.
-        a_dtype, b_dtype = _stack_dtype(lora_a), _stack_dtype(lora_b)
-        a_cat = torch.cat([a if a.dtype == a_dtype else a.to(a_dtype) for a in lora_a], dim=0)
-        b_cat = torch.cat([b if b.dtype == b_dtype else b.to(b_dtype) for b in lora_b], dim=1)
+        a_cat, b_cat = _stack(lora_a, dim=0), _stack(lora_b, dim=1)
         if deterministic is None:
             deterministic = deterministic_mode()
         if torch.compiler.is_compiling():
@@ -413,9 +409,14 @@ def _backward_core(
     return dx, da, db.to(b_cat.dtype)
 
 
-def _stack_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
-    """The dtype that holds every one of ``tensors`` exactly (their promotion: fp32 if any is fp32)."""
-    return functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+def _stack(tensors: Sequence[torch.Tensor], *, dim: int) -> torch.Tensor:
+    """``tensors`` concatenated along ``dim`` in the dtype that holds each exactly (fp32 if any is fp32).
+
+    Stacked in the adapters' own dtype (fp32 under PEFT's default autocast), the kernels cast tiles
+    to x's dtype as they load them, and the gradients come back without conversions.
+    """
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+    return torch.cat([t if t.dtype == dtype else t.to(dtype) for t in tensors], dim=dim)
 
 
 @functools.lru_cache(maxsize=64)

@@ -10,16 +10,8 @@ import triton
 import triton.language as tl
 
 from lorafusion_kernels.errors import LoRAFusionKernelsError
-from lorafusion_kernels.tuning.config import (
-    Heuristic,
-    KernelConfig,
-    ShapeKey,
-    cached_per_launch,
-    dtype_name,
-    forced_config,
-    lookup_config,
-)
-from lorafusion_kernels.tuning.device import capability, device_name, num_sms
+from lorafusion_kernels.tuning.config import Heuristic, KernelConfig, ShapeKey, launch_lookup
+from lorafusion_kernels.tuning.device import capability, num_sms
 
 MAX_RANK = 128
 """Largest LoRA rank the kernels accept (the rank tile is padded to a power of two, at most 128)."""
@@ -144,27 +136,8 @@ def gemm_meta(cfg: KernelConfig, *, block_r: int, dtype: torch.dtype) -> dict[st
 
 
 def launch_config(kernel: str, t: torch.Tensor, *, m: int, n: int, k: int, r: int) -> KernelConfig:
-    """The config of ``kernel`` for this problem on ``t``'s device (heuristic, silently, off the GPU).
-
-    Runs before every launch, so a problem seen before costs one dictionary lookup: the device name
-    and the ``LORAFUSION_*`` environment overrides are read when a problem is first seen, and
-    :func:`~lorafusion_kernels.tuning.clear_caches` makes the next launches read them again.
-    """
-    forced = forced_config(kernel)
-    if forced is not None:
-        return forced
-    return _launch_config(kernel, m, n, k, r, t.dtype, t.device)
-
-
-@cached_per_launch
-def _launch_config(
-    kernel: str, m: int, n: int, k: int, r: int, dtype: torch.dtype, device: torch.device
-) -> KernelConfig:
-    key = ShapeKey(m=m, n=n, k=k, r=r, dtype=dtype_name(dtype))
-    if device.type != "cuda":
-        return lookup_config(kernel, key, device_name=None)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return lookup_config(kernel, key, device_name=device_name(index), capability=capability(index))
+    """The config of ``kernel`` for this problem on ``t``'s device (see :func:`launch_lookup`: cached per problem)."""
+    return launch_lookup(kernel, m, n, k, r, t.dtype, t.device)
 
 
 def split_reduction(split: int, t: torch.Tensor, *, tiles: int, length: int, block: int) -> tuple[int, int]:

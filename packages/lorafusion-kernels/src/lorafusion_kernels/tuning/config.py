@@ -325,30 +325,39 @@ def _warn_once(reason: str) -> None:
         warnings.warn(reason, LoRAFusionKernelsWarning, stacklevel=3)
 
 
-_LAUNCH_CACHES: list[Any] = []
+def launch_lookup(kernel: str, m: int, n: int, k: int, r: int, dtype: Any, device: Any) -> KernelConfig:
+    """:func:`lookup_config` for a launch on ``device`` (a ``torch.device``), cached per problem.
 
-
-def cached_per_launch(resolve: Callable[..., KernelConfig]) -> Callable[..., KernelConfig]:
-    """Cache ``resolve``, a launcher's config lookup by hashable arguments; :func:`clear_caches` empties it.
-
-    Bounded (the token count is part of the key, and a training run may see thousands of them).
+    Runs before every kernel launch, so a problem seen before costs one dictionary lookup: the
+    device name and the ``LORAFUSION_*`` environment overrides are read when a problem is first
+    seen, and :func:`clear_caches` makes the next launches read them again. A config forced with
+    :func:`override_configs` wins over the cache. Off the GPU the heuristic is used, silently.
     """
-    cached = functools.lru_cache(maxsize=16384)(resolve)
-    _LAUNCH_CACHES.append(cached)
-    return cached
+    forced = _OVERRIDES.get(kernel)
+    if forced is not None:
+        return forced
+    return _launch_lookup(kernel, m, n, k, r, dtype, device)
 
 
-def forced_config(kernel: str) -> KernelConfig | None:
-    """The config :func:`override_configs` forces on ``kernel``, if any (checked before every cache)."""
-    return _OVERRIDES.get(kernel)
+# Bounded: the token count is part of the key, and a training run may see thousands of them.
+@functools.lru_cache(maxsize=16384)
+def _launch_lookup(kernel: str, m: int, n: int, k: int, r: int, dtype: Any, device: Any) -> KernelConfig:
+    key = ShapeKey(m=m, n=n, k=k, r=r, dtype=dtype_name(dtype))
+    if device.type != "cuda":
+        return lookup_config(kernel, key, device_name=None)
+    import torch
+
+    from lorafusion_kernels.tuning.device import capability, device_name
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return lookup_config(kernel, key, device_name=device_name(index), capability=capability(index))
 
 
 def clear_caches() -> None:
     """Forget parsed files, lookups and emitted warnings (after changing the environment overrides)."""
     load_config_file.cache_clear()
     _lookup_cached.cache_clear()
-    for cache in _LAUNCH_CACHES:
-        cache.cache_clear()
+    _launch_lookup.cache_clear()
     _WARNED.clear()
 
 
