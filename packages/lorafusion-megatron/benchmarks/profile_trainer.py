@@ -20,8 +20,9 @@ figures differ between machines).
 
 Reported per mode: wall milliseconds per microbatch, the GPU's busy time (the kernels' summed
 device time) and idle time (wall less busy: the GPU waiting for the host), the busy time by kind
-of kernel (GEMM, attention, LoRAFusion's Triton kernels, the rest) and the ``--top`` kernels by
-time. With ``--host``, also where the host's time goes in one more run:
+of kernel (GEMM, attention, LoRAFusion's Triton kernels, the rest), the ``--top`` kernels by
+time, and the gaps between kernels by length and by the kernel that ended them. With ``--host``,
+also where the host's time goes in one more run:
 the ``--top`` functions of ``cProfile`` by own time, the ``--top`` torch ops by self CPU time, and
 the calls that wait for the GPU (synchronisations and device-to-host copies).
 """
@@ -111,9 +112,9 @@ def profiled(run: Callable[[], float], microbatches: int, top: int) -> dict[str,
         run()
         torch.cuda.synchronize()
     kernels: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[event.name[:100]] += event.device_time / 1e3 / microbatches
+    gpu_events = [event for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    for event in gpu_events:
+        kernels[event.name[:100]] += event.device_time / 1e3 / microbatches
     kinds: dict[str, float] = defaultdict(float)
     for name, ms in kernels.items():
         kinds[kind_of(name)] += ms
@@ -125,6 +126,35 @@ def profiled(run: Callable[[], float], microbatches: int, top: int) -> dict[str,
         "idle_ms": round(wall_ms - busy_ms, 2),
         "kinds_ms": {kind: round(ms, 2) for kind, ms in sorted(kinds.items(), key=lambda item: -item[1])},
         "top_kernels_ms": {name: round(ms, 3) for name, ms in ranked[:top]},
+        "gaps": idle_gaps(gpu_events, microbatches, top),
+    }
+
+
+GAP_BINS_US = (10, 100, 1000)
+"""Bounds of the gap-length bins of :func:`idle_gaps` (microseconds)."""
+
+
+def idle_gaps(events: list[Any], microbatches: int, top: int) -> dict[str, Any]:
+    """Where the GPU sat idle between kernels, per microbatch (milliseconds).
+
+    Gaps between consecutive kernels (by start time), binned by length, and summed by the name of
+    the kernel that ended each gap (the work the GPU was waiting for): evenly spread short gaps mean
+    a host that is slower than the GPU all along; a few long ones, a stall at some point of the loop.
+    """
+    spans = sorted((event.time_range.start, event.time_range.end, event.name[:100]) for event in events)
+    by_bin: dict[str, float] = defaultdict(float)
+    by_next: dict[str, float] = defaultdict(float)
+    for (_, previous_end, _), (start, _, name) in itertools.pairwise(spans):
+        gap = start - previous_end
+        if gap <= 0:
+            continue
+        bound = next((b for b in GAP_BINS_US if gap < b), None)
+        by_bin[f"<{bound} us" if bound else f">={GAP_BINS_US[-1]} us"] += gap / 1e3 / microbatches
+        by_next[name] += gap / 1e3 / microbatches
+    ranked = sorted(by_next.items(), key=lambda item: -item[1])[:top]
+    return {
+        "by_length_ms": {key: round(ms, 2) for key, ms in sorted(by_bin.items())},
+        "by_next_kernel_ms": {name: round(ms, 2) for name, ms in ranked},
     }
 
 
@@ -207,6 +237,9 @@ def main() -> None:
         print("    by kind (ms): " + ", ".join(f"{kind} {ms:.1f}" for kind, ms in r["kinds_ms"].items()))
         for kernel, ms in r["top_kernels_ms"].items():
             print(f"    {ms:8.3f}  {kernel}")
+        print("    idle by gap length (ms): " + ", ".join(f"{k} {v}" for k, v in r["gaps"]["by_length_ms"].items()))
+        for kernel, ms in r["gaps"]["by_next_kernel_ms"].items():
+            print(f"    idle {ms:8.3f}  before {kernel}")
         if mode in args.host:
             r["host"] = host_profile(run, 3 * args.top)
             print(r["host"]["cprofile"], r["host"]["torch_ops"], "GPU waits:", r["host"]["gpu_waits"], sep="\n")
