@@ -40,11 +40,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import cProfile
 import functools
-import io
 import json
-import pstats
 import statistics
 import time
 from collections import OrderedDict
@@ -55,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 from bench_lora import provenance
+from profile_lora import host_profile
 from torch import nn
 from torch.nn import functional
 
@@ -110,21 +108,6 @@ def no_launches() -> Iterator[None]:
         yield
     finally:
         JITFunction.__getitem__ = original  # type: ignore[method-assign]
-
-
-def cumulative_profile(fn: Callable[[], object], calls: int, top: int) -> str:
-    """``cProfile`` of ``calls`` calls of ``fn``, the ``top`` functions by cumulative time."""
-    fn()
-    torch.cuda.synchronize()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    profiler.disable()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(top)
-    return text.getvalue()
 
 
 def peft_layer(n: int, k: int, r: int, p: float, adapters: int) -> tuple[nn.Module, list[str]]:
@@ -194,7 +177,7 @@ def measure(
             with no_launches():
                 timed(f"{name}_fwd_bwd_no_launch", fwd_bwd)
             if profiles is not None:
-                profiles[name] = cumulative_profile(fwd_bwd, calls, 45)
+                profiles[name] = host_profile(fwd_bwd, calls, 45, sort="cumulative")
                 print(profiles[name], flush=True)
     timed("fused_multi_kernels_fwd", _kernels_forward(x, w, lora_a, lora_b, batch, scaling, ps))
     if n == k:

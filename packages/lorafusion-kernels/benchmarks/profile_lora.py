@@ -106,8 +106,8 @@ def host_ops(fn: Callable[[], None], iters: int, top: int) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=70)
 
 
-def host_profile(fn: Callable[[], None], iters: int, top: int) -> str:
-    """``cProfile`` of ``iters`` calls: the ``top`` functions by own time, as text."""
+def host_profile(fn: Callable[[], object], iters: int, top: int, sort: str = "tottime") -> str:
+    """``cProfile`` of ``iters`` calls: the ``top`` functions by ``sort`` (own time by default), as text."""
     fn()
     torch.cuda.synchronize()
     profiler = cProfile.Profile()
@@ -117,7 +117,7 @@ def host_profile(fn: Callable[[], None], iters: int, top: int) -> str:
     torch.cuda.synchronize()
     profiler.disable()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    pstats.Stats(profiler, stream=text).sort_stats(sort).print_stats(top)
     return text.getvalue()
 
 
