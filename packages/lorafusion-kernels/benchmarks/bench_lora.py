@@ -206,6 +206,14 @@ def provenance(script: str, argv: list[str] | None) -> dict[str, object]:
     }
 
 
+def write_results(out: Path, suffix: str, result: dict[str, object]) -> None:
+    """Write ``result`` as ``<out>/<gpu-key><suffix>.json`` (sorted keys, reviewable diffs)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{gpu_key(torch.cuda.get_device_name())}{suffix}.json"
+    path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments, run the grid, write ``<out>/<gpu-key>.json``."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -220,7 +228,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     layers = [lay for lay in LAYERS if args.layers is None or any(s in lay[0] for s in args.layers)]
     rows = run(layers, args.m, args.providers, args.r, args.p, args.rep, not args.no_graphs)
-    name = torch.cuda.get_device_name()
     result = {
         **provenance("bench_lora.py", argv),
         "summary": {
@@ -230,11 +237,8 @@ def main(argv: list[str] | None = None) -> None:
         },
         "rows": rows,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{gpu_key(name)}.json"
-    path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     print(json.dumps(result["summary"], indent=2))
-    print(f"wrote {path}")
+    write_results(args.out, "", result)
 
 
 if __name__ == "__main__":

@@ -29,14 +29,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench_lora import LAYERS, M_VALUES, graph_time, provenance, saved_bytes
+from bench_lora import LAYERS, M_VALUES, graph_time, provenance, saved_bytes, write_results
 from triton.testing import do_bench
 
 from lorafusion_kernels import MultiLoRABatch, fused_lora_linear, fused_multi_lora_linear
 from lorafusion_kernels._kernels import multi_lora_bwd, multi_lora_fwd
 from lorafusion_kernels.reference import per_segment_lora_linear
 from lorafusion_kernels.tuning.config import KernelConfig, ShapeKey, lookup_config, override_configs
-from lorafusion_kernels.tuning.device import capability, device_name, gpu_key
+from lorafusion_kernels.tuning.device import capability, device_name
 from lorafusion_kernels.tuning.launches import LayerProblem, multi_adapter_launches
 
 ADAPTER_COUNTS = [1, 2, 4, 8]
@@ -302,7 +302,6 @@ def main(argv: list[str] | None = None) -> None:
         layers, args.m, args.adapters, args.distributions, providers, args.r, args.p, args.rep,
         adapter_dtype=getattr(torch, args.adapter_dtype), graphs=not args.no_graphs,
     )  # fmt: skip
-    name = torch.cuda.get_device_name()
     result = {
         **provenance("bench_multi_lora.py", argv),
         "summary": {
@@ -313,11 +312,8 @@ def main(argv: list[str] | None = None) -> None:
         "kernel_breakdown_ms": kernel_times,
         "rows": rows,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{gpu_key(name)}-multi{args.tag}.json"
-    path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     print(json.dumps(result["summary"], indent=2))
-    print(f"wrote {path}")
+    write_results(args.out, f"-multi{args.tag}", result)
 
 
 if __name__ == "__main__":

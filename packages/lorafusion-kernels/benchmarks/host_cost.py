@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import statistics
 import time
 from collections import OrderedDict
@@ -51,7 +50,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from bench_lora import provenance
+from bench_lora import provenance, write_results
 from profile_lora import host_profile
 from torch import nn
 from torch.nn import functional
@@ -63,7 +62,6 @@ from lorafusion_kernels import (
     multi_lora_batch,
     patch_peft_model,
 )
-from lorafusion_kernels.tuning.device import gpu_key
 
 
 @triton.jit
@@ -238,24 +236,14 @@ def _kernels_forward(
     scaling: list[float],
     ps: list[float],
 ) -> Callable[[], torch.Tensor]:
-    """The two FusedMultiLoRA forward kernels through their wrappers, inputs stacked once outside."""
-    from lorafusion_kernels._kernels.multi_lora_fwd import multi_lora_linear, multi_lora_shrink
+    """The op's forward core (its two kernels through their wrappers), inputs stacked once outside."""
     from lorafusion_kernels.dropout import seed_tensor
-    from lorafusion_kernels.multi_lora import _AdapterParams, _device_params
+    from lorafusion_kernels.multi_lora import _AdapterParams, _forward_core, _stack
 
     params = _AdapterParams(tuple(a.shape[0] for a in lora_a), tuple(scaling), tuple(ps))
-    dev = _device_params(params, x.device)
-    a_cat = torch.cat([a.detach() for a in lora_a])
-    b_cat = torch.cat([b.detach() for b in lora_b], dim=1)
+    a_cat, b_cat = _stack([a.detach() for a in lora_a], dim=0), _stack([b.detach() for b in lora_b], dim=1)
     seed = seed_tensor(1, x.device)
-    xd = x.detach()
-
-    def run() -> torch.Tensor:
-        s = multi_lora_shrink(xd, a_cat, batch, block_r=params.block_r, max_rank=params.max_rank, ranks=dev.ranks,
-                              thresholds=dev.thresholds, s_scale=dev.s_scale, seed=seed, has_dropout=True)  # fmt: skip
-        return multi_lora_linear(xd, w, None, s, b_cat, batch, ranks=dev.ranks, max_rank=params.max_rank)
-
-    return run
+    return lambda: _forward_core(x.detach(), w, None, a_cat, b_cat, seed, batch, params)[0]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -278,10 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {**provenance("host_cost.py", argv), "args": {k: v for k, v in vars(args).items() if k != "out"}, "us": us}
     if profiles:
         result["profiles"] = profiles
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{gpu_key(torch.cuda.get_device_name())}-host{args.tag}.json"
-    path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    print(f"wrote {path}")
+    write_results(args.out, f"-host{args.tag}", result)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
 import statistics
 import time
@@ -38,10 +37,8 @@ from pathlib import Path
 import bench_lora
 import bench_multi_lora
 import torch
-from bench_lora import LAYERS, provenance
+from bench_lora import LAYERS, provenance, write_results
 from torch.profiler import ProfilerActivity, profile
-
-from lorafusion_kernels.tuning.device import gpu_key
 
 SINGLE_PROVIDERS = ["frozen", "eager", "fused"]
 
@@ -163,10 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         "host_us": {"m": args.host_m, "n": n, "k": k, "p": args.p[0], "per_provider": host},
         "host_profiles": profiles,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{gpu_key(torch.cuda.get_device_name())}-profile.json"
-    path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    print(f"wrote {path}")
+    write_results(args.out, "-profile", result)
 
 
 if __name__ == "__main__":
