@@ -251,8 +251,9 @@ def _fused_layer_forward(layer: Any, x: torch.Tensor, batch: MultiLoRABatch, pre
     lora_a, lora_b, scaling, ps = [], [], [], []
     for name in present:
         if name is None:
-            lora_a.append(x.new_zeros(0, k_in))
-            lora_b.append(x.new_zeros(base.out_features, 0))
+            no_a, no_b = _no_adapter(k_in, base.out_features, x.dtype, x.device)
+            lora_a.append(no_a)
+            lora_b.append(no_b)
             scaling.append(0.0)
             ps.append(0.0)
         else:
@@ -265,6 +266,12 @@ def _fused_layer_forward(layer: Any, x: torch.Tensor, batch: MultiLoRABatch, pre
     return fused_multi_lora_linear(
         x, base.weight, lora_a, lora_b, scaling=scaling, dropout_p=ps, bias=base.bias, batch=batch
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _no_adapter(k_in: int, n_out: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-0 ``(A [0, K], B [N, 0])``: "no adapter" for a layer's call; empty, so shared by every call."""
+    return torch.zeros(0, k_in, dtype=dtype, device=device), torch.zeros(n_out, 0, dtype=dtype, device=device)
 
 
 def _eager_layer_forward(
