@@ -37,6 +37,7 @@ GROUPS: dict[str, list[int]] = {"llama8b.qkv": [4096, 1024, 1024], "llama8b.gate
 
 
 def _param(rows: int, cols: int, *, scale: float) -> torch.Tensor:
+    """A random fp32 LoRA weight ``[rows, cols]`` that requires grad."""
     return (torch.randn(rows, cols, device="cuda") * scale).requires_grad_()
 
 
@@ -49,12 +50,8 @@ class Siblings:
         self.x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
         self.weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5 for n in members]
         self.weight_cat = torch.cat(self.weights)
-        self.lora_a = [
-            [(torch.randn(r, k, device=device) / k**0.5).requires_grad_() for _ in range(adapters)] for _ in members
-        ]
-        self.lora_b = [
-            [(torch.randn(n, r, device=device) / r**0.5).requires_grad_() for _ in range(adapters)] for n in members
-        ]
+        self.lora_a = [[_param(r, k, scale=k**-0.5) for _ in range(adapters)] for _ in members]
+        self.lora_b = [[_param(n, r, scale=r**-0.5) for _ in range(adapters)] for n in members]
         lengths = [m // adapters] * (adapters - 1) + [m - (m // adapters) * (adapters - 1)]
         self.batch = MultiLoRABatch.from_segments(lengths, list(range(adapters)), num_adapters=adapters, device=device)
         self.dys = [torch.randn(m, n, device=device, dtype=torch.bfloat16) for n in members]
