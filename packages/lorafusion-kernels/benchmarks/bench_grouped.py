@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 from bench_lora import provenance, write_results
+from bench_multi_lora import segment_lengths
 from host_cost import per_call_us
 from profile_lora import kernel_times
 
@@ -52,7 +53,7 @@ class Siblings:
         self.weight_cat = torch.cat(self.weights)
         self.lora_a = [[_param(r, k, scale=k**-0.5) for _ in range(adapters)] for _ in members]
         self.lora_b = [[_param(n, r, scale=r**-0.5) for _ in range(adapters)] for n in members]
-        lengths = [m // adapters] * (adapters - 1) + [m - (m // adapters) * (adapters - 1)]
+        lengths = segment_lengths(m, adapters, "even")
         self.batch = MultiLoRABatch.from_segments(lengths, list(range(adapters)), num_adapters=adapters, device=device)
         self.dys = [torch.randn(m, n, device=device, dtype=torch.bfloat16) for n in members]
 
