@@ -1,4 +1,4 @@
-"""Sibling projections (q/k/v, gate/up) as one call with today's kernels: what it saves, what it costs.
+"""Sibling projections (q/k/v, gate/up) as one call: what it saves, what it costs.
 
 Run on a GPU (from the repository root)::
 
@@ -12,11 +12,15 @@ computing every member's ``y_j = x W_j^T + scaling * dropout(x) A_j^T B_j^T``:
 - ``separate``: one ``fused_multi_lora_linear`` per member (what the trainer runs today);
 - ``block_diagonal``: one call on the concatenated weight ``W = [W_1; W_2; ...]`` with each adapter's
   ``A = [A_1; A_2; ...]`` (rank ``G r``) and block-diagonal ``B = diag(B_1, B_2, ...)``, then split.
-  No kernel knows about the members; the members share one dropout mask (the kernels draw one per call).
+  No kernel knows about the members (the rank-``G r`` LoRA work of every member is done);
+- ``siblings``: ``fused_multi_lora_siblings`` on the same stacked ``W``: the kernels know the members
+  and do each member's rank-``r`` work only.
 
+The one-call ways share one dropout mask between members (the kernels draw one per call).
 Reported per group: host microseconds per forward + backward at ``--m-host`` tokens (the GPU waits
 for the host there), GPU microseconds by kernel at ``--m-gpu`` tokens (``torch.profiler``), and the
-largest difference between the two ways' outputs at ``p = 0``. Writes ``<out>/<gpu-key>-grouped.json``.
+largest difference between each one-call way and ``separate`` at ``p = 0``. Writes
+``<out>/<gpu-key>-grouped.json``.
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ from bench_multi_lora import segment_lengths
 from host_cost import per_call_us
 from profile_lora import kernel_times
 
-from lorafusion_kernels import MultiLoRABatch, fused_multi_lora_linear
+from lorafusion_kernels import MultiLoRABatch, fused_multi_lora_linear, fused_multi_lora_siblings
 
 GROUPS: dict[str, list[int]] = {"llama8b.qkv": [4096, 1024, 1024], "llama8b.gate_up": [14336, 14336]}
 """Output features of each member, per group of sibling layers sharing one input."""
+ONE_CALL = ("block_diagonal", "siblings")
+"""The ways that compute a group in one call (compared with ``separate``, one call per member)."""
 
 
 def _param(rows: int, cols: int, *, scale: float) -> torch.Tensor:
@@ -70,6 +76,16 @@ class Siblings:
         y = fused_multi_lora_linear(self.x, self.weight_cat, lora_a, lora_b, scaling=2.0, dropout_p=p, batch=self.batch)
         return list(y.split(self.members, dim=1))
 
+    def siblings(self, p: float) -> list[torch.Tensor]:
+        per_adapter = range(len(self.lora_a[0]))
+        return list(
+            fused_multi_lora_siblings(
+                self.x, self.weight_cat, [[member[i] for member in self.lora_a] for i in per_adapter],
+                [[member[i] for member in self.lora_b] for i in per_adapter], out_features=self.members,
+                scaling=2.0, dropout_p=p, batch=self.batch,
+            )
+        )  # fmt: skip
+
     def fwd_bwd(self, way: Callable[[float], list[torch.Tensor]], p: float) -> Callable[[], None]:
         def run() -> None:
             torch.autograd.backward(way(p), self.dys)
@@ -93,20 +109,22 @@ def main(argv: list[str] | None = None) -> None:
             small = Siblings(members, args.m_host, 4096, args.r, adapters)
             large = Siblings(members, args.m_gpu, 4096, args.r, adapters)
             exact = Siblings(members, 256, 4096, args.r, adapters)
-            diff = max(
-                (s.float() - g.float()).abs().max().item()
-                for s, g in zip(exact.separate(0.0), exact.block_diagonal(0.0), strict=True)
-            )
-            row: dict[str, object] = {"group": group, "members": members, "adapters": adapters, "max_diff_p0": diff}
-            for way in ("separate", "block_diagonal"):
+            row: dict[str, object] = {"group": group, "members": members, "adapters": adapters}
+            for way in ONE_CALL:
+                row[f"{way}_max_diff_p0"] = max(
+                    (s.float() - g.float()).abs().max().item()
+                    for s, g in zip(exact.separate(0.0), getattr(exact, way)(0.0), strict=True)
+                )
+            for way in ("separate", *ONE_CALL):
                 row[f"{way}_host_us"] = per_call_us(small.fwd_bwd(getattr(small, way), args.p), calls=20, blocks=9)
                 kernels = kernel_times(large.fwd_bwd(getattr(large, way), args.p), args.iters)
                 row[f"{way}_gpu_us"] = round(sum(kernels.values()), 1)
                 row[f"{way}_kernels_us"] = kernels
             rows.append(row)
-            host = f"host {row['separate_host_us']} -> {row['block_diagonal_host_us']} us"
-            gpu = f"GPU {row['separate_gpu_us']} -> {row['block_diagonal_gpu_us']} us"
-            print(f"{group:16s} adapters={adapters} {host}, {gpu}, max diff at p=0 {diff:.3g}", flush=True)
+            host = " / ".join(str(row[f"{way}_host_us"]) for way in ("separate", *ONE_CALL))
+            gpu = " / ".join(str(row[f"{way}_gpu_us"]) for way in ("separate", *ONE_CALL))
+            diffs = " / ".join(f"{row[f'{way}_max_diff_p0']:.3g}" for way in ONE_CALL)
+            print(f"{group:16s} adapters={adapters} host {host} us, GPU {gpu} us, max diff at p=0 {diffs}", flush=True)
     write_results(
         args.out,
         "-grouped",

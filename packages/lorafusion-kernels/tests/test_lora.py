@@ -7,8 +7,6 @@ relative-RMS floor). Shapes are small and odd (the interpreter runs a 1024x512x5
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -19,21 +17,7 @@ from lorafusion_kernels.reference import lora_linear_reference_seeded
 from lorafusion_kernels.testing import assert_close_to_reference, case_id, make_lora_inputs
 from lorafusion_kernels.tuning import KernelConfig, override_configs
 
-pytestmark = pytest.mark.interpret
-
-
-@pytest.fixture(autouse=True)
-def nan_poison(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every ``torch.empty`` the op allocates starts as NaN: an element the kernels forget to write fails."""
-    real_empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        if t.dtype.is_floating_point:
-            t.fill_(math.nan)
-        return t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
+pytestmark = [pytest.mark.interpret, pytest.mark.usefixtures("nan_poison")]
 
 
 def run_fused(inputs, *, scaling, p, seed, dy):

@@ -16,7 +16,6 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import lorafusion_kernels.lora as lora_module
 import lorafusion_kernels.multi_lora as multi_lora_module
-from lorafusion_kernels._kernels._common import interpreting
 from lorafusion_kernels.errors import LoRAFusionKernelsError
 from lorafusion_kernels.metadata import MultiLoRABatch
 from lorafusion_kernels.multi_lora import fused_multi_lora_linear
@@ -154,35 +153,6 @@ def check_against_reference(case: Case, dtype: torch.dtype, seed: int = 1234, **
     ref_grads, eager_grads = grads(ref_in), grads(eager_in)
     for name, g in grads(inputs).items():
         assert_close_to_reference(name, g, ref_grads[name], eager_grads[name], factor=3.0)
-
-
-@pytest.fixture
-def nan_poison(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``torch.empty`` returns NaN-filled float tensors, so an element the kernels never write fails."""
-    real_empty = torch.empty
-
-    def poisoned(*args: object, **kwargs: object) -> torch.Tensor:
-        t = real_empty(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(math.nan)
-        return t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
-
-
-@pytest.fixture
-def interpreter() -> None:
-    """The Triton kernels on CPU: ``TRITON_INTERPRET=1`` must be set before pytest starts.
-
-    Triton reads it when the kernels are defined (at import), not when they are launched.
-    """
-    if not interpreting():
-        pytest.skip("set TRITON_INTERPRET=1 before starting pytest to run the kernels on CPU")
-
-
-@pytest.fixture
-def torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")]

@@ -22,6 +22,7 @@ from lorafusion_kernels import (  # noqa: E402
     LoRAFusionKernelsError,
     LoRAFusionKernelsWarning,
     MultiLoRABatch,
+    fuse_sibling_layers,
     multi_lora_batch,
     multi_lora_checkpoint_contexts,
     patch_peft_model,
@@ -117,10 +118,13 @@ def summed_row_loss(logits: torch.Tensor) -> torch.Tensor:
     return sum(logits[row : row + 1].float().square().mean() for row in range(logits.shape[0]))  # type: ignore[return-value]
 
 
-@pytest.fixture
-def patched_model() -> Iterator[torch.nn.Module]:
+@pytest.fixture(params=["layers", "siblings"])
+def patched_model(request: pytest.FixtureRequest) -> Iterator[torch.nn.Module]:
+    """The patched model; ``siblings``: q/k/v and gate/up of both decoder layers fused (4 groups)."""
     model = tiny_peft_model()
     patch_peft_model(model)
+    if request.param == "siblings":
+        assert fuse_sibling_layers(model) == 4
     yield model
     unpatch_peft_model(model)
 
@@ -262,7 +266,8 @@ def test_outside_the_context_the_active_adapter_is_used(patched_model: torch.nn.
 
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore::lorafusion_kernels.errors.LoRAFusionKernelsWarning")  # no config file for this GPU
-def test_gpu_bf16_context_matches_per_row_peft() -> None:
+@pytest.mark.parametrize("siblings", [False, True], ids=["layers", "siblings"])
+def test_gpu_bf16_context_matches_per_row_peft(siblings: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     model = tiny_peft_model(dtype=torch.bfloat16, device="cuda")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -274,10 +279,14 @@ def test_gpu_bf16_context_matches_per_row_peft() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         patch_peft_model(model)
+    calls = count_sibling_calls(monkeypatch)
+    if siblings:
+        assert fuse_sibling_layers(model) == 4
     batch, names = row_batch("cuda")
     with multi_lora_batch(batch, names):
         logits = model(input_ids=ids).logits
     summed_row_loss(logits).backward()
+    assert calls[0] == (4 if siblings else 0)
     err = (logits.float() - ref_logits.float()).norm() / ref_logits.float().norm()
     assert err < 2e-2
 
@@ -382,3 +391,82 @@ def test_layers_wrapped_before_patching_route_per_segment() -> None:
             got = model(x)
         expected = per_segment_reference(model, model, x, batch, names)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sibling layers (q/k/v, gate/up) fused into one call per group
+# --------------------------------------------------------------------------------------------------
+
+
+def count_sibling_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    import lorafusion_kernels.peft_siblings as siblings
+
+    calls = [0]
+    real = siblings.fused_multi_lora_siblings
+
+    def counted(*args: object, **kwargs: object) -> tuple[torch.Tensor, ...]:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(siblings, "fused_multi_lora_siblings", counted)
+    return calls
+
+
+def test_fused_siblings_run_one_call_per_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_peft_model()
+    patch_peft_model(model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert fuse_sibling_layers(model) == 4
+    assert fuse_sibling_layers(model) == 4  # twice is harmless
+    attn = model.base_model.model.model.layers[0].self_attn
+    q, k = attn.q_proj.get_base_layer().weight, attn.k_proj.get_base_layer().weight
+    assert k.data_ptr() == q.data_ptr() + q.numel() * q.element_size()  # row views of one buffer
+    assert model.state_dict().keys() == state.keys()
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    calls = count_sibling_calls(monkeypatch)
+    batch, names = row_batch()
+    with multi_lora_batch(batch, names):
+        model(input_ids=input_ids())
+    assert calls[0] == 4  # 2 decoder layers x (q/k/v, gate/up)
+    unpatch_peft_model(model)
+    assert not hasattr(attn.q_proj, "_lorafusion_sibling")
+
+
+def test_replaced_weights_run_siblings_alone_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_peft_model()
+    patch_peft_model(model)
+    fuse_sibling_layers(model)
+    for decoder in model.base_model.model.model.layers:  # as model.to(...) does: a new parameter each
+        for layer in (decoder.self_attn.q_proj, decoder.mlp.up_proj):
+            base = layer.get_base_layer()
+            base.weight = torch.nn.Parameter(base.weight.detach().clone(), requires_grad=False)
+    model.train()
+    ids = input_ids()
+    ref_logits, _ = per_row_reference(model, ids)
+    calls = count_sibling_calls(monkeypatch)
+    batch, names = row_batch()
+    with pytest.warns(LoRAFusionKernelsWarning, match="weights were replaced"), multi_lora_batch(batch, names):
+        logits = model(input_ids=ids).logits
+    assert calls[0] == 0
+    torch.testing.assert_close(logits.detach(), ref_logits)
+
+
+def test_adapter_on_some_members_only_runs_them_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_peft_model()
+    cfg = peft.LoraConfig(target_modules=["q_proj", "gate_proj"], r=8, lora_alpha=8, init_lora_weights=False)
+    model.add_adapter("delta", cfg)
+    train_all_adapters(model)
+    patch_peft_model(model)
+    fuse_sibling_layers(model)
+    calls = count_sibling_calls(monkeypatch)
+    names = ["delta", "alpha"]
+    batch = MultiLoRABatch.from_segments([SEQ, SEQ], [0, 1], num_adapters=2)
+    ids = input_ids()[:2].reshape(1, -1)
+    with multi_lora_batch(batch, names):
+        fused = model(input_ids=ids).logits
+    assert calls[0] == 0
+    unpatch_peft_model(model)
+    patch_peft_model(model)
+    with multi_lora_batch(batch, names):
+        alone = model(input_ids=ids).logits
+    torch.testing.assert_close(fused, alone)

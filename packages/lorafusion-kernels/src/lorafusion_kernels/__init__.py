@@ -11,7 +11,9 @@ from lorafusion_kernels.lora import FusedLoRALinear, fused_lora_linear
 from lorafusion_kernels.metadata import MultiLoRABatch
 from lorafusion_kernels.multi_lora import fused_multi_lora_linear
 from lorafusion_kernels.multi_lora_routing import multi_lora_batch, multi_lora_checkpoint_contexts
+from lorafusion_kernels.multi_lora_siblings import fused_multi_lora_siblings
 from lorafusion_kernels.peft_integration import patch_peft_model, unpatch_peft_model
+from lorafusion_kernels.peft_siblings import fuse_sibling_layers, unfuse_sibling_layers
 
 __all__ = [
     "FusedLoRALinear",
@@ -19,10 +21,13 @@ __all__ = [
     "LoRAFusionKernelsWarning",
     "MultiLoRABatch",
     "__version__",
+    "fuse_sibling_layers",
     "fused_lora_linear",
     "fused_multi_lora_linear",
+    "fused_multi_lora_siblings",
     "multi_lora_batch",
     "multi_lora_checkpoint_contexts",
     "patch_peft_model",
+    "unfuse_sibling_layers",
     "unpatch_peft_model",
 ]

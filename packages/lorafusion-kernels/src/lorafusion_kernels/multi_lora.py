@@ -45,11 +45,16 @@ __all__ = ["fused_multi_lora_linear"]
 
 @dataclass(frozen=True)
 class _AdapterParams:
-    """Host-side per-adapter values of one call (they differ per layer, so never live in the batch)."""
+    """Host-side per-adapter values of one call (they differ per layer, so never live in the batch).
+
+    ``members`` are the output features of a sibling call's members (``multi_lora_siblings``), empty
+    for one layer; ``ranks`` are then each adapter's rank in every member.
+    """
 
     ranks: tuple[int, ...]
     scaling: tuple[float, ...]
     dropout_p: tuple[float, ...]
+    members: tuple[int, ...] = ()
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -68,14 +73,28 @@ class _AdapterParams:
         return max(1, *self.ranks)
 
     @property
+    def group(self) -> int:
+        """Members ``G`` sharing each adapter's ``S'`` (1 for one layer)."""
+        return max(1, len(self.members))
+
+    @property
+    def stacked_rank(self) -> int:
+        """Largest rank of an adapter's stacked ``A`` (``G r_a``): the width of ``S'`` and ``dS``."""
+        return self.group * self.max_rank
+
+    @property
     def block_r(self) -> int:
-        return rank_block(self.max_rank)
+        return rank_block(self.stacked_rank)
 
 
 @dataclass(frozen=True)
 class _DeviceParams:
     ranks: torch.Tensor
     """int32 ``[n, 2]``: ``(r_a, roff_a)``."""
+    a_ranks: torch.Tensor
+    """int32 ``[n, 2]``: rows of each adapter in the stacked ``A``, ``(G r_a, G roff_a)`` (``ranks`` when G = 1)."""
+    bounds: torch.Tensor | None
+    """int32 ``[G + 1]``: the members' column bounds of a sibling call; None for one layer."""
     scaling: torch.Tensor
     """fp32 ``[n]``."""
     s_scale: torch.Tensor
@@ -102,8 +121,15 @@ def _device_params(params: _AdapterParams, device: torch.device) -> _DeviceParam
             return host.pin_memory().to(device, non_blocking=True)
         return host.to(device)
 
+    ranks = put([[r, o] for r, o in zip(params.ranks, params.offsets, strict=True)], torch.int32).reshape(-1, 2)
+    g = params.group
+    bounds = [0]
+    for n in params.members:
+        bounds.append(bounds[-1] + n)
     return _DeviceParams(
-        ranks=put([[r, o] for r, o in zip(params.ranks, params.offsets, strict=True)], torch.int32).reshape(-1, 2),
+        ranks=ranks,
+        a_ranks=ranks if g == 1 else ranks * g,
+        bounds=put(bounds, torch.int32) if params.members else None,
         scaling=put(list(params.scaling), torch.float32),
         s_scale=put([c / (1.0 - p) for c, p in zip(params.scaling, params.dropout_p, strict=True)], torch.float32),
         inv_keep=put([1.0 / (1.0 - p) for p in params.dropout_p], torch.float32),
@@ -232,18 +258,33 @@ def fused_multi_lora_linear(
     elif runs_triton(x2):
         params = _AdapterParams(tuple(a.shape[0] for a in lora_a), scales, ps)
         a_cat, b_cat = _stack(lora_a, dim=0), _stack(lora_b, dim=1)
-        if deterministic is None:
-            deterministic = deterministic_mode()
-        if torch.compiler.is_compiling():
-            y = _compiled_forward(x2, weight, bias, a_cat, b_cat, batch, params, seed, deterministic)
-        else:
-            seed_t = _seed_for(seed, x2.device) if params.has_dropout else _device_params(params, x2.device).zero_seed
-            y = _FusedMultiLoRA.apply(  # type: ignore[no-untyped-call]
-                x2, weight, bias, a_cat, b_cat, seed_t, batch, params, deterministic
-            )
+        y = run_triton(x2, weight, bias, a_cat, b_cat, batch, params, seed, deterministic)
     else:
-        y = _multi_lora_torch(x2, weight, lora_a, lora_b, batch, scales, ps, bias, seed)
+        y = multi_lora_torch(x2, weight, [[a] for a in lora_a], [[b] for b in lora_b], batch, scales, ps, bias, seed)
     return y.reshape(*lead, weight.shape[0])
+
+
+def run_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    a_cat: torch.Tensor,
+    b_cat: torch.Tensor,
+    batch: MultiLoRABatch,
+    params: _AdapterParams,
+    seed: int | None,
+    deterministic: bool | None,
+) -> torch.Tensor:
+    """``y [T, N]`` of the Triton path, differentiable: the autograd Function, or the custom op when compiling."""
+    if deterministic is None:
+        deterministic = deterministic_mode()
+    if torch.compiler.is_compiling():
+        return _compiled_forward(x, weight, bias, a_cat, b_cat, batch, params, seed, deterministic)
+    seed_t = _seed_for(seed, x.device) if params.has_dropout else _device_params(params, x.device).zero_seed
+    y: torch.Tensor = _FusedMultiLoRA.apply(  # type: ignore[no-untyped-call]
+        x, weight, bias, a_cat, b_cat, seed_t, batch, params, deterministic
+    )
+    return y
 
 
 def _seed_for(seed: int | None, device: torch.device) -> torch.Tensor:
@@ -283,6 +324,7 @@ def _compiled_forward(
         list(params.ranks),
         list(params.scaling),
         list(params.dropout_p),
+        list(params.members),
         deterministic,
     )
     return cast(torch.Tensor, y)
@@ -307,11 +349,11 @@ def _single_adapter(
     )
 
 
-def _multi_lora_torch(
+def multi_lora_torch(
     x: torch.Tensor,
     weight: torch.Tensor,
-    lora_a: Sequence[torch.Tensor],
-    lora_b: Sequence[torch.Tensor],
+    lora_a: Sequence[Sequence[torch.Tensor]],
+    lora_b: Sequence[Sequence[torch.Tensor]],
     batch: MultiLoRABatch,
     scaling: tuple[float, ...],
     dropout_p: tuple[float, ...],
@@ -320,7 +362,9 @@ def _multi_lora_torch(
 ) -> torch.Tensor:
     """Plain-torch path (CPU without the interpreter): per segment, with the kernels' dropout mask.
 
-    Autograd differentiates it directly (it keeps the masked inputs; memory is not a concern here).
+    ``lora_a[i]``/``lora_b[i]`` list adapter ``i``'s weights per member (one member for one layer;
+    a sibling call's members share each token's mask, as in the kernels). Autograd differentiates it
+    directly (it keeps the masked inputs; memory is not a concern here).
     """
     if seed is None and any(p > 0.0 for p in dropout_p):
         seed = int(draw_seed("cpu").item())
@@ -328,16 +372,19 @@ def _multi_lora_torch(
     pieces = []
     for start, length, adapter in batch.nonempty_segments():
         xs = x[start : start + length]
-        a, b, p = lora_a[adapter], lora_b[adapter], dropout_p[adapter]
-        if a.shape[0] == 0:
+        members_a, members_b, p = lora_a[adapter], lora_b[adapter], dropout_p[adapter]
+        if members_a[0].shape[0] == 0:
             pieces.append(y.new_zeros(length, y.shape[1]))
             continue
         if p > 0.0:
             assert seed is not None
             keep = dropout_keep_mask(seed, length, x.shape[1], p, row_offset=start, device=x.device)
             xs = torch.where(keep, xs / (1.0 - p), torch.zeros_like(xs))
-        delta = functional.linear(functional.linear(xs, a.to(x.dtype)), b.to(x.dtype)) * scaling[adapter]
-        pieces.append(delta)
+        deltas = [
+            functional.linear(functional.linear(xs, a.to(x.dtype)), b.to(x.dtype))
+            for a, b in zip(members_a, members_b, strict=True)
+        ]
+        pieces.append((torch.cat(deltas, dim=1) if len(deltas) > 1 else deltas[0]) * scaling[adapter])
     return y + torch.cat(pieces, dim=0)
 
 
@@ -359,14 +406,17 @@ def _forward_core(
         a_cat.contiguous(),
         batch,
         block_r=params.block_r,
-        max_rank=params.max_rank,
-        ranks=dev.ranks,
+        max_rank=params.stacked_rank,
+        ranks=dev.a_ranks,
         thresholds=dev.thresholds,
         s_scale=dev.s_scale,
         seed=seed,
         has_dropout=params.has_dropout,
     )
-    y = multi_lora_linear(x, weight, bias, s, b_cat.contiguous(), batch, ranks=dev.ranks, max_rank=params.max_rank)
+    y = multi_lora_linear(
+        x, weight, bias, s, b_cat.contiguous(), batch, ranks=dev.ranks, max_rank=params.max_rank, bounds=dev.bounds,
+        ranks_host=params.ranks,
+    )  # fmt: skip
     return y, s
 
 
@@ -391,10 +441,13 @@ def _backward_core(
     if deterministic:
         ds, db = _dys_dyb_by_segment(dy, b_cat, s, batch, params)
     else:
-        ds, db = multi_lora_dys_dyb(dy, b_cat, s, batch, ranks=dev.ranks, scaling=dev.scaling, max_rank=params.max_rank)
+        ds, db = multi_lora_dys_dyb(
+            dy, b_cat, s, batch, ranks=dev.ranks, scaling=dev.scaling, max_rank=params.max_rank,
+            members=params.members, bounds=dev.bounds, ranks_host=params.ranks,
+        )  # fmt: skip
     dropout: dict[str, Any] = {
-        "max_rank": params.max_rank,
-        "ranks": dev.ranks,
+        "max_rank": params.stacked_rank,
+        "ranks": dev.a_ranks,
         "thresholds": dev.thresholds,
         "inv_keep": dev.inv_keep,
         "seed": seed,
@@ -440,6 +493,7 @@ def _op_forward(
     ranks: Sequence[int],
     scaling: Sequence[float],
     dropout_p: Sequence[float],
+    members: Sequence[int],
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``lorafusion::fused_multi_lora_forward``: :func:`_forward_core` with the batch given as its segment lists.
@@ -447,9 +501,8 @@ def _op_forward(
     ``deterministic`` is read by the backward only (its autograd context keeps it).
     """
     batch = _batch_of(tuple(segment_lengths), tuple(segment_adapters), num_adapters, x.device)
-    return _forward_core(
-        x, weight, bias, a_cat, b_cat, seed, batch, _AdapterParams(tuple(ranks), tuple(scaling), tuple(dropout_p))
-    )
+    params = _AdapterParams(tuple(ranks), tuple(scaling), tuple(dropout_p), tuple(members))
+    return _forward_core(x, weight, bias, a_cat, b_cat, seed, batch, params)
 
 
 def _op_backward(
@@ -466,18 +519,20 @@ def _op_backward(
     ranks: Sequence[int],
     scaling: Sequence[float],
     dropout_p: Sequence[float],
+    members: Sequence[int],
     need_dx: bool,
     need_da: bool,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``lorafusion::fused_multi_lora_backward``: :func:`_backward_core` with the batch given as its segment lists."""
     batch = _batch_of(tuple(segment_lengths), tuple(segment_adapters), num_adapters, x.device)
-    params = _AdapterParams(tuple(ranks), tuple(scaling), tuple(dropout_p))
+    params = _AdapterParams(tuple(ranks), tuple(scaling), tuple(dropout_p), tuple(members))
     return _backward_core(dy, x, weight, a_cat, b_cat, s, seed, batch, params, need_dx, need_da, deterministic)
 
 
 _SEGMENTS_SCHEMA = (
-    "int[] segment_lengths, int[] segment_adapters, int num_adapters, int[] ranks, float[] scaling, float[] dropout_p"
+    "int[] segment_lengths, int[] segment_adapters, int num_adapters, int[] ranks, float[] scaling, float[] dropout_p, "
+    "int[] members"
 )
 
 _multi_forward_op = torch.library.custom_op(
@@ -503,9 +558,10 @@ def _op_forward_fake(
     ranks: Sequence[int],
     scaling: Sequence[float],
     dropout_p: Sequence[float],
+    members: Sequence[int],
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    block_r = rank_block(max(1, *ranks))
+    block_r = rank_block(max(1, len(members)) * max(1, *ranks))
     return x.new_empty((x.shape[0], weight.shape[0])), x.new_empty((x.shape[0], block_r))
 
 
@@ -533,6 +589,7 @@ def _op_backward_fake(
     ranks: Sequence[int],
     scaling: Sequence[float],
     dropout_p: Sequence[float],
+    members: Sequence[int],
     need_dx: bool,
     need_da: bool,
     deterministic: bool,
@@ -573,12 +630,10 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
 
     It also runs on fake tensors while AOTAutograd traces, so it builds no batch (no device tables).
     """
-    x, weight, bias, a_cat, b_cat, seed, lengths, adapters, num_adapters, ranks, scaling, dropout_p, deterministic = (
-        inputs
-    )
+    x, weight, bias, a_cat, b_cat, seed, lengths, adapters, num_adapters, *per_adapter, det = inputs
     segments = (tuple(lengths), tuple(adapters), num_adapters)
-    params = _AdapterParams(tuple(ranks), tuple(scaling), tuple(dropout_p))
-    _save_for_backward(ctx, (x, weight, bias, a_cat, b_cat, seed), output[1], segments, params, deterministic)
+    params = _AdapterParams(*(tuple(values) for values in per_adapter))
+    _save_for_backward(ctx, (x, weight, bias, a_cat, b_cat, seed), output[1], segments, params, det)
 
 
 def _backward(ctx: Any, dy: torch.Tensor, *_unused: Any, opaque: bool = True) -> tuple[torch.Tensor | None, ...]:
@@ -602,6 +657,7 @@ def _backward(ctx: Any, dy: torch.Tensor, *_unused: Any, opaque: bool = True) ->
             list(params.ranks),
             list(params.scaling),
             list(params.dropout_p),
+            list(params.members),
             need_dx,
             need_da,
             ctx.deterministic,
@@ -657,7 +713,7 @@ _multi_forward_op.register_autograd(_backward, setup_context=_setup_context)
 def _dys_dyb_by_segment(
     dy: torch.Tensor, b_cat: torch.Tensor, s: torch.Tensor, batch: MultiLoRABatch, params: _AdapterParams
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic ``dS``/``dB_cat``: plain matmuls per segment, summed in segment order (no atomics)."""
+    """Deterministic ``dS``/``dB``: plain matmuls per segment (and member), summed in segment order (no atomics)."""
     ds = torch.zeros((dy.shape[0], s.shape[1]), dtype=torch.float32, device=dy.device)
     db = torch.zeros(b_cat.shape, dtype=torch.float32, device=dy.device)
     offsets = params.offsets
@@ -666,6 +722,23 @@ def _dys_dyb_by_segment(
         if r == 0:
             continue
         rows = slice(start, start + length)
-        ds[rows, :r] = (dy[rows] @ b_cat[:, roff : roff + r].to(dy.dtype)).float() * scale
-        db[:, roff : roff + r] += (dy[rows].t() @ s[rows, :r]).float()
+        if not params.members:
+            ds[rows, :r] = (dy[rows] @ b_cat[:, roff : roff + r].to(dy.dtype)).float() * scale
+            db[:, roff : roff + r] += (dy[rows].t() @ s[rows, :r]).float()
+            continue
+        n = dy.shape[1]
+        b_a = b_cat[n * roff : n * (roff + r)].view(n, r)
+        db_a = db[n * roff : n * (roff + r)].view(n, r)
+        for g, cols in enumerate(_member_slices(params.members)):
+            ds[rows, g * r : (g + 1) * r] = (dy[rows, cols] @ b_a[cols].to(dy.dtype)).float() * scale
+            db_a[cols] += (dy[rows, cols].t() @ s[rows, g * r : (g + 1) * r]).float()
     return ds, db
+
+
+def _member_slices(members: Sequence[int]) -> list[slice]:
+    """The output columns of each member of a sibling call."""
+    out, start = [], 0
+    for n in members:
+        out.append(slice(start, start + n))
+        start += n
+    return out

@@ -22,6 +22,7 @@ from lorafusion_kernels._kernels._common import runs_triton
 from lorafusion_kernels.errors import LoRAFusionKernelsError
 from lorafusion_kernels.metadata import MultiLoRABatch
 from lorafusion_kernels.multi_lora import fused_multi_lora_linear
+from lorafusion_kernels.peft_siblings import sibling_forward
 
 __all__ = [
     "BASE_ADAPTER",
@@ -208,6 +209,14 @@ def peft_multi_lora_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: A
             raise LoRAFusionKernelsError(
                 f"adapter {name!r} uses DoRA or another LoRA variant, which mixed-adapter batches do not support"
             )
+    if not args and not kwargs:
+        active = [
+            names[a] if batch.adapter_tokens[a] and names[a] != BASE_ADAPTER else None
+            for a in range(batch.num_adapters)
+        ]
+        grouped = sibling_forward(layer, x, batch, active)
+        if grouped is not None:
+            return grouped
     if _fusable(layer, x, present, args, kwargs):
         return _fused_layer_forward(layer, x, batch, present)
     return _eager_layer_forward(layer, x, batch, present, args, kwargs)

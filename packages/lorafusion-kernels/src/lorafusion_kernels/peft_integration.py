@@ -37,6 +37,7 @@ from lorafusion_kernels._kernels._common import runs_triton
 from lorafusion_kernels.errors import LoRAFusionKernelsWarning
 from lorafusion_kernels.lora import SUPPORTED_DTYPES, fused_lora_linear
 from lorafusion_kernels.multi_lora_routing import install_peft_mixed_batches, uninstall_peft_mixed_batches
+from lorafusion_kernels.peft_siblings import unfuse_sibling_layers
 
 __all__ = ["Route", "patch_peft_model", "register_router", "unpatch_peft_model"]
 
@@ -212,6 +213,7 @@ def unpatch_peft_model(model: nn.Module) -> int:
     """Undo :func:`patch_peft_model`; returns how many layers were restored."""
     restored = 0
     uninstall_peft_mixed_batches(model)
+    unfuse_sibling_layers(model)
     for module in model.modules():
         if getattr(module, _PATCHED, False):
             del module.forward

@@ -9,6 +9,12 @@ Notation as in ``multi_lora_fwd``; ``dy [T, N]``, token ``t`` of adapter ``a = a
     dA_a        = sum_{t in a} dS[t, :r_a]^T x_hat[t]    (per adapter, fixed-order partial sums)
     dx[t]       = dy[t] W + keep_a(t, :) * (dS[t, :r_a] A_a) / (1 - p_a)   (one GEMM)
 
+A sibling call (``multi_lora_fwd``'s docstring: members ``g`` owning columns ``n_g .. n_{g+1}``,
+``S'[t, g r_a : (g+1) r_a]`` and ``B_{a,g}`` in ``B_flat``) splits the first two per member:
+``dS[t, g r_a : (g+1) r_a] = scaling_a * dy[t, n_g : n_{g+1}] B_{a,g}`` and
+``dB_{a,g} = sum_{t in a} dy[t, n_g : n_{g+1}]^T S'[t, g r_a : (g+1) r_a]``; ``dA`` and ``dx`` see the
+stacked ``A`` of rank ``G r_a`` and need nothing else.
+
 Only the tiles of adapter ``a`` ever touch ``dA_a``/``dB_a`` (the columns/rows ``roff_a .. roff_a + r_a``
 of the stacked buffers), so nothing leaks between adapters. Configs are looked up as "multi_dys_dyb",
 "multi_dsx" and "multi_dyw_dsa", which fall back to FusedLoRA's "dys_dyb", "dsx" and "dyw_dsa" for
@@ -30,6 +36,7 @@ from lorafusion_kernels._kernels._common import (
     grouped_tile,
     launch_config,
     partial_stride,
+    rank_block,
     reduce_split_output,
     resolve_split,
     split_output,
@@ -37,7 +44,14 @@ from lorafusion_kernels._kernels._common import (
     wrapped_tile,
 )
 from lorafusion_kernels._kernels.dropout import dropout_keep_tile, load_kept_tile, load_seed
-from lorafusion_kernels._kernels.routing import adapter_dropout, adapter_rank, segment_rows, segment_tile
+from lorafusion_kernels._kernels.routing import (
+    adapter_dropout,
+    adapter_rank,
+    member_rank,
+    segment_rows,
+    segment_tile,
+    uniform_rank,
+)
 from lorafusion_kernels.metadata import MultiLoRABatch
 from lorafusion_kernels.tuning.config import KernelConfig, register_fallback
 
@@ -59,6 +73,7 @@ def _multi_lora_dy_kernel(
     tiles_ptr,
     rank_ptr,
     scaling_ptr,
+    bounds_ptr,
     N,
     stride_dym,
     stride_bn,
@@ -69,34 +84,58 @@ def _multi_lora_dy_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    SIBLINGS: tl.constexpr,
+    UNIFORM_RANK: tl.constexpr,
     ATOMIC_DS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    """Grid ``(segment tiles, split_n, G)``: program ``(i, s, g)`` reads every ``split_n``-th column block of dy.
+
+    One layer has ``G = 1`` and reads all ``N`` columns. In a sibling call program ``g`` reads only
+    member ``g``'s columns ``bounds[g] .. bounds[g + 1]`` with ``B_{a,g}`` (``B_flat[N roff_a + n r_a + j]``)
+    and ``S'[:, g r_a + j]``, and writes ``dS[:, g r_a + j]``: the work and the tiles of one layer of
+    rank ``r_a`` (``BLOCK_R`` covers ``r_a``, not ``G r_a``), with no loop over members inside.
+    """
     pid = tl.program_id(0)
     pid_split = tl.program_id(1)
     adapter, roff, offs_m, m_mask, offs_r, r_mask = segment_tile(tiles_ptr, rank_ptr, pid, BLOCK_M, BLOCK_R)
     scale = tl.load(scaling_ptr + adapter)
+    if SIBLINGS:
+        member = tl.program_id(2)
+        r = member_rank(rank_ptr, adapter, UNIFORM_RANK)
+        n_lo = tl.load(bounds_ptr + member)
+        n_hi = tl.load(bounds_ptr + member + 1)
+        s_col = member * r
+        # B_{a,g} and dB_{a,g}: row n of adapter a's [N, r_a] block at N roff_a + n r_a.
+        b_cols = b_ptr + roff.to(tl.int64) * N + offs_r[None, :]
+        db_cols = db_ptr + roff.to(tl.int64) * N + offs_r[None, :]
+        stride_bn = r
+        stride_dbn = r
+    else:
+        n_lo = 0
+        n_hi = N
+        s_col = 0
+        b_cols = b_ptr + (roff + offs_r)[None, :]
+        db_cols = db_ptr + (roff + offs_r)[None, :]
     st = tl.load(
-        s_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + offs_r[None, :],
+        s_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + (s_col + offs_r)[None, :],
         mask=m_mask[:, None] & r_mask[None, :],
         other=0.0,
     )
     dy_rows = dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym
     ds_acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for n0 in range(pid_split * BLOCK_N, N, split_n * BLOCK_N):
+    for n0 in range(n_lo + pid_split * BLOCK_N, n_hi, split_n * BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
+        n_mask = offs_n < n_hi
         dyt = tl.load(dy_rows + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0)
         bt = tl.load(
-            b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + (roff + offs_r)[None, :],
-            mask=n_mask[:, None] & r_mask[None, :],
-            other=0.0,
+            b_cols + offs_n.to(tl.int64)[:, None] * stride_bn, mask=n_mask[:, None] & r_mask[None, :], other=0.0
         )
         ds_acc = tl.dot(dyt, bt.to(dyt.dtype), ds_acc, input_precision=DOT_PRECISION)
         db = tl.dot(tl.trans(dyt), st, input_precision=DOT_PRECISION)
-        db_ptrs = db_ptr + offs_n.to(tl.int64)[:, None] * stride_dbn + (roff + offs_r)[None, :]
+        db_ptrs = db_cols + offs_n.to(tl.int64)[:, None] * stride_dbn
         tl.atomic_add(db_ptrs, db, mask=n_mask[:, None] & r_mask[None, :], sem="relaxed")
-    ds_ptrs = ds_ptr + offs_m.to(tl.int64)[:, None] * stride_dsm + offs_r[None, :]
+    ds_ptrs = ds_ptr + offs_m.to(tl.int64)[:, None] * stride_dsm + (s_col + offs_r)[None, :]
     ds_mask = m_mask[:, None] & r_mask[None, :]
     if ATOMIC_DS:
         tl.atomic_add(ds_ptrs, ds_acc * scale, mask=ds_mask, sem="relaxed")
@@ -323,6 +362,9 @@ def multi_lora_dys_dyb(
     ranks: torch.Tensor,
     scaling: torch.Tensor,
     max_rank: int,
+    members: tuple[int, ...] = (),
+    bounds: torch.Tensor | None = None,
+    ranks_host: tuple[int, ...] = (),
     config: KernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dS`` and ``dB_cat`` from one read of ``dy``; each program owns one segment tile (one adapter).
@@ -332,28 +374,34 @@ def multi_lora_dys_dyb(
 
     Args:
         dy: ``[T, N]`` upstream gradient, unit stride along N.
-        b_cat: ``[N, R_tot]`` stacked B (any float dtype, cast to ``dy.dtype`` in the kernel).
+        b_cat: ``[N, R_tot]`` stacked B, or a sibling call's 1-D ``B_flat`` (any float dtype, cast to
+            ``dy.dtype`` in the kernel).
         s: ``S' [T, BLOCK_R]`` saved from the forward.
         batch: Routing metadata of this microbatch.
-        ranks: int32 ``[n, 2]``: ``(r_a, roff_a)``.
+        ranks: int32 ``[n, 2]``: ``(r_a, roff_a)`` (per member for a sibling call).
         scaling: fp32 ``[n]``.
         max_rank: Largest ``r_a`` (the config lookup key).
+        members: Output features of a sibling call's members; empty for one layer.
+        bounds: int32 ``[G + 1]``: the members' column bounds (a sibling call only).
+        ranks_host: The adapters' ranks ``r_a`` (a sibling call: equal nonzero ranks compile as a constant).
         config: Launch config; looked up by shape when None.
 
     Returns:
-        ``(dS fp32 [T, BLOCK_R], dB_cat fp32 [N, R_tot])``; ``dS`` is zero beyond each token's rank.
+        ``(dS fp32 [T, BLOCK_R], dB fp32)``, ``dB`` shaped as ``b_cat``. ``dS`` columns past a token's
+        (stacked) rank are not written: readers mask them.
     """
     T, N = dy.shape
-    block_r = s.shape[1]
-    r_tot = b_cat.shape[1]
-    db = torch.zeros((N, r_tot), dtype=torch.float32, device=dy.device)
+    siblings = bool(members)
+    db = torch.zeros(b_cat.shape, dtype=torch.float32, device=dy.device)
     cfg = config or launch_config(DY_KERNEL, dy, m=T, n=N, k=N, r=max_rank)
     tiles = batch.segment_tiles(cfg.block_m)
-    split = resolve_split(cfg.split, dy, tiles=tiles.num_tiles, steps=cdiv(N, cfg.block_n))
+    group = max(1, len(members))
+    widest = max(members) if siblings else N
+    split = resolve_split(cfg.split, dy, tiles=tiles.num_tiles * group, steps=cdiv(widest, cfg.block_n))
     alloc = torch.zeros if split > 1 else torch.empty
-    ds = alloc((T, block_r), dtype=torch.float32, device=dy.device)
+    ds = alloc((T, s.shape[1]), dtype=torch.float32, device=dy.device)
     if tiles.num_tiles > 0:
-        _multi_lora_dy_kernel[(tiles.num_tiles, split)](
+        _multi_lora_dy_kernel[(tiles.num_tiles, split, group)](
             dy,
             b_cat,
             s,
@@ -362,16 +410,19 @@ def multi_lora_dys_dyb(
             tiles.tiles,
             ranks,
             scaling,
+            bounds if bounds is not None else ranks,
             N,
             dy.stride(0),
-            b_cat.stride(0),
+            0 if siblings else b_cat.stride(0),
             s.stride(0),
             ds.stride(0),
-            db.stride(0),
+            0 if siblings else db.stride(0),
             split,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
-            BLOCK_R=block_r,
+            BLOCK_R=rank_block(max_rank) if siblings else s.shape[1],
+            SIBLINGS=siblings,
+            UNIFORM_RANK=uniform_rank(ranks_host),
             ATOMIC_DS=split > 1,
             DOT_PRECISION=dot_precision(dy.dtype),
             num_warps=cfg.num_warps,

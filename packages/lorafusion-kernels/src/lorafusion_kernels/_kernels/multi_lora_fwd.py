@@ -7,10 +7,19 @@ Token ``t`` of adapter ``a = a(t)``:
     S'[t, :r_a] = scaling_a / (1 - p_a) * (keep_a(t, :) * x[t, :]) A_a^T   (shrink, one adapter per tile)
     y[t, :]     = x[t, :] W^T + bias + S'[t, :r_a] B_a^T                     (one GEMM, one accumulator)
 
-``S'`` is FusedLoRA's split point, scaled once in fp32 before its single rounding. Routing tables come
-from :class:`lorafusion_kernels.metadata.MultiLoRABatch`; per-adapter ``(r_a, roff_a)`` come as an
-int32 ``[n, 2]`` table, ``scaling_a / (1 - p_a)`` (fp32) and ``ceil(p_a * 2**16)`` (int32) as ``[n]``
-vectors, so no value is rounded to the activation dtype and none is a constexpr.
+``S'`` is FusedLoRA's split point, scaled once in fp32 before its single rounding.
+
+Sibling calls (``G`` layers that read one ``x``, e.g. q/k/v, as one call): ``W`` stacks the members'
+weights by rows, member ``g`` owning columns ``n_g .. n_{g+1}`` of ``y``; each adapter's ``A`` stacks
+its members' ``A_{a,g}`` (rank ``G r_a``: ``S'[t, g r_a : (g+1) r_a]`` is member ``g``'s), and its ``B``
+is its members' ``B_{a,g} [N_g, r_a]`` stacked by rows into ``[N, r_a]`` at flat offset ``N roff_a`` of
+``B_flat`` (``roff_a`` = sum of the earlier adapters' ``r``). A column tile of member ``g`` reads only
+``S'[:, g r_a : (g+1) r_a]`` and ``B_{a,g}``: the rank-``r_a`` work of one layer, not ``G r_a``.
+
+Routing tables come from :class:`lorafusion_kernels.metadata.MultiLoRABatch`; per-adapter
+``(r_a, roff_a)`` come as an int32 ``[n, 2]`` table, ``scaling_a / (1 - p_a)`` (fp32) and
+``ceil(p_a * 2**16)`` (int32) as ``[n]`` vectors, so no value is rounded to the activation dtype and
+none is a constexpr.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from lorafusion_kernels._kernels._common import (
     grouped_tile,
     launch_config,
     partial_stride,
+    rank_block,
     reduce_split_output,
     split_output,
     split_reduction,
@@ -35,7 +45,14 @@ from lorafusion_kernels._kernels._common import (
     wrapped_tile,
 )
 from lorafusion_kernels._kernels.dropout import load_kept_tile
-from lorafusion_kernels._kernels.routing import adapter_dropout, segment_rows, segment_tile
+from lorafusion_kernels._kernels.routing import (
+    adapter_dropout,
+    member_rank,
+    member_span,
+    segment_rows,
+    segment_tile,
+    uniform_rank,
+)
 from lorafusion_kernels.metadata import MultiLoRABatch
 from lorafusion_kernels.tuning.config import KernelConfig, register_fallback
 
@@ -129,6 +146,50 @@ def _routed_sb(
     return acc
 
 
+@triton.jit
+def _routed_sb_siblings(
+    acc,
+    s_ptr,
+    b_ptr,
+    seg_ptr,
+    seg_range_ptr,
+    rank_ptr,
+    bounds_ptr,
+    num_members,
+    pid_m,
+    offs_m,
+    off_n,
+    cols,
+    N,
+    stride_sm,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    UNIFORM_RANK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """:func:`_routed_sb` of a sibling call: per segment, one dot per member overlapping the column tile.
+
+    ``BLOCK_R`` covers one member's rank ``r_a`` (not ``G r_a``); member ``g``'s dot reads
+    ``S'[rows, g r_a + j]`` and ``B_flat[N roff_a + n r_a + j]`` for its own columns ``n`` only.
+    ``UNIFORM_RANK`` (see :func:`uniform_rank`) makes the row stride of ``B_flat`` a constant.
+    """
+    offs_r = tl.arange(0, BLOCK_R)
+    s_rows = s_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + offs_r[None, :]
+    g_lo, g_hi = member_span(bounds_ptr, num_members, off_n, off_n + BLOCK_N)
+    seg_lo = tl.load(seg_range_ptr + pid_m * 2)
+    seg_hi = tl.load(seg_range_ptr + pid_m * 2 + 1)
+    for j in range(seg_lo, seg_hi):
+        adapter, roff, rows_in, r_mask = segment_rows(seg_ptr, rank_ptr, j, offs_m, offs_r)
+        r = member_rank(rank_ptr, adapter, UNIFORM_RANK)
+        b_cols = b_ptr + roff.to(tl.int64) * N + cols.to(tl.int64)[None, :] * r + offs_r[:, None]
+        for g in range(g_lo, g_hi):
+            in_g = (cols >= tl.load(bounds_ptr + g)) & (cols < tl.load(bounds_ptr + g + 1))
+            st = tl.load(s_rows + g * r, mask=rows_in[:, None] & r_mask[None, :], other=0.0)
+            bt = tl.load(b_cols, mask=r_mask[:, None] & in_g[None, :], other=0.0)
+            acc = tl.dot(st, bt.to(st.dtype), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
 @triton.jit(do_not_specialize=["T"])
 def _multi_lora_linear_kernel(
     x_ptr,
@@ -140,6 +201,8 @@ def _multi_lora_linear_kernel(
     seg_ptr,
     seg_range_ptr,
     rank_ptr,
+    bounds_ptr,
+    num_members,
     T,
     N,
     K,
@@ -149,6 +212,8 @@ def _multi_lora_linear_kernel(
     stride_bn,
     stride_ym,
     HAS_BIAS: tl.constexpr,
+    SIBLINGS: tl.constexpr,
+    UNIFORM_RANK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -157,16 +222,22 @@ def _multi_lora_linear_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """1-D grid over ``[T, N]`` output tiles in grouped order; pointer loads through wrapped rows/columns."""
-    pid_m, _, offs_m, offs_n, rows, cols = wrapped_tile(T, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n, offs_m, offs_n, rows, cols = wrapped_tile(T, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _routed_sb(
-        acc, s_ptr, b_ptr, seg_ptr, seg_range_ptr, rank_ptr, pid_m, offs_m, cols, stride_sm, stride_bn, BLOCK_R,
-        DOT_PRECISION,
-    )  # fmt: skip
+    if not SIBLINGS:
+        acc = _routed_sb(
+            acc, s_ptr, b_ptr, seg_ptr, seg_range_ptr, rank_ptr, pid_m, offs_m, cols, stride_sm, stride_bn, BLOCK_R,
+            DOT_PRECISION,
+        )  # fmt: skip
     acc = dot_k_loop(acc, x_ptrs, w_ptrs, K, 1, 1, BLOCK_K, DOT_PRECISION)
+    if SIBLINGS:
+        acc = _routed_sb_siblings(
+            acc, s_ptr, b_ptr, seg_ptr, seg_range_ptr, rank_ptr, bounds_ptr, num_members, pid_m, offs_m,
+            pid_n * BLOCK_N, cols, N, stride_sm, BLOCK_N, BLOCK_R, UNIFORM_RANK, DOT_PRECISION,
+        )  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
@@ -184,12 +255,16 @@ def _multi_lora_linear_tma_kernel(
     seg_ptr,
     seg_range_ptr,
     rank_ptr,
+    bounds_ptr,
+    num_members,
     T,
     N,
     K,
     stride_sm,
     stride_bn,
     HAS_BIAS: tl.constexpr,
+    SIBLINGS: tl.constexpr,
+    UNIFORM_RANK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -207,14 +282,21 @@ def _multi_lora_linear_tma_kernel(
     offs_m = off_m + tl.arange(0, BLOCK_M)
     cols = (off_n + tl.arange(0, BLOCK_N)) % N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _routed_sb(
-        acc, s_ptr, b_ptr, seg_ptr, seg_range_ptr, rank_ptr, pid_m, offs_m, cols, stride_sm, stride_bn, BLOCK_R,
-        DOT_PRECISION,
-    )  # fmt: skip
+    if not SIBLINGS:
+        acc = _routed_sb(
+            acc, s_ptr, b_ptr, seg_ptr, seg_range_ptr, rank_ptr, pid_m, offs_m, cols, stride_sm, stride_bn, BLOCK_R,
+            DOT_PRECISION,
+        )  # fmt: skip
     for k in range(tl.cdiv(K, BLOCK_K)):
         xt = x_desc.load([off_m, k * BLOCK_K])
         wt = w_desc.load([off_n, k * BLOCK_K])
         acc = tl.dot(xt, wt.T, acc, input_precision=DOT_PRECISION)
+    if SIBLINGS:
+        # After the K loop: ahead of it, the members' loop delayed the TMA pipeline (gate/up +25%).
+        acc = _routed_sb_siblings(
+            acc, s_ptr, b_ptr, seg_ptr, seg_range_ptr, rank_ptr, bounds_ptr, num_members, pid_m, offs_m, off_n,
+            cols, N, stride_sm, BLOCK_N, BLOCK_R, UNIFORM_RANK, DOT_PRECISION,
+        )  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
     y_desc.store([off_m, off_n], acc.to(s_ptr.dtype.element_ty))
@@ -296,20 +378,24 @@ def multi_lora_linear(
     *,
     ranks: torch.Tensor,
     max_rank: int,
+    bounds: torch.Tensor | None = None,
+    ranks_host: tuple[int, ...] = (),
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
-    """``y [T, N] = x W^T + bias + S' B_a^T``, the LoRA term routed per segment.
+    """``y [T, N] = x W^T + bias + S' B_a^T``, the LoRA term routed per segment (and member).
 
     Args:
         x: ``[T, K]``, unit stride along K.
         weight: ``[N, K]`` frozen weight, unit stride along K.
         bias: ``[N]`` or None.
         s: ``S' [T, BLOCK_R]`` (scaled) from :func:`multi_lora_shrink`.
-        b_cat: ``[N, R_tot]`` stacked adapter B matrices (any float dtype, cast to ``x.dtype`` in the
-            kernel), unit stride along R.
+        b_cat: ``[N, R_tot]`` stacked adapter B matrices, unit stride along R; for a sibling call
+            ``B_flat``, 1-D (module docstring). Any float dtype, cast to ``x.dtype`` in the kernel.
         batch: Routing metadata of this microbatch.
-        ranks: int32 ``[n, 2]``: ``(r_a, roff_a)``.
+        ranks: int32 ``[n, 2]``: ``(r_a, roff_a)`` (per member for a sibling call).
         max_rank: Largest ``r_a`` (the config lookup key).
+        bounds: int32 ``[G + 1]`` members' column bounds of a sibling call; None for one layer.
+        ranks_host: The adapters' ranks ``r_a`` (a sibling call: equal nonzero ranks compile as a constant).
         config: Launch config; looked up by shape when None.
 
     Returns:
@@ -317,7 +403,8 @@ def multi_lora_linear(
     """
     T, K = x.shape
     N = weight.shape[0]
-    block_r = s.shape[1]
+    siblings = bounds is not None
+    block_r = rank_block(max_rank) if siblings else s.shape[1]
     cfg = config or launch_config(LINEAR_KERNEL, x, m=T, n=N, k=K, r=max_rank)
     y = torch.empty((T, N), dtype=x.dtype, device=x.device)
     if T == 0:
@@ -326,7 +413,10 @@ def multi_lora_linear(
     grid = (rows.num_tiles * cdiv(N, cfg.block_n),)
     meta = gemm_meta(cfg, block_r=block_r, dtype=x.dtype)
     lora = (bias if bias is not None else y, s, b_cat)
-    routing = (batch.segments, rows.seg_range, ranks, T, N, K)
+    members = (bounds, bounds.numel() - 1) if bounds is not None else (ranks, 1)
+    routing = (batch.segments, rows.seg_range, ranks, *members, T, N, K)
+    flags = {"HAS_BIAS": bias is not None, "SIBLINGS": siblings, "UNIFORM_RANK": uniform_rank(ranks_host)}
+    stride_bn = 0 if siblings else b_cat.stride(0)
     if cfg.tma and tma_ok(x, weight, y):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -334,11 +424,11 @@ def multi_lora_linear(
             TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]),
             TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]),
             TensorDescriptor.from_tensor(y, [cfg.block_m, cfg.block_n]),
-            *lora, *routing, s.stride(0), b_cat.stride(0), HAS_BIAS=bias is not None, **meta,
+            *lora, *routing, s.stride(0), stride_bn, **flags, **meta,
         )  # fmt: skip
         return y
     _multi_lora_linear_kernel[grid](
-        x, weight, *lora, y, *routing, x.stride(0), weight.stride(0), s.stride(0), b_cat.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, **meta,
+        x, weight, *lora, y, *routing, x.stride(0), weight.stride(0), s.stride(0), stride_bn, y.stride(0),
+        **flags, **meta,
     )  # fmt: skip
     return y

@@ -1,0 +1,173 @@
+"""Sibling LoRA layers in one FusedMultiLoRA call: several projections of one input (q/k/v, gate/up).
+
+A decoder layer feeds one ``x [T, K]`` to several linear layers (its "members"), each with its own
+frozen ``W_g [N_g, K]`` and, per adapter ``a``, its own ``A_{a,g} [r_a, K]`` and ``B_{a,g} [N_g, r_a]``.
+One call computes all of them::
+
+    x_hat[t] = keep_a(t, :) * x[t] / (1 - p_a)                  (ONE mask per token for all members)
+    y_g[t]   = x[t] W_g^T + bias_g + scaling_a * (x_hat[t] A_{a,g}^T) B_{a,g}^T
+
+with the members' weights stacked by rows into ``W [N, K]`` (``N = sum N_g``), so the frozen GEMM,
+the dropout mask and the shrink run once instead of ``G`` times and the backward's ``dx`` is one GEMM
+over all members. The LoRA kernels stay member-aware: a column tile of member ``g`` multiplies only
+``S'[:, g r_a : (g+1) r_a]`` by ``B_{a,g}`` (rank ``r_a``, never the stacked ``G r_a``), and ``dB_{a,g}``
+comes from member ``g``'s columns of ``dy`` only (``_kernels.multi_lora_fwd``/``multi_lora_bwd``).
+
+Dropout: members share each token's mask, as one LoRA layer on a fused ``qkv`` projection does.
+Separate PEFT layers draw one mask each; each member's marginal is the same ``dropout(p)``, the
+masks are correlated. With ``p = 0`` a sibling call equals the members' separate calls (to rounding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.nn import functional
+
+from lorafusion_kernels._kernels._common import MAX_RANK, runs_triton
+from lorafusion_kernels.dropout import keep_threshold
+from lorafusion_kernels.errors import LoRAFusionKernelsError
+from lorafusion_kernels.metadata import MultiLoRABatch
+from lorafusion_kernels.multi_lora import (
+    _AdapterParams,
+    _per_adapter,
+    _stack,
+    multi_lora_torch,
+    run_triton,
+)
+
+__all__ = ["fused_multi_lora_siblings"]
+
+
+def fused_multi_lora_siblings(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_a: Sequence[Sequence[torch.Tensor]],
+    lora_b: Sequence[Sequence[torch.Tensor]],
+    *,
+    out_features: Sequence[int],
+    segment_lengths: Sequence[int] | torch.Tensor | None = None,
+    segment_adapters: Sequence[int] | torch.Tensor | None = None,
+    scaling: float | Sequence[float],
+    dropout_p: float | Sequence[float] = 0.0,
+    bias: torch.Tensor | None = None,
+    seed: int | None = None,
+    batch: MultiLoRABatch | None = None,
+    deterministic: bool | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Every member's ``y_g = x W_g^T + bias_g + scaling_a * dropout_{p_a}(x) A_{a,g}^T B_{a,g}^T`` in one call.
+
+    Args:
+        x: ``[T, K]`` packed tokens (any leading dims are flattened; outputs keep them).
+        weight: ``[N, K]``: the members' frozen weights stacked by rows (``N = sum(out_features)``).
+            Keep them stacked in one buffer (and the layers' weights as its row views): stacking
+            them per call would copy every frozen weight.
+        lora_a: Per adapter, per member ``A_{a,g} [r_a, K]`` (one rank per adapter; rank 0 means
+            "no adapter"). ``G r_a`` must not exceed 128.
+        lora_b: Per adapter, per member ``B_{a,g} [N_g, r_a]``.
+        out_features: ``N_g`` of each member, in the rows' order of ``weight``.
+        segment_lengths: Tokens per segment (ignored when ``batch`` is given).
+        segment_adapters: Adapter index per segment (ignored when ``batch`` is given).
+        scaling: Per adapter (or one for all) LoRA scaling, the same for every member; kept in fp32.
+        dropout_p: Dropout probability in ``[0, 1)``, one for all or one per adapter.
+        bias: ``[N]`` (the members' biases concatenated) or None.
+        seed: Dropout seed; None draws one from torch's generator.
+        batch: Metadata built once per microbatch with :meth:`MultiLoRABatch.from_segments`.
+        deterministic: As in :func:`~lorafusion_kernels.fused_multi_lora_linear`.
+
+    Returns:
+        One ``[..., N_g]`` tensor per member, in ``x.dtype``: column views of one ``[..., N]`` output
+        (their gradients are concatenated once in the backward).
+
+    Raises:
+        LoRAFusionKernelsError: Inconsistent shapes, token count, per-adapter lists or ranks, or p
+            outside ``[0, 1)``.
+    """
+    members = tuple(int(n) for n in out_features)
+    if batch is None:
+        if segment_lengths is None or segment_adapters is None:
+            raise LoRAFusionKernelsError("give either batch= or both segment_lengths= and segment_adapters=")
+        batch = MultiLoRABatch.from_segments(
+            segment_lengths, segment_adapters, num_adapters=len(lora_a), device=x.device
+        )
+    else:
+        batch = batch.to(x.device)
+    n = len(lora_a)
+    scales = _per_adapter(scaling, n, "scaling")
+    ps = _per_adapter(dropout_p, n, "dropout_p")
+    ranks = _check_siblings(x, weight, lora_a, lora_b, members, bias, batch)
+    for p in ps:
+        keep_threshold(p)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if batch.total_tokens == 0:
+        y = functional.linear(x2, weight, bias)
+    elif runs_triton(x2):
+        params = _AdapterParams(ranks, scales, ps, members)
+        a_cat = _stack([a for per_member in lora_a for a in per_member], dim=0)
+        b_flat = _stack([b.reshape(-1) for per_member in lora_b for b in per_member], dim=0)
+        y = run_triton(x2, weight, bias, a_cat, b_flat, batch, params, seed, deterministic)
+    else:
+        y = multi_lora_torch(x2, weight, lora_a, lora_b, batch, scales, ps, bias, seed)
+    return tuple(torch.split(y.reshape(*lead, weight.shape[0]), list(members), dim=-1))
+
+
+def _check_siblings(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_a: Sequence[Sequence[torch.Tensor]],
+    lora_b: Sequence[Sequence[torch.Tensor]],
+    members: tuple[int, ...],
+    bias: torch.Tensor | None,
+    batch: MultiLoRABatch,
+) -> tuple[int, ...]:
+    """Validates a sibling call and returns each adapter's rank."""
+    if not members or any(n <= 0 for n in members):
+        raise LoRAFusionKernelsError(f"out_features must list each member's positive width, got {list(members)}")
+    if not x.is_floating_point() or weight.dtype != x.dtype:
+        raise LoRAFusionKernelsError(f"x and weight must share one floating dtype, got {x.dtype} and {weight.dtype}")
+    if weight.dim() != 2 or weight.shape[0] != sum(members):
+        raise LoRAFusionKernelsError(
+            f"weight must stack the members' rows, [{sum(members)}, K] for out_features {list(members)}, "
+            f"got {list(weight.shape)}"
+        )
+    k_in = weight.shape[1]
+    if x.shape[-1] != k_in:
+        raise LoRAFusionKernelsError(f"x has {x.shape[-1]} features but weight is {list(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (sum(members),):
+        raise LoRAFusionKernelsError(f"bias must be [{sum(members)}] (the members' biases concatenated)")
+    if len(lora_a) != len(lora_b) or len(lora_a) < batch.num_adapters:
+        raise LoRAFusionKernelsError(
+            f"got {len(lora_a)} lora_a and {len(lora_b)} lora_b entries for a batch of {batch.num_adapters} adapters"
+        )
+    tensors = [x, weight, *(t for per in (*lora_a, *lora_b) for t in per)]
+    if len({t.device for t in tensors}) != 1:
+        raise LoRAFusionKernelsError("all tensors must be on one device")
+    tokens = x.numel() // k_in if k_in else 0
+    if tokens != batch.total_tokens:
+        raise LoRAFusionKernelsError(
+            f"x holds {tokens} tokens but the segments add up to {batch.total_tokens}; "
+            "segment_lengths must cover the flattened tokens exactly"
+        )
+    ranks = []
+    for i, (per_a, per_b) in enumerate(zip(lora_a, lora_b, strict=True)):
+        if len(per_a) != len(members) or len(per_b) != len(members):
+            raise LoRAFusionKernelsError(
+                f"adapter {i} has {len(per_a)} A and {len(per_b)} B matrices for {len(members)} members; give one each"
+            )
+        r = per_a[0].shape[0] if per_a[0].dim() == 2 else -1
+        for g, (a, b) in enumerate(zip(per_a, per_b, strict=True)):
+            if a.dim() != 2 or tuple(a.shape) != (r, k_in):
+                raise LoRAFusionKernelsError(
+                    f"lora_a[{i}][{g}] must be [{r}, {k_in}] (one rank per adapter in all members), got {list(a.shape)}"
+                )
+            if tuple(b.shape) != (members[g], r):
+                raise LoRAFusionKernelsError(f"lora_b[{i}][{g}] must be [{members[g]}, {r}], got {list(b.shape)}")
+        if runs_triton(x) and len(members) * r > MAX_RANK:
+            raise LoRAFusionKernelsError(
+                f"adapter {i}: {len(members)} members of rank {r} stack to rank {len(members) * r} > {MAX_RANK}; "
+                "call the members separately (fused_multi_lora_linear)"
+            )
+        ranks.append(r)
+    return tuple(ranks)
