@@ -10,14 +10,16 @@ four ways through the same samples:
 * ``peft-mixed``: the joint plan's mixed microbatches with PEFT's own LoRA layers, one pass per
   adapter segment (PEFT refuses mixed batches in training);
 * ``lorafusion``: the joint plan, one pass per mixed microbatch through lorafusion-kernels (the
-  model is patched for this mode only: the PEFT modes never run a fused kernel).
+  model is patched for the fused modes only: the PEFT modes never run a fused kernel).
+* ``lorafusion-siblings``: the same with q/k/v and gate/up as one call per group
+  (``fuse_sibling_layers``, the trainer's default ``runtime.fuse_sibling_layers``).
 
 Every mode times every microbatch of its plan, so every mode times every sample of the run, the
 same real tokens (checked, and reported per mode); ``--samples`` sets the size of the run. Each
 mode first runs each distinct microbatch shape once untimed (kernels compile and tune per shape),
 then ``--repeats`` timed passes with the modes interleaved (frozen, peft-sequential, peft-mixed,
-lorafusion, frozen, ...), the device synchronised around each pass. The report gives the median
-tokens/s per mode, the min and max over the repeats and the peak memory of the timed passes,
+lorafusion, lorafusion-siblings, frozen, ...), the device synchronised around each pass. The report
+gives the median tokens/s per mode, the min and max over the repeats and the peak memory of the timed passes,
 under a provenance header (device, package versions, UTC date; ``provenance.py``). With
 ``--trainer``, the full trainer (optimizer steps included) then runs the same config end to end,
 and the report says how many distinct microbatch token counts it ran.
@@ -57,7 +59,8 @@ if TYPE_CHECKING:
     from peft import PeftModel
 
 HET = ("xsum", "cnndm", "wikisum", "mixed")
-MODES = ("frozen", "peft-sequential", "peft-mixed", "lorafusion")
+MODES = ("frozen", "peft-sequential", "peft-mixed", "lorafusion", "lorafusion-siblings")
+FUSED_MODES = ("lorafusion", "lorafusion-siblings")
 
 
 def het_config(args: argparse.Namespace, output: Path) -> dict[str, Any]:
@@ -152,18 +155,22 @@ class ModeRun:
     def run(self, batches: list[PackedBatch]) -> float:
         """Forward + backward of ``batches`` in this mode; the seconds they took (device synchronised).
 
-        ``frozen`` and ``lorafusion`` run each microbatch in one pass over its whole sequence; the
-        model is patched for ``lorafusion`` only, and under PEFT's ``disable_adapter()`` every LoRA
+        ``frozen`` and the fused modes run each microbatch in one pass over its whole sequence; the
+        model is patched for the fused modes only, and under PEFT's ``disable_adapter()`` every LoRA
         layer of the unpatched model is its base layer, so ``frozen`` runs the base model alone.
         Entering that context and setting the runner's adapters happen before the clock starts. Each
         microbatch's loss sums are read back once the next microbatch is queued, as the trainer does
         (``read_back="next"``), or right after it (``"each"``: the host waits for every microbatch).
         """
-        if self.mode == "lorafusion":
+        if self.mode in FUSED_MODES:
             lorafusion_kernels.patch_peft_model(self.model)
+            if self.mode == "lorafusion-siblings":
+                lorafusion_kernels.fuse_sibling_layers(self.model)
+            else:
+                lorafusion_kernels.unfuse_sibling_layers(self.model)
         else:
             lorafusion_kernels.unpatch_peft_model(self.model)
-        one_pass = self.mode in ("frozen", "lorafusion")
+        one_pass = self.mode in ("frozen", *FUSED_MODES)
         # A fresh runner: the one of the mode run before may have left other adapters active.
         runner = MicrobatchRunner(self.model, fused=one_pass, **self.runner_args)
         adapters = self.model.disable_adapter() if self.mode == "frozen" else contextlib.nullcontext()

@@ -52,7 +52,7 @@ from lorafusion_megatron.config import parse_config
 from lorafusion_megatron.model import attach_adapters, build_base_model, resolve_attn_implementation
 from lorafusion_megatron.trainer import prepare_data
 
-MODES = ("causal", "frozen", "peft-mixed", "lorafusion")
+MODES = ("causal", "frozen", "peft-mixed", "lorafusion", "lorafusion-siblings")
 
 # Kernel kinds, by substrings of the kernel's name (lower case), checked in this order.
 KINDS = (

@@ -212,6 +212,31 @@ def test_fused_and_plain_peft_runs_agree(make_config, tmp_path: Path) -> None:
             torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6, msg=key)
 
 
+def test_fused_sibling_layers_agree_with_plain_peft(make_config, tmp_path: Path, caplog) -> None:
+    """q/k/v and gate/up as one call per group (p = 0): the same adapters as plain PEFT."""
+    targets = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
+    runs = {}
+    for name, runtime in (
+        ("siblings", {"device": "cpu", "fuse_sibling_layers": True}),
+        ("plain", {"device": "cpu", "fused_kernels": False}),
+    ):
+        config = make_config(output_dir=str(tmp_path / name), runtime=runtime)
+        jobs = [job.model_copy(update={"target_modules": targets}) for job in config.jobs]
+        runs[name] = config.model_copy(update={"jobs": jobs})
+    with caplog.at_level("INFO", logger="lorafusion_megatron.model"):
+        Trainer(runs["siblings"]).train()
+    assert any(
+        "sibling LoRA layers fused: " in r.message and not r.message.endswith(" 0 groups") for r in caplog.records
+    )
+    Trainer(runs["plain"]).train()
+    for job in ("first", "second"):
+        a = _adapter_tensors(Path(runs["siblings"].output_dir) / "adapters" / job)
+        b = _adapter_tensors(Path(runs["plain"].output_dir) / "adapters" / job)
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
 def test_tensorboard_scalars_per_job(make_config, tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
     config = make_config(logging={"tensorboard_dir": str(tmp_path / "tb"), "logging_steps": 1, "progress_bar": False})

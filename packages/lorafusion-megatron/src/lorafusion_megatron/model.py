@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import math
 import warnings
 from collections.abc import Iterator, Sequence
@@ -13,6 +14,8 @@ from typing import TYPE_CHECKING, Any, cast
 from lorafusion_megatron.attention import VARLEN, register_varlen_attention, torch_varlen_available
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.presets import PRESETS
+
+_log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -27,6 +30,7 @@ __all__ = [
     "load_model_config",
     "lora_config",
     "lora_parameters",
+    "patch_kernels",
     "quiet_peft_deprecations",
     "resolve_attn_implementation",
     "resolve_device",
@@ -314,3 +318,36 @@ def lora_parameters(model: torch.nn.Module, adapter: str) -> dict[str, torch.nn.
     """The trainable tensors of ``adapter``: ``{parameter name: parameter}``, in module order."""
     markers = (f".lora_A.{adapter}.", f".lora_B.{adapter}.")
     return {name: param for name, param in model.named_parameters() if any(m in name for m in markers)}
+
+
+def patch_kernels(model: Any, *, siblings: bool) -> bool:
+    """Route LoRA layers through ``lorafusion_kernels``; ``False`` (plain PEFT) if it cannot.
+
+    With ``siblings``, q/k/v and gate/up also run as one call per group where the kernels offer it.
+    """
+    import lorafusion_kernels
+
+    patch = getattr(lorafusion_kernels, "patch_peft_model", None)
+    if patch is None or not hasattr(lorafusion_kernels, "multi_lora_batch"):
+        _log.warning(
+            "lorafusion-kernels %s has no multi-adapter PEFT patch: running plain PEFT, one pass per adapter segment",
+            lorafusion_kernels.__version__,
+        )
+        return False
+    patch(model)
+    if siblings:
+        fuse_siblings(model)
+    return True
+
+
+def fuse_siblings(model: Any) -> int:
+    """Fuse the model's sibling LoRA layers (q/k/v, gate/up); 0 with kernels that cannot."""
+    import lorafusion_kernels
+
+    fuse = getattr(lorafusion_kernels, "fuse_sibling_layers", None)
+    if fuse is None:
+        _log.warning("lorafusion-kernels %s cannot fuse sibling LoRA layers", lorafusion_kernels.__version__)
+        return 0
+    groups = int(fuse(model))
+    _log.info("sibling LoRA layers fused: %d groups", groups)
+    return groups

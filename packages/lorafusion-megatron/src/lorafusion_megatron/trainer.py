@@ -216,6 +216,7 @@ class _Session:
             attach_adapters,
             build_base_model,
             lora_parameters,
+            patch_kernels,
             resolve_attn_implementation,
             resolve_device,
             torch_dtype,
@@ -232,7 +233,7 @@ class _Session:
         model = attach_adapters(
             base, config.jobs, seed=config.runtime.seed, name_or_path=config.base_model.model_name_or_path
         )
-        fused = config.runtime.fused_kernels and _patch_kernels(model)
+        fused = config.runtime.fused_kernels and patch_kernels(model, siblings=config.runtime.fuse_sibling_layers)
         names = [job.name for job in config.jobs]
         runner = MicrobatchRunner(
             model,
@@ -406,18 +407,3 @@ class _Session:
             save_adapter(self.model, job.name, directory)
             outputs[job.name] = directory
         return outputs
-
-
-def _patch_kernels(model: Any) -> bool:
-    """Route LoRA layers through ``lorafusion_kernels``; ``False`` (plain PEFT) if it cannot."""
-    import lorafusion_kernels
-
-    patch = getattr(lorafusion_kernels, "patch_peft_model", None)
-    if patch is None or not hasattr(lorafusion_kernels, "multi_lora_batch"):
-        _log.warning(
-            "lorafusion-kernels %s has no multi-adapter PEFT patch: running plain PEFT, one pass per adapter segment",
-            lorafusion_kernels.__version__,
-        )
-        return False
-    patch(model)
-    return True

@@ -262,6 +262,7 @@ def build_stage_model(
     from lorafusion_megatron.model import (
         attach_adapters,
         load_model_config,
+        patch_kernels,
         resolve_attn_implementation,
         torch_dtype,
     )
@@ -291,11 +292,7 @@ def build_stage_model(
         layers=spec.layers,
     )
     mark("adapters")
-    fused = config.runtime.fused_kernels
-    if fused:
-        import lorafusion_kernels
-
-        lorafusion_kernels.patch_peft_model(model)
+    fused = config.runtime.fused_kernels and patch_kernels(model, siblings=config.runtime.fuse_sibling_layers)
     install_dropout_seeding({i: skeleton.model.layers[i] for i in spec.layers}, run_seed=config.runtime.seed)
     mark("kernel patch and dropout seeding")
     return StageModel(
