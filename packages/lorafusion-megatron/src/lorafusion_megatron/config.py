@@ -319,10 +319,9 @@ class RuntimeConfig(BaseModel):
     fuse_sibling_layers: bool = False
     """With ``fused_kernels``: run the LoRA layers that read one input (q/k/v, gate/up) as one call per
     group (about half the host time of their separate calls; LLaMa-3.1-8B on H100: 3% more tokens/s
-    so far, as the outputs are column views of one tensor that the model's elementwise ops read
-    strided). The members then share each token's dropout mask, as one LoRA layer on a fused qkv
-    projection does; ``false``: one mask per layer, as separate PEFT layers draw (identical results
-    with ``lora_dropout: 0``)."""
+    so far, see the trainer benchmarks). The members then share each token's dropout mask, as one LoRA
+    layer on a fused qkv projection does; ``false``: one mask per layer, as separate PEFT layers draw
+    (identical results with ``lora_dropout: 0``)."""
 
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward (less memory, ~1/3 more compute)."""
