@@ -236,17 +236,7 @@ def fused_multi_lora_linear(
     Raises:
         LoRAFusionKernelsError: Inconsistent shapes, token count or per-adapter lists, or p outside ``[0, 1)``.
     """
-    if batch is None:
-        if segment_lengths is None or segment_adapters is None:
-            raise LoRAFusionKernelsError("give either batch= or both segment_lengths= and segment_adapters=")
-        batch = MultiLoRABatch.from_segments(
-            segment_lengths, segment_adapters, num_adapters=len(lora_a), device=x.device
-        )
-    else:
-        batch = batch.to(x.device)
-    n = len(lora_a)
-    scales = _per_adapter(scaling, n, "scaling")
-    ps = _per_adapter(dropout_p, n, "dropout_p")
+    batch, scales, ps = call_batch(x, len(lora_a), segment_lengths, segment_adapters, batch, scaling, dropout_p)
     _check_inputs(x, weight, lora_a, lora_b, bias, batch, ps)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -262,6 +252,27 @@ def fused_multi_lora_linear(
     else:
         y = multi_lora_torch(x2, weight, [[a] for a in lora_a], [[b] for b in lora_b], batch, scales, ps, bias, seed)
     return y.reshape(*lead, weight.shape[0])
+
+
+def call_batch(
+    x: torch.Tensor,
+    num_adapters: int,
+    segment_lengths: Sequence[int] | torch.Tensor | None,
+    segment_adapters: Sequence[int] | torch.Tensor | None,
+    batch: MultiLoRABatch | None,
+    scaling: float | Sequence[float],
+    dropout_p: float | Sequence[float],
+) -> tuple[MultiLoRABatch, tuple[float, ...], tuple[float, ...]]:
+    """A call's batch on ``x``'s device (built from the segment lists when None), scalings and ps per adapter."""
+    if batch is None:
+        if segment_lengths is None or segment_adapters is None:
+            raise LoRAFusionKernelsError("give either batch= or both segment_lengths= and segment_adapters=")
+        batch = MultiLoRABatch.from_segments(
+            segment_lengths, segment_adapters, num_adapters=num_adapters, device=x.device
+        )
+    else:
+        batch = batch.to(x.device)
+    return batch, _per_adapter(scaling, num_adapters, "scaling"), _per_adapter(dropout_p, num_adapters, "dropout_p")
 
 
 def run_triton(

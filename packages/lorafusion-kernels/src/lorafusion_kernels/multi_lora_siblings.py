@@ -29,13 +29,7 @@ from lorafusion_kernels._kernels._common import MAX_RANK, runs_triton
 from lorafusion_kernels.dropout import keep_threshold
 from lorafusion_kernels.errors import LoRAFusionKernelsError
 from lorafusion_kernels.metadata import MultiLoRABatch
-from lorafusion_kernels.multi_lora import (
-    _AdapterParams,
-    _per_adapter,
-    _stack,
-    multi_lora_torch,
-    run_triton,
-)
+from lorafusion_kernels.multi_lora import _AdapterParams, _stack, call_batch, multi_lora_torch, run_triton
 
 __all__ = ["fused_multi_lora_siblings"]
 
@@ -85,17 +79,7 @@ def fused_multi_lora_siblings(
             outside ``[0, 1)``.
     """
     members = tuple(int(n) for n in out_features)
-    if batch is None:
-        if segment_lengths is None or segment_adapters is None:
-            raise LoRAFusionKernelsError("give either batch= or both segment_lengths= and segment_adapters=")
-        batch = MultiLoRABatch.from_segments(
-            segment_lengths, segment_adapters, num_adapters=len(lora_a), device=x.device
-        )
-    else:
-        batch = batch.to(x.device)
-    n = len(lora_a)
-    scales = _per_adapter(scaling, n, "scaling")
-    ps = _per_adapter(dropout_p, n, "dropout_p")
+    batch, scales, ps = call_batch(x, len(lora_a), segment_lengths, segment_adapters, batch, scaling, dropout_p)
     ranks = _check_siblings(x, weight, lora_a, lora_b, members, bias, batch)
     for p in ps:
         keep_threshold(p)
