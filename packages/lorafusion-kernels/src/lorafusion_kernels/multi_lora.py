@@ -149,20 +149,29 @@ def _per_adapter(value: float | Sequence[float], n: int, name: str) -> tuple[flo
     return out
 
 
-def _check_inputs(
+def check_call(
     x: torch.Tensor,
     weight: torch.Tensor,
-    lora_a: Sequence[torch.Tensor],
-    lora_b: Sequence[torch.Tensor],
+    adapters: int,
+    lora: Sequence[torch.Tensor],
     bias: torch.Tensor | None,
     batch: MultiLoRABatch,
     dropout_p: tuple[float, ...],
 ) -> None:
-    if len(lora_a) != len(lora_b):
-        raise LoRAFusionKernelsError(f"got {len(lora_a)} lora_a tensors but {len(lora_b)} lora_b tensors")
-    if len(lora_a) < batch.num_adapters:
+    """The checks every multi-adapter call shares: dtypes, one device, ``x``/``W``/bias shapes, token count, p.
+
+    Args:
+        x: The call's input.
+        weight: ``[N, K]``.
+        adapters: How many adapters the call gives.
+        lora: Every LoRA tensor of the call (for the device check).
+        bias: ``[N]`` or None.
+        batch: The call's routing.
+        dropout_p: Per adapter.
+    """
+    if adapters < batch.num_adapters:
         raise LoRAFusionKernelsError(
-            f"the batch routes tokens to {batch.num_adapters} adapters but only {len(lora_a)} are given"
+            f"the batch routes tokens to {batch.num_adapters} adapters but only {adapters} are given"
         )
     if not x.is_floating_point():
         raise LoRAFusionKernelsError(f"x must be a floating-point tensor, got {x.dtype}")
@@ -172,7 +181,7 @@ def _check_inputs(
         raise LoRAFusionKernelsError(f"weight must be [N, K], got {list(weight.shape)}")
     if runs_triton(x) and x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise LoRAFusionKernelsError(f"the Triton kernels take float16, bfloat16 or float32, got {x.dtype}")
-    tensors = [x, weight, *lora_a, *lora_b, *([bias] if bias is not None else [])]
+    tensors = [x, weight, *lora, *([bias] if bias is not None else [])]
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise LoRAFusionKernelsError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
@@ -187,13 +196,28 @@ def _check_inputs(
             f"x holds {tokens} tokens but the segments add up to {batch.total_tokens}; "
             "segment_lengths must cover the flattened tokens exactly"
         )
+    for p in dropout_p:
+        keep_threshold(p)
+
+
+def _check_inputs(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_a: Sequence[torch.Tensor],
+    lora_b: Sequence[torch.Tensor],
+    bias: torch.Tensor | None,
+    batch: MultiLoRABatch,
+    dropout_p: tuple[float, ...],
+) -> None:
+    if len(lora_a) != len(lora_b):
+        raise LoRAFusionKernelsError(f"got {len(lora_a)} lora_a tensors but {len(lora_b)} lora_b tensors")
+    check_call(x, weight, len(lora_a), [*lora_a, *lora_b], bias, batch, dropout_p)
+    n_out, k_in = weight.shape
     for i, (a, b) in enumerate(zip(lora_a, lora_b, strict=True)):
         if a.dim() != 2 or a.shape[1] != k_in:
             raise LoRAFusionKernelsError(f"lora_a[{i}] must be [r, {k_in}], got {list(a.shape)}")
         if b.dim() != 2 or b.shape != (n_out, a.shape[0]):
             raise LoRAFusionKernelsError(f"lora_b[{i}] must be [{n_out}, {a.shape[0]}], got {list(b.shape)}")
-    for p in dropout_p:
-        keep_threshold(p)
 
 
 def fused_multi_lora_linear(

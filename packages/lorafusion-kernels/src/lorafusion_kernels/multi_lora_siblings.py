@@ -26,10 +26,9 @@ import torch
 from torch.nn import functional
 
 from lorafusion_kernels._kernels._common import MAX_RANK, runs_triton
-from lorafusion_kernels.dropout import keep_threshold
 from lorafusion_kernels.errors import LoRAFusionKernelsError
 from lorafusion_kernels.metadata import MultiLoRABatch
-from lorafusion_kernels.multi_lora import _AdapterParams, _stack, call_batch, multi_lora_torch, run_triton
+from lorafusion_kernels.multi_lora import _AdapterParams, _stack, call_batch, check_call, multi_lora_torch, run_triton
 
 __all__ = ["fused_multi_lora_siblings"]
 
@@ -80,9 +79,7 @@ def fused_multi_lora_siblings(
     """
     members = tuple(int(n) for n in out_features)
     batch, scales, ps = call_batch(x, len(lora_a), segment_lengths, segment_adapters, batch, scaling, dropout_p)
-    ranks = _check_siblings(x, weight, lora_a, lora_b, members, bias, batch)
-    for p in ps:
-        keep_threshold(p)
+    ranks = _check_siblings(x, weight, lora_a, lora_b, members, bias, batch, ps)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if batch.total_tokens == 0:
@@ -105,35 +102,21 @@ def _check_siblings(
     members: tuple[int, ...],
     bias: torch.Tensor | None,
     batch: MultiLoRABatch,
+    dropout_p: tuple[float, ...],
 ) -> tuple[int, ...]:
     """Validates a sibling call and returns each adapter's rank."""
     if not members or any(n <= 0 for n in members):
         raise LoRAFusionKernelsError(f"out_features must list each member's positive width, got {list(members)}")
-    if not x.is_floating_point() or weight.dtype != x.dtype:
-        raise LoRAFusionKernelsError(f"x and weight must share one floating dtype, got {x.dtype} and {weight.dtype}")
-    if weight.dim() != 2 or weight.shape[0] != sum(members):
+    if len(lora_a) != len(lora_b):
+        raise LoRAFusionKernelsError(f"got {len(lora_a)} lora_a entries but {len(lora_b)} lora_b entries")
+    lora = [t for per in (*lora_a, *lora_b) for t in per]
+    check_call(x, weight, len(lora_a), lora, bias, batch, dropout_p)
+    if weight.shape[0] != sum(members):
         raise LoRAFusionKernelsError(
             f"weight must stack the members' rows, [{sum(members)}, K] for out_features {list(members)}, "
             f"got {list(weight.shape)}"
         )
     k_in = weight.shape[1]
-    if x.shape[-1] != k_in:
-        raise LoRAFusionKernelsError(f"x has {x.shape[-1]} features but weight is {list(weight.shape)}")
-    if bias is not None and tuple(bias.shape) != (sum(members),):
-        raise LoRAFusionKernelsError(f"bias must be [{sum(members)}] (the members' biases concatenated)")
-    if len(lora_a) != len(lora_b) or len(lora_a) < batch.num_adapters:
-        raise LoRAFusionKernelsError(
-            f"got {len(lora_a)} lora_a and {len(lora_b)} lora_b entries for a batch of {batch.num_adapters} adapters"
-        )
-    tensors = [x, weight, *(t for per in (*lora_a, *lora_b) for t in per)]
-    if len({t.device for t in tensors}) != 1:
-        raise LoRAFusionKernelsError("all tensors must be on one device")
-    tokens = x.numel() // k_in if k_in else 0
-    if tokens != batch.total_tokens:
-        raise LoRAFusionKernelsError(
-            f"x holds {tokens} tokens but the segments add up to {batch.total_tokens}; "
-            "segment_lengths must cover the flattened tokens exactly"
-        )
     ranks = []
     for i, (per_a, per_b) in enumerate(zip(lora_a, lora_b, strict=True)):
         if len(per_a) != len(members) or len(per_b) != len(members):
