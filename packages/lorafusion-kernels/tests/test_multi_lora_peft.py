@@ -470,3 +470,15 @@ def test_adapter_on_some_members_only_runs_them_alone(monkeypatch: pytest.Monkey
     with multi_lora_batch(batch, names):
         alone = model(input_ids=ids).logits
     torch.testing.assert_close(fused, alone)
+
+
+def test_trainable_base_biases_are_not_fused() -> None:
+    """A base bias that trains (PEFT's ``bias="all"``) keeps its own parameter: the group runs alone."""
+    model = tiny_peft_model()
+    attn = model.base_model.model.model.layers[0].self_attn
+    for layer in (attn.q_proj, attn.k_proj, attn.v_proj):
+        base = layer.get_base_layer()
+        base.bias = torch.nn.Parameter(torch.zeros(base.out_features))
+    patch_peft_model(model)
+    assert fuse_sibling_layers(model) == 3  # layer 0's q/k/v stays unfused
+    assert not hasattr(attn.q_proj, "_lorafusion_sibling")

@@ -85,7 +85,7 @@ def fuse_sibling_layers(model: nn.Module, groups: Sequence[Sequence[str]] = DEFA
 
     A group is fused when one module holds every named child, each a ``lora.Linear`` patched by
     ``patch_peft_model`` with a plain ``nn.Linear`` base, all with the same ``in_features``, dtype
-    and device, a frozen weight, and biases on all or none. Call it after the model has its final
+    and device, frozen weights, and frozen biases on all or none. Call it after the model has its final
     device and dtype (moving the model afterwards ends the fusion: the layers then run alone, with
     one warning). Calling it twice is harmless.
 
@@ -132,7 +132,8 @@ def _stackable(bases: list[Any]) -> bool:
     first = bases[0]
     if any(type(b) is not nn.Linear for b in bases):
         return False
-    if any(b.weight.requires_grad for b in bases):
+    # A trainable weight or bias would get its gradient through the stacked buffer, never itself.
+    if any(b.weight.requires_grad or (b.bias is not None and b.bias.requires_grad) for b in bases):
         return False
     same = {(b.in_features, b.weight.dtype, b.weight.device, b.bias is None) for b in bases}
     return len(same) == 1 and first.weight.dim() == 2
@@ -148,7 +149,7 @@ def _stack_group(layers: list[Any], bases: list[Any]) -> SiblingGroup:
         n = b.weight.shape[0]
         b.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
         if bias is not None:
-            b.bias = nn.Parameter(bias[row : row + n], requires_grad=b.bias.requires_grad)
+            b.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
         row += n
     return SiblingGroup(tuple(layers), weight, bias, tuple(b.weight.shape[0] for b in bases))
 
