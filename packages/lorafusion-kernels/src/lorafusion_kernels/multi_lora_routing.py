@@ -210,11 +210,7 @@ def peft_multi_lora_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: A
                 f"adapter {name!r} uses DoRA or another LoRA variant, which mixed-adapter batches do not support"
             )
     if not args and not kwargs:
-        active = [
-            names[a] if batch.adapter_tokens[a] and names[a] != BASE_ADAPTER else None
-            for a in range(batch.num_adapters)
-        ]
-        grouped = sibling_forward(layer, x, batch, active)
+        grouped = sibling_forward(layer, x, batch, names)
         if grouped is not None:
             return grouped
     if _fusable(layer, x, present, args, kwargs):

@@ -154,17 +154,14 @@ def _stack_group(layers: list[Any], bases: list[Any]) -> SiblingGroup:
     return SiblingGroup(tuple(layers), weight, bias, tuple(b.weight.shape[0] for b in bases))
 
 
-def sibling_forward(
-    layer: Any, x: torch.Tensor, batch: MultiLoRABatch, active: Sequence[str | None]
-) -> torch.Tensor | None:
+def sibling_forward(layer: Any, x: torch.Tensor, batch: MultiLoRABatch, names: Sequence[str]) -> torch.Tensor | None:
     """This member's output of its group's one call, or None when the member must run alone.
 
     Args:
         layer: A PEFT ``lora.Linear`` (fused by :func:`fuse_sibling_layers` or not).
         x: Its input ``[..., K]``.
         batch: The microbatch's segments (on ``x``'s device).
-        active: Per adapter index, the PEFT adapter name its tokens use, or None (no tokens, or
-            the frozen layer only).
+        names: PEFT adapter name per adapter index of ``batch`` (``"__base__"``: the frozen layer only).
 
     Returns:
         ``[..., N_g]``, or None (not fused, not eligible, or the group's weights were replaced).
@@ -188,7 +185,7 @@ def sibling_forward(
         if all(o is None for o in pending.outputs):
             group.pending = None
         return out
-    args = _group_arguments(group, x, active)
+    args = _group_arguments(group, x, batch, names)
     if args is None:
         return None
     outputs: list[torch.Tensor | None] = list(
@@ -200,9 +197,16 @@ def sibling_forward(
     return mine
 
 
-def _group_arguments(group: SiblingGroup, x: torch.Tensor, active: Sequence[str | None]) -> dict[str, Any] | None:
+def _group_arguments(
+    group: SiblingGroup, x: torch.Tensor, batch: MultiLoRABatch, names: Sequence[str]
+) -> dict[str, Any] | None:
     """``fused_multi_lora_siblings`` arguments for the group, or None if any member must run alone."""
-    from lorafusion_kernels.multi_lora_routing import _dropout_p, _fusable, _no_adapter
+    from lorafusion_kernels.multi_lora_routing import BASE_ADAPTER, _dropout_p, _fusable, _no_adapter
+
+    # Per adapter index, the adapter name its tokens use; None: no tokens, or the frozen layer only.
+    active = [
+        names[a] if batch.adapter_tokens[a] and names[a] != BASE_ADAPTER else None for a in range(batch.num_adapters)
+    ]
 
     if not group.intact():
         _warn_once("sibling layers whose weights were replaced after fuse_sibling_layers (call it again)")
@@ -218,15 +222,15 @@ def _group_arguments(group: SiblingGroup, x: torch.Tensor, active: Sequence[str 
     k_in = x.shape[-1]
     lora_a, lora_b, scaling, ps = [], [], [], []
     for name in active:
-        names = [name if name is not None and name in m.lora_A else None for m in members]
-        if name is None or all(n is None for n in names):
+        held = [name if name is not None and name in m.lora_A else None for m in members]
+        if name is None or all(n is None for n in held):
             zeros = [_no_adapter(k_in, n, x.dtype, x.device) for n in group.out_features]
             lora_a.append([a for a, _ in zeros])
             lora_b.append([b for _, b in zeros])
             scaling.append(0.0)
             ps.append(0.0)
             continue
-        if any(n is None for n in names):
+        if any(n is None for n in held):
             return None  # the adapter targets only some members
         values = {(m.r[name], float(m.scaling[name]), _dropout_p(m, name)) for m in members}
         if len(values) != 1:
