@@ -1,7 +1,8 @@
 """Tokens/s of the trainer's microbatch loop on a random-weight preset, 4 jobs on the Het workload.
 
-Forward + backward (no optimizer) over packed microbatches of at most 4,096 tokens (the capacity),
-four ways through the same samples:
+Forward + backward (no optimizer) over packed microbatches of at most ``--capacity`` tokens (4,096
+by default; the PEFT modes at ``--baseline-capacity``, since plain PEFT keeps more activations per
+token and may not fit where the fused modes do), five ways through the same samples:
 
 * ``frozen``: the joint plan's microbatches through the base model alone, one pass each, gradients
   through the activations only (the floor);
@@ -63,7 +64,8 @@ MODES = ("frozen", "peft-sequential", "peft-mixed", "lorafusion", "lorafusion-si
 FUSED_MODES = ("lorafusion", "lorafusion-siblings")
 
 
-def het_config(args: argparse.Namespace, output: Path) -> dict[str, Any]:
+def het_config(args: argparse.Namespace, output: Path, *, capacity: int | None = None) -> dict[str, Any]:
+    """The benchmark's run: the four Het jobs on ``args.preset``, at ``capacity`` (default ``args.capacity``)."""
     return {
         "output_dir": str(output),
         "base_model": {"model_name_or_path": args.preset, "dtype": args.dtype, "attn_implementation": args.attn},
@@ -79,7 +81,7 @@ def het_config(args: argparse.Namespace, output: Path) -> dict[str, Any]:
             }
             for name in HET
         ],
-        "scheduler": {"capacity": args.capacity, "padding_multiple": 64},
+        "scheduler": {"capacity": capacity or args.capacity, "padding_multiple": 64},
         "runtime": {"device": args.device, "seed": 0, "activation_checkpointing": args.checkpointing},
         "logging": {"progress_bar": False, "logging_steps": 1000},
     }
@@ -223,9 +225,19 @@ class ModeRun:
 
 
 def time_modes(
-    args: argparse.Namespace, config: TrainerConfig, joint: Workload, sequential: Workload, device: torch.device
+    args: argparse.Namespace,
+    config: TrainerConfig,
+    joint: Workload,
+    baseline_joint: Workload,
+    sequential: Workload,
+    device: torch.device,
 ) -> dict[str, dict[str, Any]]:
-    """Warm every mode up, then time ``args.repeats`` passes of each, the modes interleaved."""
+    """Warm every mode up, then time ``args.repeats`` passes of each, the modes interleaved.
+
+    ``joint`` is the joint plan at ``--capacity`` (``frozen`` and the fused modes), ``baseline_joint``
+    the joint plan at ``--baseline-capacity`` (``peft-mixed``) and ``sequential`` the jobs' own plans
+    at ``--baseline-capacity`` (``peft-sequential``).
+    """
     base = build_base_model(config.base_model, device=device, seed=0, activation_checkpointing=args.checkpointing)
     # The frozen floor needs a gradient path through the activations.
     base.enable_input_require_grads()  # type: ignore[no-untyped-call]
@@ -235,9 +247,8 @@ def time_modes(
         "attn_implementation": resolve_attn_implementation(config.base_model.attn_implementation, device),
         "dtype": getattr(torch, args.dtype),
     }
-    runs = [
-        ModeRun(mode, model, runner_args, sequential if mode == "peft-sequential" else joint, device) for mode in MODES
-    ]
+    workloads = {"peft-sequential": sequential, "peft-mixed": baseline_joint}
+    runs = [ModeRun(mode, model, runner_args, workloads.get(mode, joint), device) for mode in args.modes]
     for run in runs:
         run.warm_up()
     for _ in range(args.repeats):
@@ -274,7 +285,13 @@ def main() -> None:
     parser.add_argument("--preset", default="llama-3.1-8b")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--capacity", type=int, default=4096)
+    parser.add_argument("--capacity", type=int, default=4096, help="tokens per microbatch of frozen and the fused modes")
+    parser.add_argument(
+        "--baseline-capacity",
+        type=int,
+        help="tokens per microbatch of the PEFT modes (default --capacity; plain PEFT needs more memory per token)",
+    )
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="modes to time, in this order")
     parser.add_argument("--samples", type=int, default=64, help="samples per job: every one is timed in every mode")
     parser.add_argument("--length-scale", type=float, default=1.0, help="scales the synthetic lengths")
     parser.add_argument("--global-batch-size", type=int, default=16)
@@ -287,20 +304,29 @@ def main() -> None:
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
 
+    if args.baseline_capacity is None:
+        args.baseline_capacity = args.capacity
+
     device = torch.device(args.device)
-    config = parse_config(het_config(args, Path(tempfile.gettempdir()) / "bench-trainer"))
+    scratch = Path(tempfile.gettempdir()) / "bench-trainer"
+    config = parse_config(het_config(args, scratch))
+    baseline_config = parse_config(het_config(args, scratch, capacity=args.baseline_capacity))
     data = prepare_data(config).jobs
     plan, joint = planned(config, data, device)
+    baseline_plan, baseline_joint = (
+        (plan, joint) if args.baseline_capacity == args.capacity else planned(baseline_config, data, device)
+    )
     sequential = Workload()
     sequential_microbatches = 0
     for job in config.jobs:
-        job_plan, work = planned(config.model_copy(update={"jobs": [job]}), {job.name: data[job.name]}, device)
+        job_config = baseline_config.model_copy(update={"jobs": [job]})
+        job_plan, work = planned(job_config, {job.name: data[job.name]}, device)
         sequential_microbatches += len(job_plan.microbatches)
         sequential.extend(work)
-    if sequential.samples != joint.samples:
-        raise SystemExit("the jobs' own plans and the joint plan hold different samples: no comparison possible")
+    if not sequential.samples == baseline_joint.samples == joint.samples:
+        raise SystemExit("the plans hold different samples: no comparison possible")
 
-    results = time_modes(args, config, joint, sequential, device)
+    results = time_modes(args, config, joint, baseline_joint, sequential, device)
     for mode, r in results.items():
         peak = "" if r["peak_gib"] is None else f"  peak {r['peak_gib']:.1f} GiB"
         print(
@@ -318,10 +344,13 @@ def main() -> None:
         "provenance": provenance(),
         "attn_implementation": resolve_attn_implementation(config.base_model.attn_implementation, device),
         "args": {k: str(v) for k, v in vars(args).items()},
-        "method": {"repeats": args.repeats, "order": list(MODES), "timed": "every microbatch of each mode's plan"},
+        "method": {"repeats": args.repeats, "order": args.modes, "timed": "every microbatch of each mode's plan"},
         "plan": {
+            "capacity": args.capacity,
             "microbatches": plan.stats.num_microbatches,
             "fill_ratio": plan.stats.fill_ratio,
+            "baseline_capacity": args.baseline_capacity,
+            "baseline_microbatches": baseline_plan.stats.num_microbatches,
             "sequential_microbatches": sequential_microbatches,
         },
         "results": results,
