@@ -182,6 +182,30 @@ def test_siblings_tma_and_split_reductions() -> None:
 
 
 @INTERPRET
+@pytest.mark.usefixtures("interpreter", "nan_poison")
+@pytest.mark.parametrize(
+    ("members", "apart"),
+    [((32, 16, 16), True), ((48, 48), True), ((16, 16, 16, 16), True), ((16,) * 5, False), ((32, 24), False)],
+    ids=["qkv-like", "gate-up-like", "four", "five-views", "unaligned-views"],
+)
+def test_tma_linear_writes_members_apart(members: tuple[int, ...], apart: bool) -> None:
+    """Members whose widths are multiples of the TMA tile (at most 4 of them) get contiguous outputs of their own.
+
+    Otherwise (a fifth member, a width that is not a multiple of ``block_n``) they stay column views of
+    one output. Values and gradients match the references either way.
+    """
+    tma = KernelConfig(block_m=32, block_n=16, block_k=32, group_m=4, num_warps=4, num_stages=1, tma=True)
+    case = dataclasses.replace(MIXED, ranks=(8, 16, 16, 4), k=40)
+    with override_configs({"multi_xw_sb": tma, "multi_dyw_dsa": tma}):
+        s = Siblings.make(case, members, torch.float32)
+        dys = [torch.ones(case.t, n) for n in members]
+        ys = run_siblings(case, members, s, dys, seed=5)
+        assert all(y.is_contiguous() for y in ys) is apart
+        assert len({y.untyped_storage().data_ptr() for y in ys}) == (len(members) if apart else 1)
+        check(case, torch.float32, members=members)
+
+
+@INTERPRET
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("members", [(40, 40), (33,)], ids=["gate-up-like", "one-member"])
 def test_siblings_deterministic_and_other_groupings(members: tuple[int, ...]) -> None:

@@ -61,12 +61,14 @@ class SegmentTiles:
         tiles: int32 ``[num_tiles, 3]`` on the batch's device: ``(row_start, row_end, adapter)``.
         adapter_ptr: int32 ``[num_adapters + 1]``: the tiles of adapter ``a`` are
             ``tiles[adapter_ptr[a]:adapter_ptr[a + 1]]`` (empty for an adapter without tokens).
+        adapter_tiles: Host tuple, the number of tiles of each adapter.
     """
 
     block_m: int
     num_tiles: int
     tiles: torch.Tensor
     adapter_ptr: torch.Tensor
+    adapter_tiles: tuple[int, ...]
 
 
 def _as_int_list(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
@@ -295,6 +297,7 @@ class MultiLoRABatch:
             num_tiles=len(rows),
             tiles=_to_device(host_tiles, self.device),
             adapter_ptr=_to_device(host_ptr, self.device),
+            adapter_tiles=tuple(len(tiles) for tiles in per_adapter),
         )
         self._seg_tiles[block_m] = tiles
         return tiles

@@ -250,7 +250,7 @@ def fused_multi_lora_linear(
         seed: Dropout seed; None draws one from torch's generator (``torch.manual_seed`` reproduces it).
         batch: Metadata built once per microbatch with :meth:`MultiLoRABatch.from_segments`; reuse it
             across layers. Built here from the segment lists when None.
-        deterministic: Sum ``dB``/``dS`` without atomics (run-to-run identical gradients, slower);
+        deterministic: Sum ``dB``/``dS``/``dA`` without atomics (run-to-run identical gradients, slower);
             None follows FusedLoRA's ``deterministic_mode()`` (``torch.use_deterministic_algorithms``
             or ``LORAFUSION_DETERMINISTIC=1``). A one-adapter batch passes it on to FusedLoRA.
 
@@ -315,11 +315,15 @@ def run_triton(
         deterministic = deterministic_mode()
     if torch.compiler.is_compiling():
         return _compiled_forward(x, weight, bias, a_cat, b_cat, batch, params, seed, deterministic)
-    seed_t = _seed_for(seed, x.device) if params.has_dropout else _device_params(params, x.device).zero_seed
     y: torch.Tensor = _FusedMultiLoRA.apply(  # type: ignore[no-untyped-call]
-        x, weight, bias, a_cat, b_cat, seed_t, batch, params, deterministic
+        x, weight, bias, a_cat, b_cat, eager_seed(seed, params, x.device), batch, params, deterministic
     )
     return y
+
+
+def eager_seed(seed: int | None, params: _AdapterParams, device: torch.device) -> torch.Tensor:
+    """The seed tensor of an eager call: drawn (or ``seed`` wrapped) with dropout, a cached zero without."""
+    return _seed_for(seed, device) if params.has_dropout else _device_params(params, device).zero_seed
 
 
 def _seed_for(seed: int | None, device: torch.device) -> torch.Tensor:
@@ -423,6 +427,25 @@ def multi_lora_torch(
     return y + torch.cat(pieces, dim=0)
 
 
+def shrink(
+    x: torch.Tensor, a_cat: torch.Tensor, seed: torch.Tensor, batch: MultiLoRABatch, params: _AdapterParams
+) -> torch.Tensor:
+    """``S' [T, BLOCK_R]``: every token's scaled ``dropout(x) A_a^T`` (``x`` contiguous)."""
+    dev = _device_params(params, x.device)
+    return multi_lora_shrink(
+        x,
+        a_cat.contiguous(),
+        batch,
+        block_r=params.block_r,
+        max_rank=params.stacked_rank,
+        ranks=dev.a_ranks,
+        thresholds=dev.thresholds,
+        s_scale=dev.s_scale,
+        seed=seed,
+        has_dropout=params.has_dropout,
+    )
+
+
 def _forward_core(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -436,18 +459,7 @@ def _forward_core(
     """``(y [T, N], S' [T, BLOCK_R])`` of the Triton path; ``S'`` is what the backward needs besides ``x``."""
     x = x.contiguous()
     dev = _device_params(params, x.device)
-    s = multi_lora_shrink(
-        x,
-        a_cat.contiguous(),
-        batch,
-        block_r=params.block_r,
-        max_rank=params.stacked_rank,
-        ranks=dev.a_ranks,
-        thresholds=dev.thresholds,
-        s_scale=dev.s_scale,
-        seed=seed,
-        has_dropout=params.has_dropout,
-    )
+    s = shrink(x, a_cat, seed, batch, params)
     y = multi_lora_linear(
         x, weight, bias, s, b_cat.contiguous(), batch, ranks=dev.ranks, max_rank=params.max_rank, bounds=dev.bounds,
         ranks_host=params.ranks,
@@ -490,7 +502,9 @@ def _backward_core(
     }
     dx = multi_lora_dyw_dsa(dy, weight, ds, a_cat, batch, **dropout) if need_dx else dy.new_empty(0)
     da = (
-        multi_lora_dsx(ds, x, batch, r_tot=a_cat.shape[0], out_dtype=a_cat.dtype, **dropout)
+        multi_lora_dsx(
+            ds, x, batch, r_tot=a_cat.shape[0], out_dtype=a_cat.dtype, deterministic=deterministic, **dropout
+        )
         if need_da
         else x.new_empty(0)
     )

@@ -21,14 +21,29 @@ masks are correlated. With ``p = 0`` a sibling call equals the members' separate
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.nn import functional
 
 from lorafusion_kernels._kernels._common import MAX_RANK, runs_triton
+from lorafusion_kernels._kernels.multi_lora_fwd import member_outputs_fit, multi_lora_linear_members
 from lorafusion_kernels.errors import LoRAFusionKernelsError
+from lorafusion_kernels.lora import deterministic_mode
 from lorafusion_kernels.metadata import MultiLoRABatch
-from lorafusion_kernels.multi_lora import _AdapterParams, _stack, call_batch, check_call, multi_lora_torch, run_triton
+from lorafusion_kernels.multi_lora import (
+    _AdapterParams,
+    _backward,
+    _device_params,
+    _save_for_backward,
+    _stack,
+    call_batch,
+    check_call,
+    eager_seed,
+    multi_lora_torch,
+    run_triton,
+    shrink,
+)
 
 __all__ = ["fused_multi_lora_siblings"]
 
@@ -70,8 +85,9 @@ def fused_multi_lora_siblings(
         deterministic: As in :func:`~lorafusion_kernels.fused_multi_lora_linear`.
 
     Returns:
-        One ``[..., N_g]`` tensor per member, in ``x.dtype``: column views of one ``[..., N]`` output
-        (their gradients are concatenated once in the backward).
+        One ``[..., N_g]`` tensor per member, in ``x.dtype``. On sm_90 with the TMA kernel and member
+        widths that are multiples of its column tile (q/k/v and gate/up of the usual models), each is
+        its own contiguous tensor; otherwise they are column views of one ``[..., N]`` output.
 
     Raises:
         LoRAFusionKernelsError: Inconsistent shapes, token count, per-adapter lists or ranks, or p
@@ -88,6 +104,13 @@ def fused_multi_lora_siblings(
         params = _AdapterParams(ranks, scales, ps, members)
         a_cat = _stack([a for per_member in lora_a for a in per_member], dim=0)
         b_flat = _stack([b.reshape(-1) for per_member in lora_b for b in per_member], dim=0)
+        if not torch.compiler.is_compiling() and member_outputs_fit(x2, weight, members, params.max_rank):
+            det = deterministic_mode() if deterministic is None else deterministic
+            seed_t = eager_seed(seed, params, x2.device)
+            ys = _FusedSiblingMembers.apply(  # type: ignore[no-untyped-call]
+                x2, weight, bias, a_cat, b_flat, seed_t, batch, params, det
+            )
+            return tuple(y.reshape(*lead, n) for y, n in zip(ys, members, strict=True))
         y = run_triton(x2, weight, bias, a_cat, b_flat, batch, params, seed, deterministic)
     else:
         y = multi_lora_torch(x2, weight, lora_a, lora_b, batch, scales, ps, bias, seed)
@@ -138,3 +161,44 @@ def _check_siblings(
             )
         ranks.append(r)
     return tuple(ranks)
+
+
+class _FusedSiblingMembers(torch.autograd.Function):
+    """Autograd of an eager sibling call whose members' outputs are separate tensors.
+
+    Forward: the shrink and :func:`multi_lora_linear_members` (each member's output contiguous, so the
+    model's next operations read dense tensors). Backward: the members' output gradients are
+    concatenated into ``dy [T, N]``, then the backward of :func:`fused_multi_lora_linear` runs on it.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        a_cat: torch.Tensor,
+        b_flat: torch.Tensor,
+        seed: torch.Tensor,
+        batch: MultiLoRABatch,
+        params: _AdapterParams,
+        deterministic: bool,
+    ) -> tuple[torch.Tensor, ...]:
+        """``(y_1 [T, N_1], ..., y_G [T, N_G])``."""
+        x = x.contiguous()
+        dev = _device_params(params, x.device)
+        s = shrink(x, a_cat, seed, batch, params)
+        assert dev.bounds is not None
+        ys = multi_lora_linear_members(
+            x, weight, bias, s, b_flat.contiguous(), batch, members=params.members, ranks=dev.ranks,
+            max_rank=params.max_rank, bounds=dev.bounds, ranks_host=params.ranks,
+        )  # fmt: skip
+        segments = (batch.segment_lengths, batch.segment_adapters, batch.num_adapters)
+        _save_for_backward(ctx, (x, weight, bias, a_cat, b_flat, seed), s, segments, params, deterministic)
+        ctx.batch = batch
+        return ys
+
+    @staticmethod
+    def backward(ctx: Any, *dys: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """:func:`fused_multi_lora_linear`'s gradients for ``dy``, the members' gradients side by side."""
+        return _backward(ctx, torch.cat(dys, dim=1), opaque=False)

@@ -6,7 +6,7 @@ Notation as in ``multi_lora_fwd``; ``dy [T, N]``, token ``t`` of adapter ``a = a
 
     dS[t, :r_a] = scaling_a * dy[t] B_a                  (dy kernel, one adapter per tile)
     dB_a        = sum_{t in a} dy[t]^T S'[t, :r_a]       (same kernel, same dy tile)
-    dA_a        = sum_{t in a} dS[t, :r_a]^T x_hat[t]    (per adapter, fixed-order partial sums)
+    dA_a        = sum_{t in a} dS[t, :r_a]^T x_hat[t]    (chunks of a's tiles, added by atomics)
     dx[t]       = dy[t] W + keep_a(t, :) * (dS[t, :r_a] A_a) / (1 - p_a)   (one GEMM)
 
 A sibling call (``multi_lora_fwd``'s docstring: members ``g`` owning columns ``n_g .. n_{g+1}``,
@@ -35,11 +35,8 @@ from lorafusion_kernels._kernels._common import (
     gemm_meta,
     grouped_tile,
     launch_config,
-    partial_stride,
     rank_block,
-    reduce_split_output,
     resolve_split,
-    split_output,
     tma_ok,
     wrapped_tile,
 )
@@ -54,6 +51,7 @@ from lorafusion_kernels._kernels.routing import (
 )
 from lorafusion_kernels.metadata import MultiLoRABatch
 from lorafusion_kernels.tuning.config import KernelConfig, register_fallback
+from lorafusion_kernels.tuning.device import num_sms
 
 DY_KERNEL = "multi_dys_dyb"
 DA_KERNEL = "multi_dsx"
@@ -143,7 +141,31 @@ def _multi_lora_dy_kernel(
         tl.store(ds_ptrs, ds_acc * scale, mask=ds_mask)
 
 
-@triton.jit(do_not_specialize=["split"])
+@triton.jit
+def _adapter_chunk(adapter_ptr, num_adapters, chunk, pid):
+    """``(adapter, t0, t1)``: chunk ``pid`` of the segment tiles, at most ``chunk`` consecutive tiles of one adapter.
+
+    Each adapter's tiles (``adapter_ptr``, CSR) are cut into ``cdiv(tiles_a, chunk)`` chunks,
+    numbered adapter after adapter.
+    """
+    adapter = tl.full((), 0, tl.int32)
+    t0 = tl.full((), 0, tl.int32)
+    t1 = tl.full((), 0, tl.int32)
+    first = tl.full((), 0, tl.int32)
+    for a in range(num_adapters):
+        a0 = tl.load(adapter_ptr + a)
+        a1 = tl.load(adapter_ptr + a + 1)
+        count = tl.cdiv(a1 - a0, chunk)
+        hit = (pid >= first) & (pid < first + count)
+        start = a0 + (pid - first) * chunk
+        adapter = tl.where(hit, a, adapter)
+        t0 = tl.where(hit, start, t0)
+        t1 = tl.where(hit, tl.minimum(start + chunk, a1), t1)
+        first += count
+    return adapter, t0, t1
+
+
+@triton.jit(do_not_specialize=["num_adapters", "chunk"])
 def _multi_lora_da_kernel(
     ds_ptr,
     x_ptr,
@@ -155,27 +177,28 @@ def _multi_lora_da_kernel(
     inv_keep_ptr,
     seed_ptr,
     K,
+    num_adapters,
+    chunk,
     stride_dsm,
     stride_xm,
     stride_os,
     stride_om,
-    split,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
+    ATOMIC_OUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid ``(adapters, cdiv(K, BLOCK_K), split)``: program ``(a, j, s)`` sums every ``split``-th tile.
+    """Grid ``(cdiv(K, BLOCK_K), chunks)``: program ``(j, c)`` sums chunk ``c``'s tiles (:func:`_adapter_chunk`).
 
-    The tiles are adapter ``a``'s own; the sum goes to column block ``j`` of its rows in the partial
-    ``out[s]`` (the partials are summed later in a fixed order).
+    The sum goes to column block ``j`` of the chunk's adapter's rows: added to the fp32 ``out`` with
+    atomics (``ATOMIC_OUT``), or written to partial ``out[c]`` (summed later in a fixed order).
+    Chunks of equal size keep every program equally busy, whatever the adapters' token counts.
     """
-    adapter = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    t0 = tl.load(adapter_ptr + adapter)
-    t1 = tl.load(adapter_ptr + adapter + 1)
+    pid_k = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    adapter, t0, t1 = _adapter_chunk(adapter_ptr, num_adapters, chunk, pid_c)
     r, roff = adapter_rank(rank_ptr, adapter)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < r
@@ -183,7 +206,7 @@ def _multi_lora_da_kernel(
     k_mask = offs_k < K
     seed_lo, seed_hi, thr = adapter_dropout(seed_ptr, thr_ptr, adapter, HAS_DROPOUT)
     acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
-    for t in range(t0 + pid_s, t1, split):
+    for t in range(t0, t1):
         row0 = tl.load(tiles_ptr + t * 3)
         row1 = tl.load(tiles_ptr + t * 3 + 1)
         offs_m = row0 + tl.arange(0, BLOCK_M)
@@ -201,8 +224,12 @@ def _multi_lora_da_kernel(
         acc = tl.dot(tl.trans(dst.to(xt.dtype)), xt, acc, input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
         acc = acc * tl.load(inv_keep_ptr + adapter)
-    out_ptrs = out_ptr + pid_s * stride_os + (roff + offs_r).to(tl.int64)[:, None] * stride_om + offs_k[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & k_mask[None, :])
+    out_ptrs = out_ptr + pid_c * stride_os + (roff + offs_r).to(tl.int64)[:, None] * stride_om + offs_k[None, :]
+    out_mask = r_mask[:, None] & k_mask[None, :]
+    if ATOMIC_OUT:
+        tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
+    else:
+        tl.store(out_ptrs, acc, mask=out_mask)
 
 
 @triton.jit
@@ -444,12 +471,15 @@ def multi_lora_dsx(
     seed: torch.Tensor,
     has_dropout: bool,
     out_dtype: torch.dtype | None = None,
+    deterministic: bool = False,
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
-    """``dA_cat [R_tot, K]``: adapter ``a``'s rows summed over its own segment tiles only (no atomics).
+    """``dA_cat [R_tot, K]``: adapter ``a``'s rows summed over its own segment tiles only.
 
-    Config fields as FusedLoRA's ``dsx``: ``block_m`` rows per step, ``block_n`` columns of ``dA`` per
-    program, ``split`` programs sharing an adapter's tiles (fp32 partials summed in a fixed order).
+    Each adapter's tiles are cut into chunks of one size (chosen for about two programs per SM over
+    all column blocks), so an adapter with most of the tokens does not leave the other programs
+    idle. Config fields as FusedLoRA's ``dsx``: ``block_m`` rows per step, ``block_n`` columns of
+    ``dA`` per program (``split`` is not used).
 
     Args:
         ds: fp32 ``[T, BLOCK_R]`` from :func:`multi_lora_dys_dyb`.
@@ -463,47 +493,60 @@ def multi_lora_dsx(
         seed: int64 ``[1]``.
         has_dropout: Whether any adapter has ``p > 0``.
         out_dtype: dtype of ``dA_cat`` (that of the stacked A); None means ``x.dtype``.
+        deterministic: Sum the chunks in a fixed order (fp32 partials per chunk) instead of adding
+            them with atomics, whose order varies from run to run.
         config: Launch config; looked up by shape when None.
 
     Returns:
         ``dA_cat`` in ``out_dtype``; an adapter without tokens gets zeros.
     """
     T, K = x.shape
-    block_r = ds.shape[1]
     out_dtype = out_dtype or x.dtype
-    if r_tot == 0:
-        return torch.empty((0, K), dtype=out_dtype, device=x.device)
     cfg = config or launch_config(DA_KERNEL, x, m=T, n=max_rank, k=K, r=max_rank)
     tiles = batch.segment_tiles(cfg.block_m)
     col_tiles = cdiv(K, cfg.block_n)
-    busiest = max(-(-n // cfg.block_m) for n in batch.adapter_tokens)
-    split = resolve_split(cfg.split, x, tiles=batch.num_adapters * col_tiles, steps=max(busiest, 1))
-    out = split_output(split, (r_tot, K), out_dtype, x.device)
-    _multi_lora_da_kernel[(batch.num_adapters, col_tiles, split)](
-        ds,
-        x,
-        out,
-        tiles.tiles,
-        tiles.adapter_ptr,
-        ranks,
-        thresholds,
-        inv_keep,
-        seed,
-        K,
-        ds.stride(0),
-        x.stride(0),
-        partial_stride(out),
-        out.stride(-2),
-        split,
-        BLOCK_M=cfg.block_m,
-        BLOCK_K=cfg.block_n,
-        BLOCK_R=block_r,
-        HAS_DROPOUT=has_dropout,
-        DOT_PRECISION=dot_precision(x.dtype),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    return reduce_split_output(out, out_dtype)
+    chunk = _chunk_size(x, tiles.num_tiles, col_tiles)
+    chunks = sum(cdiv(n, chunk) for n in tiles.adapter_tiles)
+    shape = (chunks, r_tot, K) if deterministic else (r_tot, K)
+    out = torch.zeros(shape, dtype=torch.float32, device=x.device)
+    if chunks > 0 and r_tot > 0:
+        _multi_lora_da_kernel[(col_tiles, chunks)](
+            ds,
+            x,
+            out,
+            tiles.tiles,
+            tiles.adapter_ptr,
+            ranks,
+            thresholds,
+            inv_keep,
+            seed,
+            K,
+            batch.num_adapters,
+            chunk,
+            ds.stride(0),
+            x.stride(0),
+            out.stride(0) if deterministic else 0,
+            out.stride(-2),
+            BLOCK_M=cfg.block_m,
+            BLOCK_K=cfg.block_n,
+            BLOCK_R=ds.shape[1],
+            HAS_DROPOUT=has_dropout,
+            ATOMIC_OUT=not deterministic,
+            DOT_PRECISION=dot_precision(x.dtype),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+    if deterministic:
+        out = out.sum(dim=0)
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
+
+
+def _chunk_size(t: torch.Tensor, num_tiles: int, col_tiles: int) -> int:
+    """Segment tiles per program of the ``dA`` pass: about two programs per SM (the interpreter: 2 tiles)."""
+    if not t.is_cuda:
+        return 2
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return max(1, cdiv(num_tiles * col_tiles, 2 * num_sms(index)))
 
 
 def multi_lora_dyw_dsa(

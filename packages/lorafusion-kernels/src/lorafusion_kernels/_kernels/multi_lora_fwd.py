@@ -244,11 +244,39 @@ def _multi_lora_linear_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < T) & (offs_n[None, :] < N))
 
 
+@triton.jit
+def _store_member_tile(
+    tile, off_m, off_n, bounds_ptr, num_members, y0_desc, y1_desc, y2_desc, y3_desc, MEMBER_OUT: tl.constexpr
+):
+    """Store an output tile of the stacked columns into its member's own ``[T, N_g]`` output.
+
+    Every member's width is a multiple of ``BLOCK_N`` (the host checks), so a tile lies in one member
+    ``g`` and goes to columns ``off_n - n_g ..`` of ``y_g``; ``MEMBER_OUT`` descriptors are passed.
+    """
+    g, _ = member_span(bounds_ptr, num_members, off_n, off_n + 1)
+    col = off_n - tl.load(bounds_ptr + g)
+    if g == 0:
+        y0_desc.store([off_m, col], tile)
+    # Nested, not `and`: the constexpr test must drop the branch (its descriptor may be None).
+    if MEMBER_OUT > 1:  # noqa: SIM102
+        if g == 1:
+            y1_desc.store([off_m, col], tile)
+    if MEMBER_OUT > 2:  # noqa: SIM102
+        if g == 2:
+            y2_desc.store([off_m, col], tile)
+    if MEMBER_OUT > 3:  # noqa: SIM102
+        if g == 3:
+            y3_desc.store([off_m, col], tile)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _multi_lora_linear_tma_kernel(
     x_desc,
     w_desc,
     y_desc,
+    y1_desc,
+    y2_desc,
+    y3_desc,
     bias_ptr,
     s_ptr,
     b_ptr,
@@ -265,6 +293,7 @@ def _multi_lora_linear_tma_kernel(
     HAS_BIAS: tl.constexpr,
     SIBLINGS: tl.constexpr,
     UNIFORM_RANK: tl.constexpr,
+    MEMBER_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -275,6 +304,8 @@ def _multi_lora_linear_tma_kernel(
     """As :func:`_multi_lora_linear_kernel`, with x, W and y moved by TMA (sm_90+).
 
     Out-of-bounds boxes are zero-filled on load and clipped on store, so the GEMM needs no masks.
+    ``MEMBER_OUT > 0`` (a sibling call): ``y_desc``, ``y1_desc``, ... are the members' own outputs
+    (:func:`_store_member_tile`); otherwise ``y_desc`` is the one ``[T, N]`` output.
     """
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(T, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     off_m = pid_m * BLOCK_M
@@ -299,7 +330,11 @@ def _multi_lora_linear_tma_kernel(
         )  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
-    y_desc.store([off_m, off_n], acc.to(s_ptr.dtype.element_ty))
+    tile = acc.to(s_ptr.dtype.element_ty)
+    if MEMBER_OUT > 0:
+        _store_member_tile(tile, off_m, off_n, bounds_ptr, num_members, y_desc, y1_desc, y2_desc, y3_desc, MEMBER_OUT)
+    else:
+        y_desc.store([off_m, off_n], tile)
 
 
 def multi_lora_shrink(
@@ -401,34 +436,101 @@ def multi_lora_linear(
     Returns:
         ``y [T, N]`` in ``x.dtype``.
     """
+    y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    cfg = config or launch_config(LINEAR_KERNEL, x, m=x.shape[0], n=weight.shape[0], k=x.shape[1], r=max_rank)
+    _launch_linear(x, weight, bias, s, b_cat, batch, (y,), cfg, ranks, max_rank, bounds, ranks_host)
+    return y
+
+
+MAX_MEMBER_OUTPUTS = 4
+"""Most members whose outputs :func:`multi_lora_linear_members` writes apart (one TMA descriptor each)."""
+
+
+def member_outputs_fit(x: torch.Tensor, weight: torch.Tensor, members: tuple[int, ...], max_rank: int) -> bool:
+    """Whether :func:`multi_lora_linear_members` can write this sibling call's outputs apart.
+
+    It needs the TMA kernel (an sm_90 config with ``tma``, aligned operands), 2 to
+    :data:`MAX_MEMBER_OUTPUTS` members and every member's width a multiple of the config's
+    ``block_n`` (so no output tile straddles two members).
+    """
+    T, K = x.shape
+    if T == 0 or not 1 < len(members) <= MAX_MEMBER_OUTPUTS:
+        return False
+    cfg = launch_config(LINEAR_KERNEL, x, m=T, n=weight.shape[0], k=K, r=max_rank)
+    return cfg.tma and all(n % cfg.block_n == 0 for n in members) and tma_ok(x, weight)
+
+
+def multi_lora_linear_members(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    s: torch.Tensor,
+    b_flat: torch.Tensor,
+    batch: MultiLoRABatch,
+    *,
+    members: tuple[int, ...],
+    ranks: torch.Tensor,
+    max_rank: int,
+    bounds: torch.Tensor,
+    ranks_host: tuple[int, ...],
+) -> tuple[torch.Tensor, ...]:
+    """A sibling call's :func:`multi_lora_linear`, each member's ``y_g [T, N_g]`` its own contiguous tensor.
+
+    The model's next operations (rotary embeddings on q/k, SiLU on gate, ...) then read dense
+    tensors rather than column views with the row stride ``N``. Call only where
+    :func:`member_outputs_fit` holds. Arguments as :func:`multi_lora_linear`; ``members`` are the
+    ``N_g``.
+    """
+    T, K = x.shape
+    cfg = launch_config(LINEAR_KERNEL, x, m=T, n=weight.shape[0], k=K, r=max_rank)
+    outputs = tuple(torch.empty((T, n), dtype=x.dtype, device=x.device) for n in members)
+    _launch_linear(x, weight, bias, s, b_flat, batch, outputs, cfg, ranks, max_rank, bounds, ranks_host)
+    return outputs
+
+
+def _launch_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    s: torch.Tensor,
+    b_cat: torch.Tensor,
+    batch: MultiLoRABatch,
+    outputs: tuple[torch.Tensor, ...],
+    cfg: KernelConfig,
+    ranks: torch.Tensor,
+    max_rank: int,
+    bounds: torch.Tensor | None,
+    ranks_host: tuple[int, ...],
+) -> None:
+    """Launches the linear into ``outputs``: one ``[T, N]`` tensor, or each member's (TMA kernel only)."""
     T, K = x.shape
     N = weight.shape[0]
+    if T == 0:
+        return
     siblings = bounds is not None
     block_r = rank_block(max_rank) if siblings else s.shape[1]
-    cfg = config or launch_config(LINEAR_KERNEL, x, m=T, n=N, k=K, r=max_rank)
-    y = torch.empty((T, N), dtype=x.dtype, device=x.device)
-    if T == 0:
-        return y
     rows = batch.row_tiles(cfg.block_m)
     grid = (rows.num_tiles * cdiv(N, cfg.block_n),)
     meta = gemm_meta(cfg, block_r=block_r, dtype=x.dtype)
+    y = outputs[0]
     lora = (bias if bias is not None else y, s, b_cat)
     members = (bounds, bounds.numel() - 1) if bounds is not None else (ranks, 1)
     routing = (batch.segments, rows.seg_range, ranks, *members, T, N, K)
     flags = {"HAS_BIAS": bias is not None, "SIBLINGS": siblings, "UNIFORM_RANK": uniform_rank(ranks_host)}
     stride_bn = 0 if siblings else b_cat.stride(0)
-    if cfg.tma and tma_ok(x, weight, y):
+    if len(outputs) > 1 or (cfg.tma and tma_ok(x, weight, y)):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
+        descs = [TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n]) for out in outputs]
+        spare = [None] * (MAX_MEMBER_OUTPUTS - len(descs))
         _multi_lora_linear_tma_kernel[grid](
             TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]),
             TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]),
-            TensorDescriptor.from_tensor(y, [cfg.block_m, cfg.block_n]),
-            *lora, *routing, s.stride(0), stride_bn, **flags, **meta,
+            *descs, *spare, *lora, *routing, s.stride(0), stride_bn,
+            MEMBER_OUT=len(outputs) if len(outputs) > 1 else 0, **flags, **meta,
         )  # fmt: skip
-        return y
+        return
     _multi_lora_linear_kernel[grid](
         x, weight, *lora, y, *routing, x.stride(0), weight.stride(0), s.stride(0), stride_bn, y.stride(0),
         **flags, **meta,
     )  # fmt: skip
-    return y
