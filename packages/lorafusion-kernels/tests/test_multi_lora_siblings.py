@@ -188,15 +188,20 @@ def test_siblings_tma_and_split_reductions() -> None:
     [((32, 16, 16), True), ((48, 48), True), ((16, 16, 16, 16), True), ((16,) * 5, False), ((32, 24), False)],
     ids=["qkv-like", "gate-up-like", "four", "five-views", "unaligned-views"],
 )
-def test_tma_linear_writes_members_apart(members: tuple[int, ...], apart: bool) -> None:
+@pytest.mark.parametrize("dx_tma", [True, False], ids=["dx-tma", "dx-pointer"])
+def test_tma_linear_writes_members_apart(members: tuple[int, ...], apart: bool, dx_tma: bool) -> None:
     """Members whose widths are multiples of the TMA tile (at most 4 of them) get contiguous outputs of their own.
 
     Otherwise (a fifth member, a width that is not a multiple of ``block_n``) they stay column views of
-    one output. Values and gradients match the references either way.
+    one output. Values and gradients match the references either way; with outputs apart the
+    backward's kernels read each member's gradient where it is (the ``dx`` pass takes its TMA kernel
+    for them whatever its config says; the ``dy`` pass split over N).
     """
     tma = KernelConfig(block_m=32, block_n=16, block_k=32, group_m=4, num_warps=4, num_stages=1, tma=True)
+    dx = tma if dx_tma else dataclasses.replace(tma, block_k=16, tma=False)
+    split = KernelConfig(block_m=16, block_n=16, block_k=16, split=2, num_warps=4, num_stages=1)
     case = dataclasses.replace(MIXED, ranks=(8, 16, 16, 4), k=40)
-    with override_configs({"multi_xw_sb": tma, "multi_dyw_dsa": tma}):
+    with override_configs({"multi_xw_sb": tma, "multi_dyw_dsa": dx, "multi_dys_dyb": split}):
         s = Siblings.make(case, members, torch.float32)
         dys = [torch.ones(case.t, n) for n in members]
         ys = run_siblings(case, members, s, dys, seed=5)

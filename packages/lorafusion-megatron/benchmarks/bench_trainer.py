@@ -285,7 +285,9 @@ def main() -> None:
     parser.add_argument("--preset", default="llama-3.1-8b")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--capacity", type=int, default=4096, help="tokens per microbatch of frozen and the fused modes")
+    parser.add_argument(
+        "--capacity", type=int, default=4096, help="tokens per microbatch of frozen and the fused modes"
+    )
     parser.add_argument(
         "--baseline-capacity",
         type=int,

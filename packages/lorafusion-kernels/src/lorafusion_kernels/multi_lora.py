@@ -33,7 +33,12 @@ import torch
 from torch.nn import functional
 
 from lorafusion_kernels._kernels._common import rank_block, runs_triton
-from lorafusion_kernels._kernels.multi_lora_bwd import multi_lora_dsx, multi_lora_dys_dyb, multi_lora_dyw_dsa
+from lorafusion_kernels._kernels.multi_lora_bwd import (
+    member_grads,
+    multi_lora_dsx,
+    multi_lora_dys_dyb,
+    multi_lora_dyw_dsa,
+)
 from lorafusion_kernels._kernels.multi_lora_fwd import multi_lora_linear, multi_lora_shrink
 from lorafusion_kernels.dropout import draw_seed, dropout_keep_mask, keep_threshold, seed_tensor
 from lorafusion_kernels.errors import LoRAFusionKernelsError
@@ -468,7 +473,7 @@ def _forward_core(
 
 
 def _backward_core(
-    dy: torch.Tensor,
+    dy: torch.Tensor | tuple[torch.Tensor, ...],
     x: torch.Tensor,
     weight: torch.Tensor,
     a_cat: torch.Tensor,
@@ -481,15 +486,19 @@ def _backward_core(
     need_da: bool,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dx [T, K], dA_cat [R_tot, K], dB_cat [N, R_tot])``; ``dx``/``dA_cat`` are empty ``[0]`` when not needed."""
+    """``(dx [T, K], dA_cat [R_tot, K], dB_cat [N, R_tot])``; ``dx``/``dA_cat`` are empty ``[0]`` when not needed.
+
+    ``dy`` is ``[T, N]``, or a sibling call's members' gradients ``[T, N_g]``, which the kernels read
+    where they are.
+    """
     x, a_cat, b_cat = x.contiguous(), a_cat.contiguous(), b_cat.contiguous()
     dev = _device_params(params, x.device)
-    dy = dy.contiguous()
+    dys = tuple(d.contiguous() for d in member_grads(dy))
     if deterministic:
-        ds, db = _dys_dyb_by_segment(dy, b_cat, s, batch, params)
+        ds, db = _dys_dyb_by_segment(_side_by_side(dys), b_cat, s, batch, params)
     else:
         ds, db = multi_lora_dys_dyb(
-            dy, b_cat, s, batch, ranks=dev.ranks, scaling=dev.scaling, max_rank=params.max_rank,
+            dys, b_cat, s, batch, ranks=dev.ranks, scaling=dev.scaling, max_rank=params.max_rank,
             members=params.members, bounds=dev.bounds, ranks_host=params.ranks,
         )  # fmt: skip
     dropout: dict[str, Any] = {
@@ -500,7 +509,7 @@ def _backward_core(
         "seed": seed,
         "has_dropout": params.has_dropout,
     }
-    dx = multi_lora_dyw_dsa(dy, weight, ds, a_cat, batch, **dropout) if need_dx else dy.new_empty(0)
+    dx = multi_lora_dyw_dsa(dys, weight, ds, a_cat, batch, bounds=dev.bounds, **dropout) if need_dx else x.new_empty(0)
     da = (
         multi_lora_dsx(
             ds, x, batch, r_tot=a_cat.shape[0], out_dtype=a_cat.dtype, deterministic=deterministic, **dropout
@@ -509,6 +518,11 @@ def _backward_core(
         else x.new_empty(0)
     )
     return dx, da, db.to(b_cat.dtype)
+
+
+def _side_by_side(dys: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``dy [T, N]`` from the members' gradients (itself when there is one)."""
+    return dys[0] if len(dys) == 1 else torch.cat(dys, dim=1)
 
 
 def _stack(tensors: Sequence[torch.Tensor], *, dim: int) -> torch.Tensor:
@@ -685,12 +699,18 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
     _save_for_backward(ctx, (x, weight, bias, a_cat, b_cat, seed), output[1], segments, params, det)
 
 
-def _backward(ctx: Any, dy: torch.Tensor, *_unused: Any, opaque: bool = True) -> tuple[torch.Tensor | None, ...]:
-    """Shared backward; ``opaque`` routes through the custom op (always, when AOTAutograd traces it)."""
+def _backward(
+    ctx: Any, dy: torch.Tensor | tuple[torch.Tensor, ...], *_unused: Any, opaque: bool = True
+) -> tuple[torch.Tensor | None, ...]:
+    """Shared backward; ``opaque`` routes through the custom op (always, when AOTAutograd traces it).
+
+    ``dy`` is ``[T, N]``, or (eager sibling calls, not opaque) the members' gradients ``[T, N_g]``.
+    """
     x, weight, a_cat, b_cat, s, seed = ctx.saved_tensors
     params: _AdapterParams = ctx.params
     need_dx, need_da = bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[3])
     if opaque:
+        assert isinstance(dy, torch.Tensor)
         lengths, adapters, num_adapters = ctx.segments
         dx, da, db = torch.ops.lorafusion.fused_multi_lora_backward(
             dy,
@@ -715,8 +735,13 @@ def _backward(ctx: Any, dy: torch.Tensor, *_unused: Any, opaque: bool = True) ->
         dx, da, db = _backward_core(
             dy, x, weight, a_cat, b_cat, s, seed, ctx.batch, params, need_dx, need_da, ctx.deterministic
         )
-    dw = dy.t().mm(x) if ctx.needs_input_grad[1] else None
-    dbias = dy.sum(dim=0, dtype=torch.float32).to(dy.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    full = _side_by_side(member_grads(dy)) if ctx.needs_input_grad[1] or ctx.needs_input_grad[2] else None
+    dw = full.t().mm(x) if full is not None and ctx.needs_input_grad[1] else None
+    dbias = (
+        full.sum(dim=0, dtype=torch.float32).to(full.dtype)
+        if full is not None and ctx.has_bias and ctx.needs_input_grad[2]
+        else None
+    )
     grads = (dx if need_dx else None, dw, dbias, da if need_da else None, db if ctx.needs_input_grad[4] else None)
     return grads + (None,) * (len(ctx.needs_input_grad) - len(grads))
 

@@ -167,8 +167,8 @@ class _FusedSiblingMembers(torch.autograd.Function):
     """Autograd of an eager sibling call whose members' outputs are separate tensors.
 
     Forward: the shrink and :func:`multi_lora_linear_members` (each member's output contiguous, so the
-    model's next operations read dense tensors). Backward: the members' output gradients are
-    concatenated into ``dy [T, N]``, then the backward of :func:`fused_multi_lora_linear` runs on it.
+    model's next operations read dense tensors). Backward: that of :func:`fused_multi_lora_linear`,
+    its kernels reading each member's output gradient where it is (no ``[T, N]`` copy).
     """
 
     @staticmethod
@@ -200,5 +200,5 @@ class _FusedSiblingMembers(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *dys: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        """:func:`fused_multi_lora_linear`'s gradients for ``dy``, the members' gradients side by side."""
-        return _backward(ctx, torch.cat(dys, dim=1), opaque=False)
+        """:func:`fused_multi_lora_linear`'s gradients, ``dy`` given as the members' gradients."""
+        return _backward(ctx, dys, opaque=False)

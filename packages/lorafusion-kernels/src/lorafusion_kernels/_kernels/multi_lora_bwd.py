@@ -23,6 +23,8 @@ the same layer shape (same tiling).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -41,6 +43,7 @@ from lorafusion_kernels._kernels._common import (
     wrapped_tile,
 )
 from lorafusion_kernels._kernels.dropout import dropout_keep_tile, load_kept_tile, load_seed
+from lorafusion_kernels._kernels.multi_lora_fwd import MAX_MEMBER_OUTPUTS
 from lorafusion_kernels._kernels.routing import (
     adapter_dropout,
     adapter_rank,
@@ -61,9 +64,33 @@ register_fallback(DA_KERNEL, lora_dsx.KERNEL)
 register_fallback(DX_KERNEL, lora_dyw_dsa.KERNEL)
 
 
+@triton.jit
+def _member_dy(member, dy_ptr, dy1_ptr, dy2_ptr, dy3_ptr, stride0, stride1, stride2, stride3, MEMBER_DY: tl.constexpr):
+    """``(pointer, row stride)`` of member ``member``'s own output gradient (``MEMBER_DY`` of them passed)."""
+    ptr = dy_ptr
+    stride = stride0
+    # Nested, not `and`: the constexpr test must drop the branch (its pointer may be None).
+    if MEMBER_DY > 1:  # noqa: SIM102
+        if member == 1:
+            ptr = dy1_ptr
+            stride = stride1
+    if MEMBER_DY > 2:  # noqa: SIM102
+        if member == 2:
+            ptr = dy2_ptr
+            stride = stride2
+    if MEMBER_DY > 3:  # noqa: SIM102
+        if member == 3:
+            ptr = dy3_ptr
+            stride = stride3
+    return ptr, stride
+
+
 @triton.jit(do_not_specialize=["split_n"])
 def _multi_lora_dy_kernel(
     dy_ptr,
+    dy1_ptr,
+    dy2_ptr,
+    dy3_ptr,
     b_ptr,
     s_ptr,
     ds_ptr,
@@ -74,6 +101,9 @@ def _multi_lora_dy_kernel(
     bounds_ptr,
     N,
     stride_dym,
+    stride_dy1m,
+    stride_dy2m,
+    stride_dy3m,
     stride_bn,
     stride_sm,
     stride_dsm,
@@ -84,6 +114,7 @@ def _multi_lora_dy_kernel(
     BLOCK_R: tl.constexpr,
     SIBLINGS: tl.constexpr,
     UNIFORM_RANK: tl.constexpr,
+    MEMBER_DY: tl.constexpr,
     ATOMIC_DS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -93,6 +124,7 @@ def _multi_lora_dy_kernel(
     member ``g``'s columns ``bounds[g] .. bounds[g + 1]`` with ``B_{a,g}`` (``B_flat[N roff_a + n r_a + j]``)
     and ``S'[:, g r_a + j]``, and writes ``dS[:, g r_a + j]``: the work and the tiles of one layer of
     rank ``r_a`` (``BLOCK_R`` covers ``r_a``, not ``G r_a``), with no loop over members inside.
+    With ``MEMBER_DY > 0`` each member's ``dy`` is its own ``[T, N_g]`` tensor (``dy_ptr``, ``dy1_ptr``, ...).
     """
     pid = tl.program_id(0)
     pid_split = tl.program_id(1)
@@ -120,7 +152,14 @@ def _multi_lora_dy_kernel(
         mask=m_mask[:, None] & r_mask[None, :],
         other=0.0,
     )
-    dy_rows = dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym
+    if MEMBER_DY > 0:
+        # Stacked column n of member g is column n - n_lo of its own gradient.
+        dy_g, stride_g = _member_dy(
+            member, dy_ptr, dy1_ptr, dy2_ptr, dy3_ptr, stride_dym, stride_dy1m, stride_dy2m, stride_dy3m, MEMBER_DY
+        )
+        dy_rows = dy_g + (offs_m.to(tl.int64)[:, None] * stride_g - n_lo)
+    else:
+        dy_rows = dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym
     ds_acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for n0 in range(n_lo + pid_split * BLOCK_N, n_hi, split_n * BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -291,6 +330,24 @@ def _routed_dsa(
     return lora
 
 
+@triton.jit
+def _member_dyw_tma(
+    acc, dy_desc, w_desc, g, bounds_ptr, off_m, off_k, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr
+):
+    """``acc + dy_g W_g``: member ``g``'s own gradient ``[T, N_g]`` times its rows of ``W``.
+
+    Past ``N_g`` the gradient's box is zero-filled, so the rows of ``W`` read there (the next
+    member's) add nothing.
+    """
+    n_lo = tl.load(bounds_ptr + g)
+    n_hi = tl.load(bounds_ptr + g + 1)
+    for n in range(tl.cdiv(n_hi - n_lo, BLOCK_K)):
+        dyt = dy_desc.load([off_m, n * BLOCK_K])
+        wt = w_desc.load([n_lo + n * BLOCK_K, off_k])
+        acc = tl.dot(dyt, wt, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
 @triton.jit(do_not_specialize=["T"])
 def _multi_lora_dx_kernel(
     dy_ptr,
@@ -341,6 +398,9 @@ def _multi_lora_dx_kernel(
 @triton.jit(do_not_specialize=["T"])
 def _multi_lora_dx_tma_kernel(
     dy_desc,
+    dy1_desc,
+    dy2_desc,
+    dy3_desc,
     w_desc,
     dx_desc,
     ds_ptr,
@@ -351,12 +411,14 @@ def _multi_lora_dx_tma_kernel(
     thr_ptr,
     inv_keep_ptr,
     seed_ptr,
+    bounds_ptr,
     T,
     N,
     K,
     stride_dsm,
     stride_am,
     HAS_DROPOUT: tl.constexpr,
+    MEMBER_DY: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -364,7 +426,11 @@ def _multi_lora_dx_tma_kernel(
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """As :func:`_multi_lora_dx_kernel`, with dy, W and dx moved by TMA (sm_90+)."""
+    """As :func:`_multi_lora_dx_kernel`, with dy, W and dx moved by TMA (sm_90+).
+
+    ``MEMBER_DY > 0``: a sibling call's members' gradients, each its own ``[T, N_g]`` tensor
+    (``dy_desc``, ``dy1_desc``, ...; ``bounds_ptr`` their column bounds), reduced one after the other.
+    """
     pid_m, pid_k = grouped_tile(tl.program_id(0), tl.cdiv(T, BLOCK_M), tl.cdiv(K, BLOCK_N), GROUP_M)
     off_m = pid_m * BLOCK_M
     off_k = pid_k * BLOCK_N
@@ -373,15 +439,35 @@ def _multi_lora_dx_tma_kernel(
         ds_ptr, a_ptr, seg_ptr, seg_range_ptr, rank_ptr, thr_ptr, inv_keep_ptr, seed_ptr, pid_m, offs_m,
         off_k, K, stride_dsm, stride_am, HAS_DROPOUT, BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION, dy_desc.dtype,
     )  # fmt: skip
-    for n in range(tl.cdiv(N, BLOCK_K)):
-        dyt = dy_desc.load([off_m, n * BLOCK_K])
-        wt = w_desc.load([n * BLOCK_K, off_k])
-        acc = tl.dot(dyt, wt, acc, input_precision=DOT_PRECISION)
+    if MEMBER_DY > 0:
+        acc = _member_dyw_tma(acc, dy_desc, w_desc, 0, bounds_ptr, off_m, off_k, BLOCK_K, DOT_PRECISION)
+        if MEMBER_DY > 1:
+            acc = _member_dyw_tma(acc, dy1_desc, w_desc, 1, bounds_ptr, off_m, off_k, BLOCK_K, DOT_PRECISION)
+        if MEMBER_DY > 2:
+            acc = _member_dyw_tma(acc, dy2_desc, w_desc, 2, bounds_ptr, off_m, off_k, BLOCK_K, DOT_PRECISION)
+        if MEMBER_DY > 3:
+            acc = _member_dyw_tma(acc, dy3_desc, w_desc, 3, bounds_ptr, off_m, off_k, BLOCK_K, DOT_PRECISION)
+    else:
+        for n in range(tl.cdiv(N, BLOCK_K)):
+            dyt = dy_desc.load([off_m, n * BLOCK_K])
+            wt = w_desc.load([n * BLOCK_K, off_k])
+            acc = tl.dot(dyt, wt, acc, input_precision=DOT_PRECISION)
     dx_desc.store([off_m, off_k], acc.to(dx_desc.dtype))
 
 
+def member_grads(dy: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``dy`` as the tuple the backward kernels take: ``(dy,)``, or a sibling call's members' gradients."""
+    return (dy,) if isinstance(dy, torch.Tensor) else tuple(dy)
+
+
+def _grad_operands(dys: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor | None], list[int], int]:
+    """The kernels' four gradient pointers (unused: None), their row strides, and ``MEMBER_DY``."""
+    spare = MAX_MEMBER_OUTPUTS - len(dys)
+    return [*dys, *[None] * spare], [d.stride(0) for d in dys] + [0] * spare, len(dys) if len(dys) > 1 else 0
+
+
 def multi_lora_dys_dyb(
-    dy: torch.Tensor,
+    dy: torch.Tensor | Sequence[torch.Tensor],
     b_cat: torch.Tensor,
     s: torch.Tensor,
     batch: MultiLoRABatch,
@@ -400,7 +486,8 @@ def multi_lora_dys_dyb(
     summation order varies from run to run; the public op offers a deterministic alternative.
 
     Args:
-        dy: ``[T, N]`` upstream gradient, unit stride along N.
+        dy: ``[T, N]`` upstream gradient, unit stride along N; or a sibling call's members'
+            gradients ``[T, N_g]`` (at most :data:`MAX_MEMBER_OUTPUTS`), each with unit stride along ``N_g``.
         b_cat: ``[N, R_tot]`` stacked B, or a sibling call's 1-D ``B_flat`` (any float dtype, cast to
             ``dy.dtype`` in the kernel).
         s: ``S' [T, BLOCK_R]`` saved from the forward.
@@ -417,19 +504,22 @@ def multi_lora_dys_dyb(
         ``(dS fp32 [T, BLOCK_R], dB fp32)``, ``dB`` shaped as ``b_cat``. ``dS`` columns past a token's
         (stacked) rank are not written: readers mask them.
     """
-    T, N = dy.shape
+    dys = member_grads(dy)
+    first = dys[0]
+    T, N = first.shape[0], sum(d.shape[1] for d in dys)
     siblings = bool(members)
-    db = torch.zeros(b_cat.shape, dtype=torch.float32, device=dy.device)
-    cfg = config or launch_config(DY_KERNEL, dy, m=T, n=N, k=N, r=max_rank)
+    db = torch.zeros(b_cat.shape, dtype=torch.float32, device=first.device)
+    cfg = config or launch_config(DY_KERNEL, first, m=T, n=N, k=N, r=max_rank)
     tiles = batch.segment_tiles(cfg.block_m)
     group = max(1, len(members))
     widest = max(members) if siblings else N
-    split = resolve_split(cfg.split, dy, tiles=tiles.num_tiles * group, steps=cdiv(widest, cfg.block_n))
+    split = resolve_split(cfg.split, first, tiles=tiles.num_tiles * group, steps=cdiv(widest, cfg.block_n))
     alloc = torch.zeros if split > 1 else torch.empty
-    ds = alloc((T, s.shape[1]), dtype=torch.float32, device=dy.device)
+    ds = alloc((T, s.shape[1]), dtype=torch.float32, device=first.device)
+    grads, grad_strides, member_dy = _grad_operands(dys)
     if tiles.num_tiles > 0:
         _multi_lora_dy_kernel[(tiles.num_tiles, split, group)](
-            dy,
+            *grads,
             b_cat,
             s,
             ds,
@@ -439,7 +529,7 @@ def multi_lora_dys_dyb(
             scaling,
             bounds if bounds is not None else ranks,
             N,
-            dy.stride(0),
+            *grad_strides,
             0 if siblings else b_cat.stride(0),
             s.stride(0),
             ds.stride(0),
@@ -450,8 +540,9 @@ def multi_lora_dys_dyb(
             BLOCK_R=rank_block(max_rank) if siblings else s.shape[1],
             SIBLINGS=siblings,
             UNIFORM_RANK=uniform_rank(ranks_host),
+            MEMBER_DY=member_dy,
             ATOMIC_DS=split > 1,
-            DOT_PRECISION=dot_precision(dy.dtype),
+            DOT_PRECISION=dot_precision(first.dtype),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
@@ -550,7 +641,7 @@ def _chunk_size(t: torch.Tensor, num_tiles: int, col_tiles: int) -> int:
 
 
 def multi_lora_dyw_dsa(
-    dy: torch.Tensor,
+    dy: torch.Tensor | Sequence[torch.Tensor],
     weight: torch.Tensor,
     ds: torch.Tensor,
     a_cat: torch.Tensor,
@@ -562,15 +653,17 @@ def multi_lora_dyw_dsa(
     inv_keep: torch.Tensor,
     seed: torch.Tensor,
     has_dropout: bool,
+    bounds: torch.Tensor | None = None,
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """``dx [T, K] = dy W + keep_a * (dS A_a) / (1 - p_a)`` in one GEMM, the LoRA term routed per segment.
 
     Config fields as FusedLoRA's ``dyw_dsa``: ``block_n`` columns of dx per tile, ``block_k`` the
-    reduction step over N.
+    reduction step over N. Gradients per member take the TMA kernel whatever the config says.
 
     Args:
-        dy: ``[T, N]``, unit stride along N.
+        dy: ``[T, N]``, unit stride along N; or a sibling call's members' gradients ``[T, N_g]``
+            (see :func:`multi_lora_dys_dyb`), with ``bounds``.
         weight: ``[N, K]`` frozen weight, unit stride along K.
         ds: fp32 ``[T, BLOCK_R]``.
         a_cat: ``[R_tot, K]`` stacked A (any float dtype, cast to ``dy.dtype`` in the kernel).
@@ -581,35 +674,45 @@ def multi_lora_dyw_dsa(
         inv_keep: fp32 ``[n]``.
         seed: int64 ``[1]``.
         has_dropout: Whether any adapter has ``p > 0``.
+        bounds: int32 ``[G + 1]``: the members' column bounds when ``dy`` is per member.
         config: Launch config; looked up by shape when None.
 
     Returns:
         ``dx`` in ``dy.dtype``.
     """
-    T, N = dy.shape
+    dys = member_grads(dy)
+    first = dys[0]
+    T, N = first.shape[0], weight.shape[0]
     K = weight.shape[1]
     block_r = ds.shape[1]
-    dx = torch.empty((T, K), dtype=dy.dtype, device=dy.device)
+    dx = torch.empty((T, K), dtype=first.dtype, device=first.device)
     if T == 0:
         return dx
-    cfg = config or launch_config(DX_KERNEL, dy, m=T, n=N, k=K, r=max_rank)
+    cfg = config or launch_config(DX_KERNEL, first, m=T, n=N, k=K, r=max_rank)
     rows = batch.row_tiles(cfg.block_m)
     grid = (rows.num_tiles * cdiv(K, cfg.block_n),)
-    meta = gemm_meta(cfg, block_r=block_r, dtype=dy.dtype)
-    routing = (batch.segments, rows.seg_range, ranks, thresholds, inv_keep, seed, T, N, K)
-    if cfg.tma and tma_ok(dy, weight, dx):
+    meta = gemm_meta(cfg, block_r=block_r, dtype=first.dtype)
+    routing = (batch.segments, rows.seg_range, ranks, thresholds, inv_keep, seed)
+    # Members' gradients are reduced where they are by the TMA kernel only (one reduction loop per
+    # member: in the pointer kernel that ran 3x slower, measured on H100); else side by side.
+    members_apart = len(dys) > 1 and tma_ok(*dys, weight, dx)
+    if not members_apart and len(dys) > 1:
+        dys = (torch.cat(dys, dim=1),)
+    if members_apart or (cfg.tma and tma_ok(dys[0], weight, dx)):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
+        descs = [TensorDescriptor.from_tensor(d, [cfg.block_m, cfg.block_k]) for d in dys]
         _multi_lora_dx_tma_kernel[grid](
-            TensorDescriptor.from_tensor(dy, [cfg.block_m, cfg.block_k]),
+            *descs, *[None] * (MAX_MEMBER_OUTPUTS - len(descs)),
             TensorDescriptor.from_tensor(weight, [cfg.block_k, cfg.block_n]),
             TensorDescriptor.from_tensor(dx, [cfg.block_m, cfg.block_n]),
-            ds, a_cat, *routing, ds.stride(0), a_cat.stride(0), HAS_DROPOUT=has_dropout, **meta,
+            ds, a_cat, *routing, bounds if members_apart else ranks, T, N, K, ds.stride(0), a_cat.stride(0),
+            HAS_DROPOUT=has_dropout, MEMBER_DY=len(dys) if members_apart else 0, **meta,
         )  # fmt: skip
         return dx
     _multi_lora_dx_kernel[grid](
-        dy, weight, ds, a_cat, dx, *routing,
-        dy.stride(0), weight.stride(0), ds.stride(0), a_cat.stride(0), dx.stride(0),
+        dys[0], weight, ds, a_cat, dx, *routing, T, N, K,
+        dys[0].stride(0), weight.stride(0), ds.stride(0), a_cat.stride(0), dx.stride(0),
         HAS_DROPOUT=has_dropout, **meta,
     )  # fmt: skip
     return dx
