@@ -22,8 +22,9 @@ then ``--repeats`` timed passes with the modes interleaved (frozen, peft-sequent
 lorafusion, lorafusion-siblings, frozen, ...), the device synchronised around each pass. The report
 gives the median tokens/s per mode, the min and max over the repeats and the peak memory of the timed passes,
 under a provenance header (device, package versions, UTC date; ``provenance.py``). With
-``--trainer``, the full trainer (optimizer steps included) then runs the same config end to end,
-and the report says how many distinct microbatch token counts it ran.
+``--trainer``, the full trainer (optimizer steps included) then runs the same config end to end
+(``--trainer-siblings``: with ``runtime.fuse_sibling_layers``), and the report says how many
+distinct microbatch token counts it ran.
 
     python packages/lorafusion-megatron/benchmarks/bench_trainer.py --preset llama-3.1-8b --out bench.json
     python packages/lorafusion-megatron/benchmarks/bench_trainer.py --preset tiny --device cpu --dtype float32 \\
@@ -82,7 +83,12 @@ def het_config(args: argparse.Namespace, output: Path, *, capacity: int | None =
             for name in HET
         ],
         "scheduler": {"capacity": capacity or args.capacity, "padding_multiple": 64},
-        "runtime": {"device": args.device, "seed": 0, "activation_checkpointing": args.checkpointing},
+        "runtime": {
+            "device": args.device,
+            "seed": 0,
+            "activation_checkpointing": args.checkpointing,
+            "fuse_sibling_layers": args.trainer_siblings,
+        },
         "logging": {"progress_bar": False, "logging_steps": 1000},
     }
 
@@ -301,6 +307,9 @@ def main() -> None:
     parser.add_argument("--attn", default="auto")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--trainer", action="store_true", help="also time the full trainer end to end")
+    parser.add_argument(
+        "--trainer-siblings", action="store_true", help="the trainer with runtime.fuse_sibling_layers: true"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench_trainer.json"))
     args = parser.parse_args()
     if args.repeats < 1:
