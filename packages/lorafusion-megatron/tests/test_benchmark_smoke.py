@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "bench_trainer.py"
-MODES = {"frozen", "peft-sequential", "peft-mixed", "lorafusion"}
+MODES = {"frozen", "peft-sequential", "peft-mixed", "lorafusion", "lorafusion-siblings"}
 
 
 @pytest.mark.slow
@@ -18,8 +18,11 @@ def test_bench_trainer_runs_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     args = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--capacity", "512", "--length-scale", "0.05"]
     args += ["--samples", "8", "--global-batch-size", "4", "--repeats", "2", "--trainer", "--out", str(out)]
+    args += ["--baseline-capacity", "256"]
     subprocess.run([sys.executable, str(SCRIPT), *args], check=True, cwd=tmp_path, capture_output=True)
-    results = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    assert (report["plan"]["capacity"], report["plan"]["baseline_capacity"]) == (512, 256)
+    results = report["results"]
     assert set(results) == MODES | {"trainer"}
     assert all(r["tokens_per_s"] > 0 for r in results.values())
     # Every mode times the same samples, so the same tokens; the trainer runs them too.
