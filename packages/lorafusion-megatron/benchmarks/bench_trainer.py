@@ -65,7 +65,9 @@ MODES = ("frozen", "peft-sequential", "peft-mixed", "lorafusion", "lorafusion-si
 FUSED_MODES = ("lorafusion", "lorafusion-siblings")
 
 
-def het_config(args: argparse.Namespace, output: Path, *, capacity: int | None = None) -> dict[str, Any]:
+def het_config(
+    args: argparse.Namespace, output: Path, *, capacity: int | None = None, fuse_sibling_layers: bool = False
+) -> dict[str, Any]:
     """The benchmark's run: the four Het jobs on ``args.preset``, at ``capacity`` (default ``args.capacity``)."""
     return {
         "output_dir": str(output),
@@ -87,7 +89,7 @@ def het_config(args: argparse.Namespace, output: Path, *, capacity: int | None =
             "device": args.device,
             "seed": 0,
             "activation_checkpointing": args.checkpointing,
-            "fuse_sibling_layers": args.trainer_siblings,
+            "fuse_sibling_layers": fuse_sibling_layers,
         },
         "logging": {"progress_bar": False, "logging_steps": 1000},
     }
@@ -266,7 +268,7 @@ def time_modes(
 def run_trainer(args: argparse.Namespace, device: torch.device, warmed_token_counts: set[int]) -> dict[str, Any]:
     """The whole trainer, end to end, on the same config; and the microbatch token counts it ran."""
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as output:
-        config = parse_config(het_config(args, Path(output)))
+        config = parse_config(het_config(args, Path(output), fuse_sibling_layers=args.trainer_siblings))
         gc.collect()  # the modes' model: the kernels' PEFT hooks hold it in a reference cycle
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -204,7 +204,7 @@ def main() -> None:
     # The settings bench_trainer.py uses, so the microbatches are the ones it times.
     bench_args = argparse.Namespace(
         preset=args.preset, dtype="bfloat16", attn="auto", samples=args.samples, length_scale=1.0,
-        global_batch_size=16, capacity=args.capacity, device="cuda", checkpointing=False, trainer_siblings=False,
+        global_batch_size=16, capacity=args.capacity, device="cuda", checkpointing=False,
     )  # fmt: skip
     device = torch.device("cuda")
     config = parse_config(het_config(bench_args, Path(tempfile.gettempdir()) / "profile-trainer"))

@@ -227,6 +227,12 @@ SKINNY_HEURISTIC = capability_heuristic(
 """The built-in configs of the two backward passes over ``[M, N]`` or ``[M, K]`` (``dys_dyb``, ``dsx``)."""
 
 
+def sm_count(t: torch.Tensor) -> int:
+    """Streaming multiprocessors of the CUDA device ``t`` lives on."""
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return num_sms(index)
+
+
 def resolve_split(split: int, t: torch.Tensor, *, tiles: int, steps: int) -> int:
     """Programs per reduction: ``split`` itself, or (``split == 0``) enough to give ~2 programs per SM.
 
@@ -239,8 +245,7 @@ def resolve_split(split: int, t: torch.Tensor, *, tiles: int, steps: int) -> int
     if split == 0:
         if not t.is_cuda:
             return 1
-        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-        split = -(-2 * num_sms(index) // max(tiles, 1))
+        split = -(-2 * sm_count(t) // max(tiles, 1))
     return max(1, min(split, steps))
 
 

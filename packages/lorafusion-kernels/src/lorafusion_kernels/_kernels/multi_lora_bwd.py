@@ -39,6 +39,7 @@ from lorafusion_kernels._kernels._common import (
     launch_config,
     rank_block,
     resolve_split,
+    sm_count,
     tma_ok,
     wrapped_tile,
 )
@@ -54,7 +55,6 @@ from lorafusion_kernels._kernels.routing import (
 )
 from lorafusion_kernels.metadata import MultiLoRABatch
 from lorafusion_kernels.tuning.config import KernelConfig, register_fallback
-from lorafusion_kernels.tuning.device import num_sms
 
 DY_KERNEL = "multi_dys_dyb"
 DA_KERNEL = "multi_dsx"
@@ -636,8 +636,7 @@ def _chunk_size(t: torch.Tensor, num_tiles: int, col_tiles: int) -> int:
     """Segment tiles per program of the ``dA`` pass: about two programs per SM (the interpreter: 2 tiles)."""
     if not t.is_cuda:
         return 2
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    return max(1, cdiv(num_tiles * col_tiles, 2 * num_sms(index)))
+    return max(1, cdiv(num_tiles * col_tiles, 2 * sm_count(t)))
 
 
 def multi_lora_dyw_dsa(
