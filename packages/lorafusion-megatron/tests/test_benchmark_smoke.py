@@ -17,7 +17,7 @@ MODES = {"frozen", "peft-sequential", "peft-mixed", "lorafusion", "lorafusion-si
 def test_bench_trainer_runs_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     args = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--capacity", "512", "--length-scale", "0.05"]
-    args += ["--samples", "8", "--global-batch-size", "4", "--repeats", "2", "--trainer", "--out", str(out)]
+    args += ["--samples", "8", "--global-batch-size", "4", "--repeats", "2", "--trainer", "2", "--out", str(out)]
     args += ["--baseline-capacity", "256"]
     subprocess.run([sys.executable, str(SCRIPT), *args], check=True, cwd=tmp_path, capture_output=True)
     report = json.loads(out.read_text())
@@ -33,3 +33,4 @@ def test_bench_trainer_runs_on_cpu(tmp_path: Path) -> None:
         assert len(r["seconds_per_repeat"]) == 2
         assert r["tokens_per_s_min"] <= r["tokens_per_s_median"] == r["tokens_per_s"] <= r["tokens_per_s_max"]
     assert results["trainer"]["distinct_token_counts"] >= 1
+    assert len(results["trainer"]["tokens_per_s_per_run"]) == 2

@@ -32,7 +32,7 @@ def test_step_clips_steps_and_clears_gradients() -> None:
     param = torch.nn.Parameter(torch.ones(4))
     opt = AdapterOptimizer(_job(max_grad_norm=1.0, learning_rate=0.1, warmup_ratio=0.0), {"p": param}, total_steps=10)
     param.grad = torch.full((4,), 3.0)
-    stats = opt.step()
+    stats = opt.step().stats()
     assert stats.step == 1
     assert stats.grad_norm == pytest.approx(6.0)
     assert stats.learning_rate == pytest.approx(0.1)

@@ -243,3 +243,56 @@ def test_tensorboard_scalars_per_job(make_config, tmp_path: Path) -> None:
     Trainer(config).train()
     for name in ("first", "second"):
         assert list((tmp_path / "tb" / name).glob("events.out.tfevents.*"))
+
+
+def test_the_host_reads_results_back_only_once_more_work_is_queued(make_config, monkeypatch, caplog) -> None:
+    """Neither a microbatch's losses nor a step's gradient norm is read before the next microbatch is
+    queued (on a GPU each read waits for the device), steps included; the last ones at the end."""
+    from lorafusion_megatron import optim, runner
+
+    queued = 0
+    reads: list[tuple[str, int, int]] = []  # (what, microbatches queued once it was made, when it was read)
+    forward_backward, get, step = (
+        runner.MicrobatchRunner.forward_backward,
+        runner.PendingResults.get,
+        optim.AdapterOptimizer.step,
+    )
+
+    def counting_forward_backward(self, *args, **kwargs):
+        nonlocal queued
+        pending = forward_backward(self, *args, **kwargs)
+        queued += 1
+        pending.made_at = queued
+        return pending
+
+    def recording_get(self):
+        reads.append(("losses", self.made_at, queued))
+        return get(self)
+
+    def recording_step(self):
+        made_at = queued
+        result = step(self)
+        stats = result.stats
+
+        def recording_stats():
+            reads.append(("norm", made_at, queued))
+            return stats()
+
+        object.__setattr__(result, "stats", recording_stats)
+        return result
+
+    monkeypatch.setattr(runner.MicrobatchRunner, "forward_backward", counting_forward_backward)
+    monkeypatch.setattr(runner.PendingResults, "get", recording_get)
+    monkeypatch.setattr(optim.AdapterOptimizer, "step", recording_step)
+    caplog.set_level("INFO", logger="lorafusion_megatron.trainer")
+    result = Trainer(make_config(logging={"logging_steps": 1, "progress_bar": False})).train()
+
+    total = result.state.position
+    assert sum(1 for what, _, _ in reads if what == "norm") == result.state.total_optimizer_steps == 8
+    assert sum(1 for what, _, _ in reads if what == "losses") == total
+    early = [(what, made, read) for what, made, read in reads if read <= made and read < total]
+    assert early == [], "read back before the next microbatch was queued"
+    # Every step was logged, in order, with its global batch's loss.
+    logged = [r.getMessage().split()[:2] for r in caplog.records if " loss " in r.getMessage()]
+    assert [name for name, _ in logged].count("first") == 5
+    assert [step for name, step in logged if name == "second"] == ["1/3", "2/3", "3/3"]

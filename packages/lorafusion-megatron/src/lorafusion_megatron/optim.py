@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from lorafusion_megatron.config import JobConfig
 
-__all__ = ["AdapterOptimizer", "StepStats", "lr_multiplier"]
+__all__ = ["AdapterOptimizer", "QueuedStep", "StepStats", "lr_multiplier"]
 
 
 def lr_multiplier(step: int, *, total_steps: int, warmup_steps: int, kind: str) -> float:
@@ -49,6 +49,25 @@ class StepStats:
     step: int
     learning_rate: float
     grad_norm: float
+
+
+@dataclass(frozen=True)
+class QueuedStep:
+    """An optimizer step whose work is queued on the device; its gradient norm is read by :meth:`stats`.
+
+    Attributes:
+        step: Steps completed, this one included.
+        learning_rate: Learning rate the step used.
+        grad_norm: 0-d tensor on the parameters' device: the L2 norm of the gradient before clipping.
+    """
+
+    step: int
+    learning_rate: float
+    grad_norm: torch.Tensor
+
+    def stats(self) -> StepStats:
+        """The step's figures on the host (waits for the device until the norm is computed)."""
+        return StepStats(step=self.step, learning_rate=self.learning_rate, grad_norm=float(self.grad_norm))
 
 
 class _Multiplier:
@@ -92,8 +111,12 @@ class AdapterOptimizer:
         )
         self.steps_done = 0
 
-    def step(self) -> StepStats:
-        """Clip, step, advance the schedule and clear the gradients."""
+    def step(self) -> QueuedStep:
+        """Clip, step, advance the schedule and clear the gradients, without waiting for the device.
+
+        The gradient norm stays on the device (``QueuedStep.stats()`` reads it), so a caller that
+        reads it once more work is queued never leaves the device idle at a step.
+        """
         import torch
 
         grads = [p.grad for p in self.parameters if p.grad is not None]
@@ -104,8 +127,7 @@ class AdapterOptimizer:
         else:
             norm = torch.zeros(())
         learning_rate = self.update()
-        # Read after the update is queued: the host waits for the norm, the device has work meanwhile.
-        return StepStats(step=self.steps_done, learning_rate=learning_rate, grad_norm=float(norm))
+        return QueuedStep(step=self.steps_done, learning_rate=learning_rate, grad_norm=norm.detach())
 
     def update(self) -> float:
         """AdamW step with the gradients as they are (no clipping), advance the schedule, clear the gradients.

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
     from lorafusion_megatron.evaluation import Evaluator
-    from lorafusion_megatron.optim import AdapterOptimizer
+    from lorafusion_megatron.optim import AdapterOptimizer, QueuedStep, StepStats
     from lorafusion_megatron.runner import MicrobatchRunner, PendingResults
     from lorafusion_sched.models import Microbatch, Plan
 
@@ -207,6 +207,8 @@ class _Session:
         self._denominators: dict[tuple[str, int], int] = {}
         self._checkpoint_due = False
         self._unsettled: PendingResults | None = None
+        self._unsettled_steps: list[tuple[str, int, QueuedStep]] = []
+        """Steps queued since the last settle: adapter, its global batch, the step."""
         self._clock = time.perf_counter()
 
     @classmethod
@@ -291,32 +293,45 @@ class _Session:
     def run_microbatch(self, index: int, microbatch: Microbatch) -> None:
         from lorafusion_megatron.packing import pack_microbatch
 
-        batch = pack_microbatch(microbatch, self.data).to(self.device)
+        batch = pack_microbatch(microbatch, self.data)
+        for span in batch.segments:
+            # Counted on the host (pack_microbatch counts trained tokens): no device read-back.
+            assert span.targets is not None
+            job = self.state.jobs[span.adapter]
+            job.tokens += span.length
+            job.targets += span.targets
+            job.pending_targets[span.global_batch] = job.pending_targets.get(span.global_batch, 0) + span.targets
         denominators = {
             (span.adapter, span.global_batch): self._denominator(span.adapter, span.global_batch)
             for span in batch.segments
         }
         with drawing_for(microbatch):
-            pending = self.runner.forward_backward(batch, denominators)
+            pending = self.runner.forward_backward(batch.to(self.device), denominators)
         # The previous microbatch's results are read only now, once this one's work is queued, so the
         # host never waits for the device with an empty queue between two microbatches.
         self._settle()
         self._unsettled = pending
 
     def _settle(self) -> None:
-        """Count the unsettled microbatch's tokens and losses into the state (waits for the device)."""
-        if self._unsettled is None:
-            return
-        results, self._unsettled = self._unsettled.get(), None
-        for result in results:
-            job = self.state.jobs[result.adapter]
-            job.tokens += result.tokens
-            job.targets += result.targets
-            job.pending_loss[result.global_batch] = job.pending_loss.get(result.global_batch, 0.0) + result.loss_sum
-            job.pending_targets[result.global_batch] = job.pending_targets.get(result.global_batch, 0) + result.targets
+        """Read the unsettled microbatch's loss sums back (waits for the device), then log the steps queued since.
+
+        A step's mean loss needs its global batch's last microbatch, and its gradient norm the
+        step's own kernels: both are read here, once later work is queued behind them.
+        """
+        if self._unsettled is not None:
+            results, self._unsettled = self._unsettled.get(), None
+            for result in results:
+                pending = self.state.jobs[result.adapter].pending_loss
+                pending[result.global_batch] = pending.get(result.global_batch, 0.0) + result.loss_sum
+        steps, self._unsettled_steps = self._unsettled_steps, []
+        for adapter, global_batch, queued in steps:
+            self._log_step(adapter, global_batch, queued.stats())
 
     def step_adapter(self, index: int, adapter: str) -> None:
-        self._settle()
+        """Queue ``adapter``'s optimizer step; its loss and gradient norm are read back by the next settle.
+
+        Only an evaluation due at this step waits for the device here.
+        """
         job = self.state.jobs[adapter]
         global_batch = job.steps_done
         expected = self._denominator(adapter, global_batch)
@@ -326,16 +341,27 @@ class _Session:
                 f"plan microbatch {index} steps {adapter} after {seen} of the {expected} trained tokens of its "
                 f"global batch {global_batch}: the plan does not match the data"
             )
-        job.last_loss = job.pending_loss.pop(global_batch) / expected
+        queued = self.optimizers[adapter].step()
+        job.steps_done = queued.step
+        job.learning_rate = queued.learning_rate
+        self.state.total_optimizer_steps += 1
+        self._unsettled_steps.append((adapter, global_batch, queued))
+        if self.evaluator is not None and self.evaluator.is_due(adapter, queued.step, job.total_steps):
+            self._settle()
+            self._evaluate(adapter, queued.step)
+        save_steps = self.config.save_steps
+        if save_steps is not None and self.state.total_optimizer_steps % save_steps == 0:
+            self._checkpoint_due = True
+
+    def _log_step(self, adapter: str, global_batch: int, stats: StepStats) -> None:
+        """Record a finished step of ``adapter``: its global batch's mean loss, its gradient norm, the logs."""
+        job = self.state.jobs[adapter]
+        job.last_loss = job.pending_loss.pop(global_batch) / self._denominator(adapter, global_batch)
         if job.first_loss is None:
             job.first_loss = job.last_loss
-        stats = self.optimizers[adapter].step()
-        job.steps_done = stats.step
-        job.learning_rate = stats.learning_rate
         job.grad_norm = stats.grad_norm
-        self.state.total_optimizer_steps += 1
         self.tensorboard.log_step(job, stats, self._elapsed())
-        if stats.step % self.config.logging.logging_steps == 0 or job.finished:
+        if stats.step % self.config.logging.logging_steps == 0 or stats.step == job.total_steps:
             _log.info(
                 "%s %d/%d  loss %.4f  lr %.3g  grad norm %.3g",
                 adapter,
@@ -345,11 +371,6 @@ class _Session:
                 stats.learning_rate,
                 stats.grad_norm,
             )
-        if self.evaluator is not None and self.evaluator.is_due(adapter, stats.step, job.total_steps):
-            self._evaluate(adapter, stats.step)
-        save_steps = self.config.save_steps
-        if save_steps is not None and self.state.total_optimizer_steps % save_steps == 0:
-            self._checkpoint_due = True
 
     def _evaluate(self, adapter: str, step: int) -> None:
         assert self.evaluator is not None
@@ -369,7 +390,7 @@ class _Session:
         )
 
     def after_microbatch(self, index: int) -> None:
-        """Advance the position; the counters shown lag by the microbatch whose results are unsettled."""
+        """Advance the position; the losses shown lag by the microbatch whose results are unsettled."""
         if index + 1 == len(self.plan.microbatches):
             self._settle()
         self.state.position = index + 1
