@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from lorafusion_megatron.config import TrainerConfig, parse_config
+from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.pipeline.options import ParallelConfig
 from lorafusion_megatron.profiler.run import profile_rank, profiled_capacity, with_profiled_capacity
 
@@ -31,19 +32,10 @@ def test_profile_writes_the_report_and_the_chosen_capacity(tmp_path: Path) -> No
     config = _config(tmp_path)
     assert profiled_capacity(config.output_dir) is None
     assert with_profiled_capacity(config) is config
-    report = profile_rank(
-        config,
-        ParallelConfig(),
-        candidates=(64, 128, 256),
-        sample_length=32,
-        repeats=1,
-        backend="gloo",
-        init_method=(tmp_path / "store").as_uri(),
-        rank=0,
-        world_size=1,
-    )
+    report = _profile_on_one_rank(config, tmp_path, (64, 128, 256))
     assert report is not None
     assert [m["tokens"] for m in report["measurements"]] == [64, 128, 256]
+    assert report["out_of_memory_at"] is None
     assert all(m["forward_s"] > 0 and m["backward_s"] > 0 for m in report["measurements"])
     assert report["chosen_capacity"] in (64, 128, 256)
     assert profiled_capacity(config.output_dir) == report["chosen_capacity"]
@@ -52,6 +44,63 @@ def test_profile_writes_the_report_and_the_chosen_capacity(tmp_path: Path) -> No
     assert saved["cost_model"]["forward_per_token_s"] >= 0
     table = (Path(config.output_dir) / "profile.md").read_text()
     assert "(chosen)" in table
+
+
+def _profile_on_one_rank(config: TrainerConfig, tmp_path: Path, candidates: tuple[int, ...]):
+    return profile_rank(
+        config,
+        ParallelConfig(),
+        candidates=candidates,
+        sample_length=32,
+        repeats=1,
+        backend="gloo",
+        init_method=(tmp_path / "store").as_uri(),
+        rank=0,
+        world_size=1,
+    )
+
+
+@pytest.fixture
+def memory_for(monkeypatch):
+    """``memory_for(n)``: a stage's forward runs out of device memory on microbatches over ``n`` tokens."""
+    import torch
+
+    from lorafusion_megatron.pipeline.stage_model import StageModel
+
+    forward = StageModel.forward
+    attempts: list[int] = []
+
+    def limit(tokens: int) -> list[int]:
+        def forward_within(self, batch, hidden):
+            attempts.append(batch.num_tokens)
+            if batch.num_tokens > tokens:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return forward(self, batch, hidden)
+
+        monkeypatch.setattr(StageModel, "forward", forward_within)
+        return attempts
+
+    return limit
+
+
+def test_a_capacity_that_runs_out_of_memory_is_reported_and_never_chosen(tmp_path: Path, memory_for) -> None:
+    attempts = memory_for(128)
+    config = _config(tmp_path)
+    report = _profile_on_one_rank(config, tmp_path, (256, 64, 512, 128))
+    assert report is not None
+    assert [m["tokens"] for m in report["measurements"]] == [64, 128]
+    assert report["out_of_memory_at"] == 256
+    assert 512 not in attempts  # nothing larger than the first failure is tried
+    fits = {c["capacity"]: c["fits"] for c in report["candidates"]}
+    assert fits == {64: True, 128: True, 256: False, 512: False}
+    assert report["chosen_capacity"] in (64, 128)
+    assert "256 tokens ran out of device memory" in (Path(config.output_dir) / "profile.md").read_text()
+
+
+def test_a_profile_where_nothing_fits_says_what_to_change(tmp_path: Path, memory_for) -> None:
+    memory_for(32)
+    with pytest.raises(TrainerError, match=r"runs out of device memory.*--capacities"):
+        _profile_on_one_rank(_config(tmp_path), tmp_path, (64, 128))
 
 
 @pytest.mark.slow

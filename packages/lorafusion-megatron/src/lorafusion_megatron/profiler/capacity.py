@@ -64,6 +64,7 @@ def choose_capacity(
     data_parallel: int,
     padding_multiple: int,
     memory_limit_bytes: float | None,
+    out_of_memory_at: int | None = None,
 ) -> tuple[int, list[CapacityOption]]:
     """The best candidate capacity and every candidate's numbers.
 
@@ -76,6 +77,8 @@ def choose_capacity(
         data_parallel: Replicas.
         padding_multiple: The scheduler's padding multiple.
         memory_limit_bytes: Usable memory per device; ``None``: no limit.
+        out_of_memory_at: A token count that ran out of memory when measured: it and every larger
+            candidate do not fit, whatever the fitted line predicts.
 
     Returns:
         ``(chosen capacity, options in candidate order)``; the chosen one fits memory and has the
@@ -88,6 +91,8 @@ def choose_capacity(
     for capacity in sorted(candidates):
         peak = predicted_peak_bytes(measurements, stages, capacity)
         fits = memory_limit_bytes is None or peak is None or peak <= memory_limit_bytes
+        if out_of_memory_at is not None and capacity >= out_of_memory_at:
+            fits = False
         plan = lorafusion_sched.plan(
             list(jobs),
             PlanOptions(

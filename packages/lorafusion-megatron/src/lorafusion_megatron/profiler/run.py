@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lorafusion_megatron.atomic_files import write_json_atomically, write_text_atomically
+from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.pipeline.options import ParallelConfig
 
 if TYPE_CHECKING:
     from lorafusion_megatron.config import TrainerConfig
     from lorafusion_megatron.profiler.capacity import CapacityOption
-    from lorafusion_megatron.profiler.measure import Measurement
+    from lorafusion_megatron.profiler.measure import Measurement, StageMeasurements
 
 __all__ = [
     "CPU_CANDIDATES",
@@ -74,14 +75,19 @@ def write_report(
     cost: Any,
     chosen: int,
     options: list[CapacityOption],
+    out_of_memory_at: int | None = None,
 ) -> Path:
-    """Write ``profile.json`` and ``profile.md``; returns the JSON's path."""
+    """Write ``profile.json`` and ``profile.md``; returns the JSON's path.
+
+    ``out_of_memory_at``: the smallest measured token count that ran out of memory on some stage.
+    """
     output_dir.mkdir(parents=True, exist_ok=True)
     document = {
         "device": device,
         "pipeline_stages": parallel.pipeline_stages,
         "data_parallel": parallel.data_parallel,
         "measurements": [asdict(m) for m in measurements],
+        "out_of_memory_at": out_of_memory_at,
         "cost_model": cost.model_dump(mode="json"),
         "candidates": [asdict(o) for o in options],
         "chosen_capacity": chosen,
@@ -97,6 +103,11 @@ def write_report(
     for m in measurements:
         peak = f"{m.peak_bytes / 2**30:.2f}" if m.peak_bytes is not None else "-"
         lines.append(f"| {m.stage} | {m.tokens} | {m.forward_s * 1e3:.2f} | {m.backward_s * 1e3:.2f} | {peak} |")
+    if out_of_memory_at is not None:
+        lines += [
+            "",
+            f"A microbatch of {out_of_memory_at} tokens ran out of device memory: larger ones were not measured.",
+        ]
     lines += [
         "",
         f"Cost model: forward = {cost.forward_fixed_s * 1e3:.3f} ms + "
@@ -184,7 +195,7 @@ def profile_rank(
                     DEFAULT_CANDIDATES[-1],
                 )
         spec = partition_model(load_model_config(config.base_model).to_dict(), layout.num_stages)[layout.stage]
-        measured: list[Measurement] = []
+        measured: StageMeasurements | None = None
         if layout.replica == 0:
             stage = build_stage_model(config, spec, layout.device)
             measured = measure_stage(stage, candidates, sample_length=sample_length, repeats=repeats)
@@ -192,7 +203,23 @@ def profile_rank(
         dist.all_gather_object(everyone, measured)
         if layout.rank != 0:
             return None
-        measurements = sorted((m for part in everyone for m in part), key=lambda m: (m.stage, m.tokens))
+        stages: list[StageMeasurements] = [part for part in everyone if part is not None]
+        out_of_memory_at = min((p.out_of_memory_at for p in stages if p.out_of_memory_at is not None), default=None)
+        # Every stage measured every count below the smallest one that ran out of memory anywhere.
+        measurements = sorted(
+            (
+                m
+                for part in stages
+                for m in part.measurements
+                if out_of_memory_at is None or m.tokens < out_of_memory_at
+            ),
+            key=lambda m: (m.stage, m.tokens),
+        )
+        if not measurements:
+            raise TrainerError(
+                f"a microbatch of {min(candidates)} tokens, the smallest capacity profiled, runs out of device memory: "
+                "profile smaller ones (--capacities) or split the model over more pipeline stages"
+            )
         cost = fit_cost_model(measurements)
         scheduler = config.scheduler.model_copy(update={"capacity": max(candidates)})
         data = prepare_data(config.model_copy(update={"scheduler": scheduler})).jobs
@@ -212,6 +239,7 @@ def profile_rank(
             data_parallel=layout.num_replicas,
             padding_multiple=config.scheduler.padding_multiple,
             memory_limit_bytes=limit,
+            out_of_memory_at=out_of_memory_at,
         )
         device = torch.cuda.get_device_name(layout.device) if layout.device.type == "cuda" else "cpu"
         path = write_report(
@@ -222,6 +250,7 @@ def profile_rank(
             cost=cost,
             chosen=chosen,
             options=options,
+            out_of_memory_at=out_of_memory_at,
         )
         document: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
         return document
