@@ -95,6 +95,43 @@ def test_plan_prints_statistics_and_writes_json(
     assert plan["capacity"] == 256
 
 
+def test_plan_with_auto_capacity_uses_the_profile_or_says_it_has_none(
+    tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = config_dict(scheduler={"capacity": "auto", "padding_multiple": 16})
+    path = _write(tmp_path / "run.yaml", data)
+    assert main(["plan", str(path), "-o", str(tmp_path / "plan.json")]) == 0
+    assert "holds no profile.json: planned at 4096 tokens" in " ".join(capsys.readouterr().err.split())
+    assert json.loads((tmp_path / "plan.json").read_text())["capacity"] == 4096
+    Path(data["output_dir"]).mkdir(parents=True)
+    (Path(data["output_dir"]) / "profile.json").write_text(json.dumps({"chosen_capacity": 192}))
+    assert main(["plan", str(path), "-o", str(tmp_path / "plan.json")]) == 0
+    assert json.loads((tmp_path / "plan.json").read_text())["capacity"] == 192
+
+
+def test_train_with_auto_capacity_profiles_first_when_due(
+    tmp_path: Path, config_dict, monkeypatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where a profile is due (on GPUs), ``train`` runs ``profile`` first and trains at its choice."""
+    from lorafusion_megatron.pipeline import commands
+    from lorafusion_megatron.profiler import run
+
+    profiled = []
+
+    def fake_profile(config, parallel, console, **options) -> int:
+        profiled.append(config.output_dir)
+        (Path(config.output_dir) / "profile.json").write_text(json.dumps({"chosen_capacity": 128}))
+        return 0
+
+    monkeypatch.setattr(run, "profile_due", lambda config, *, device_type, resume: not resume)
+    monkeypatch.setattr(commands, "profile", fake_profile)
+    data = config_dict(scheduler={"capacity": "auto", "padding_multiple": 16})
+    assert main(["train", str(_write(tmp_path / "run.yaml", data))]) == 0
+    assert profiled == [data["output_dir"]]
+    assert "profiling the model first" in " ".join(capsys.readouterr().err.split())
+    assert json.loads((Path(data["output_dir"]) / "plan.json").read_text())["capacity"] == 128
+
+
 def test_plan_of_a_pipeline_weighs_its_stages(tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]) -> None:
     path = _write(tmp_path / "run.yaml", config_dict())
     assert main(["plan", str(path), "--set", "parallel.pipeline_stages=2"]) == 0

@@ -114,3 +114,26 @@ def test_profile_on_two_stages_fits_one_factor_per_stage(tmp_path: Path) -> None
     assert report is not None
     assert sorted({m["stage"] for m in report["measurements"]}) == [0, 1]
     assert len(report["cost_model"]["stage_factors"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("capacity", "device_type", "resume", "profiled", "due"),
+    [
+        ("auto", "cuda", False, False, True),
+        ("auto", "cpu", False, False, False),  # the CPU keeps 4096
+        ("auto", "cuda", True, False, False),  # a resumed run keeps its plan
+        ("auto", "cuda", False, True, False),  # profiled already
+        (256, "cuda", False, False, False),  # a number is the user's choice
+    ],
+)
+def test_train_profiles_first_only_when_auto_has_nothing_to_read(
+    tmp_path: Path, capacity, device_type: str, resume: bool, profiled: bool, due: bool
+) -> None:
+    from lorafusion_megatron.profiler.run import profile_due
+
+    config = _config(tmp_path)
+    config = config.model_copy(update={"scheduler": config.scheduler.model_copy(update={"capacity": capacity})})
+    if profiled:
+        Path(config.output_dir).mkdir(parents=True)
+        (Path(config.output_dir) / "profile.json").write_text(json.dumps({"chosen_capacity": 128}))
+    assert profile_due(config, device_type=device_type, resume=resume) is due

@@ -69,12 +69,20 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from lorafusion_megatron.atomic_files import write_text_atomically
     from lorafusion_megatron.planning import make_plan
+    from lorafusion_megatron.profiler.run import with_profiled_capacity
     from lorafusion_megatron.trainer import prepare_data
     from lorafusion_sched import simulate
     from lorafusion_sched.models import CostModel
 
     config = _load(args)
     parallel = parallel_from_args(args, config.parallel)
+    if config.scheduler.capacity == "auto":
+        config = with_profiled_capacity(config)
+        if config.scheduler.capacity == "auto":
+            _console.print(
+                f"scheduler.capacity is auto and the output folder holds no profile.json: planned at "
+                f"{config.scheduler.resolved_capacity} tokens (`train` on a GPU profiles first and may choose another)"
+            )
     plan = make_plan(
         config,
         prepare_data(config).jobs,
@@ -122,11 +130,25 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from lorafusion_megatron.adapters_io import check_run_outputs
+    from lorafusion_megatron.model import resolve_device
     from lorafusion_megatron.pipeline.launch import under_torchrun
+    from lorafusion_megatron.profiler.run import profile_due
 
     config = _load(args)
     parallel = parallel_from_args(args, config.parallel)
     config.check_evaluation_supported(parallel, under_torchrun=under_torchrun())
+    device_type = resolve_device(config.runtime.device).type
+    # Under torchrun the ranks are already started: profiling needs its own launch (`profile` first).
+    if not under_torchrun() and profile_due(config, device_type=device_type, resume=args.resume):
+        from lorafusion_megatron.pipeline import commands
+
+        check_run_outputs(config)
+        _console.print(
+            "scheduler.capacity is auto and the output folder holds no profile.json: profiling the model first "
+            "(once per output folder; give scheduler.capacity a number to skip)"
+        )
+        commands.profile(config, parallel, _console)
     if parallel.needs_pipeline_runtime or under_torchrun():
         from lorafusion_megatron.pipeline import commands
 

@@ -270,8 +270,9 @@ class SchedulerConfig(BaseModel):
     model_config = _STRICT
 
     capacity: PositiveInt | Literal["auto"] = "auto"
-    """Tokens per microbatch (a multiple of ``padding_multiple``), or ``auto``: 4096 until the profiler
-    measures it."""
+    """Tokens per microbatch (a multiple of ``padding_multiple``), or ``auto``: the choice of
+    ``lorafusion-megatron profile`` for this output folder; ``train`` on GPUs profiles first when
+    there is none yet, and on the CPU ``auto`` is 4096."""
 
     padding_multiple: PositiveInt = 64
     """Each adapter's segment of a microbatch is counted rounded up to this multiple."""

@@ -26,6 +26,7 @@ __all__ = [
     "CPU_CANDIDATES",
     "DEFAULT_CANDIDATES",
     "default_candidates",
+    "profile_due",
     "profile_rank",
     "profiled_capacity",
     "with_profiled_capacity",
@@ -64,6 +65,21 @@ def with_profiled_capacity(config: TrainerConfig) -> TrainerConfig:
         return config
     scheduler = config.scheduler.model_validate({**config.scheduler.model_dump(), "capacity": chosen})
     return config.model_copy(update={"scheduler": scheduler})
+
+
+def profile_due(config: TrainerConfig, *, device_type: str, resume: bool) -> bool:
+    """Whether ``train`` profiles the model before it starts.
+
+    So it does on GPUs when ``capacity: auto`` has nothing to read yet: a fresh run (a resumed one
+    keeps its plan) whose output folder holds no ``profile.json``. On the CPU ``auto`` stays 4096
+    (a GPU's range of token counts would take minutes there).
+    """
+    return (
+        config.scheduler.capacity == "auto"
+        and device_type == "cuda"
+        and not resume
+        and profiled_capacity(config.output_dir) is None
+    )
 
 
 def write_report(
