@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The single-GPU trainer's measurements (issue 6) in one device call each, on 1x H100.
+#
+# From the repository root, in a device `run` (timeout_s 600) with carry [".whl"] (the wheels that
+# ../shared/device/fetch-wheels.sh downloads: pydantic, highspy and their needs):
+#   STAGES=bench  bash packages/lorafusion-megatron/benchmarks/device_trainer.sh   # about 300 s
+#   STAGES=auto   bash packages/lorafusion-megatron/benchmarks/device_trainer.sh   # about 250 s
+# Stages:
+#   bench: bench_trainer.py on the 8B preset, the fused modes and the floor at 8,192 tokens per
+#          microbatch, plain PEFT at 4,096 (where it fits), then the whole trainer twice in the
+#          same process (the first run pays the one-time costs). BENCH_ARGS replaces the arguments.
+#   auto:  `lorafusion-megatron train` on examples/llama-3.1-8b-het.yaml with `capacity: auto` and
+#          a fresh output folder: the CLI profiles the model first (profile.json, profile.md), then
+#          trains AUTO_STEPS steps per job at the chosen capacity (summary.json, plan.json).
+# Everything worth keeping lands in $OUT: the results JSON, logs, the profile and the run summary.
+set -uo pipefail
+
+out=${OUT:?"OUT must name the folder whose files come back (the device tool sets it)"}
+stages=${STAGES:-bench}
+start=$SECONDS
+stamp() { echo "[$((SECONDS - start)) s] $*"; }
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl ||
+    { echo "installing the carried wheels failed" >&2; exit 2; }
+fi
+PYTHONPATH=/tmp/site:$(ls -d "$PWD"/packages/*/src | tr '\n' ':')${PYTHONPATH:-}
+export PYTHONPATH PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
+stamp "wheels installed"
+
+status=0
+if [[ " $stages " == *" bench "* ]]; then
+  python3 packages/lorafusion-megatron/benchmarks/bench_trainer.py \
+    ${BENCH_ARGS:---preset llama-3.1-8b --capacity 8192 --baseline-capacity 4096 --samples 32 --repeats 2 \
+      --modes frozen peft-sequential lorafusion-siblings --trainer 2 --trainer-siblings} \
+    --out "$out/trainer.json" 2>&1 | tee "$out/bench.log" | tail -20
+  status=$((status | PIPESTATUS[0]))
+  stamp "bench done"
+fi
+if [[ " $stages " == *" auto "* ]]; then
+  run="$out/auto-run"
+  steps=${AUTO_STEPS:-3}
+  sets=(--set scheduler.capacity=auto --set "output_dir=$run" --set logging.tensorboard_dir=null --set save_steps=null)
+  for job in 0 1 2 3; do sets+=(--set "jobs.$job.max_steps=$steps"); done
+  python3 -m lorafusion_megatron.cli train packages/lorafusion-megatron/examples/llama-3.1-8b-het.yaml "${sets[@]}" \
+    2>&1 | tee "$out/auto.log" | tail -40
+  status=$((status | PIPESTATUS[0]))
+  # Keep the small files; the adapters (about 170 MB each) stay behind.
+  rm -rf "$run/adapters" "$run/checkpoints"
+  stamp "auto done"
+fi
+exit $status
