@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: environment, GPU tests, Triton API probe, benchmark, tuner. Writes logs/JSON to $OUT.
-#   STAGES="tests tune bench" (default all, run in that order); TEST_K (a pytest -k expression),
-#   TUNE_ARGS, BENCH_ARGS (passed through); *_TIMEOUT (seconds per stage).
+#   STAGES="tests tune bench" (the default, run in that order; "multi" adds the FusedMultiLoRA
+#   benchmarks: bench_multi_lora.py, then bench_grouped.py); TEST_K (a pytest -k expression),
+#   TUNE_ARGS, BENCH_ARGS, MULTI_ARGS, GROUPED_ARGS (passed through); *_TIMEOUT (seconds per stage).
 # A device call ends after 600 s: run the tune stage alone (STAGES=tune). By default it tunes the
 # FusedMultiLoRA kernels (multi_*) on LLaMa-3.1-8B's layers, M = 4K and 8K, r = 16, merged into
 # this GPU's shipped file: $OUT/configs/<gpu-key>.json is the file to commit. The tuner starts no
@@ -52,4 +53,10 @@ if [[ " $STAGES " == *" bench "* ]]; then
   if [[ -d "$OUT/configs" ]]; then export LORAFUSION_KERNELS_CONFIG_DIR="$OUT/configs"; fi
   timeout "${BENCH_TIMEOUT:-300}" python3 packages/lorafusion-kernels/benchmarks/bench_lora.py --out "$OUT/bench" \
     ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -60
+fi
+if [[ " $STAGES " == *" multi "* ]]; then
+  timeout "${MULTI_TIMEOUT:-300}" python3 packages/lorafusion-kernels/benchmarks/bench_multi_lora.py --out "$OUT/bench" \
+    ${MULTI_ARGS:---layers llama8b --m 4096 8192 --adapters 1 4 --rep 40} 2>&1 | tee "$OUT/multi.log" | tail -40
+  timeout "${GROUPED_TIMEOUT:-200}" python3 packages/lorafusion-kernels/benchmarks/bench_grouped.py --out "$OUT/bench" \
+    ${GROUPED_ARGS:-} 2>&1 | tee "$OUT/grouped.log" | tail -30
 fi

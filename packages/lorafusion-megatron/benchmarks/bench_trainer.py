@@ -23,9 +23,10 @@ lorafusion, lorafusion-siblings, frozen, ...), the device synchronised around ea
 gives the median tokens/s per mode, the min and max over the repeats and the peak memory of the timed passes,
 under a provenance header (device, package versions, UTC date; ``provenance.py``). With
 ``--trainer [RUNS]``, the full trainer (optimizer steps included) then runs the same config end to
-end, ``RUNS`` times in the same process (``--trainer-siblings``: with ``runtime.fuse_sibling_layers``);
-the report gives every run's tokens/s (the first pays one-time costs) and how many distinct
-microbatch token counts the trainer ran.
+end, ``RUNS`` times in the same process (``--trainer-siblings``: with ``runtime.fuse_sibling_layers``):
+the first with the allocator's cache emptied (it maps its memory as a fresh process does), the
+others reusing what the run before freed. The report gives every run's tokens/s and how many
+distinct microbatch token counts the trainer ran.
 
     python packages/lorafusion-megatron/benchmarks/bench_trainer.py --preset llama-3.1-8b --out bench.json
     python packages/lorafusion-megatron/benchmarks/bench_trainer.py --preset tiny --device cpu --dtype float32 \\
@@ -266,13 +267,20 @@ def time_modes(
     return {run.mode: run.result() for run in runs}
 
 
-def run_trainer(args: argparse.Namespace, device: torch.device, warmed_token_counts: set[int]) -> dict[str, Any]:
-    """The whole trainer, end to end, on the same config; and the microbatch token counts it ran."""
+def run_trainer(
+    args: argparse.Namespace, device: torch.device, warmed_token_counts: set[int], *, cold: bool
+) -> dict[str, Any]:
+    """The whole trainer, end to end, on the same config; and the microbatch token counts it ran.
+
+    ``cold``: the caching allocator first gives its memory back to the driver, so the run maps its
+    memory as a fresh process does; otherwise it reuses what the previous run freed.
+    """
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as output:
         config = parse_config(het_config(args, Path(output), fuse_sibling_layers=args.trainer_siblings))
-        gc.collect()  # the modes' model: the kernels' PEFT hooks hold it in a reference cycle
+        gc.collect()  # the previous model: the kernels' PEFT hooks hold it in a reference cycle
         if device.type == "cuda":
-            torch.cuda.empty_cache()
+            if cold:
+                torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         result = Trainer(config).train()
         plan = plan_from_json((Path(output) / "plan.json").read_text(encoding="utf-8"))
@@ -316,8 +324,8 @@ def main() -> None:
         const=1,
         default=0,
         metavar="RUNS",
-        help="also time the full trainer end to end, RUNS times in this process (default 1; the first run "
-        "pays one-time costs such as mapping the memory of the first microbatches and the optimizer states)",
+        help="also time the full trainer end to end, RUNS times in this process (default 1): the first run starts "
+        "with the allocator's cache emptied, as a fresh process, the others reuse the memory the previous run freed",
     )
     parser.add_argument(
         "--trainer-siblings", action="store_true", help="the trainer with runtime.fuse_sibling_layers: true"
@@ -358,7 +366,7 @@ def main() -> None:
         )
     if args.trainer:
         warmed = {batch.num_tokens for batch in joint.batches}
-        runs = [run_trainer(args, device, warmed) for _ in range(args.trainer)]
+        runs = [run_trainer(args, device, warmed, cold=run == 0) for run in range(args.trainer)]
         # The last run's figures (the warmest process), and every run's tokens/s.
         r = results["trainer"] = {**runs[-1], "tokens_per_s_per_run": [run["tokens_per_s"] for run in runs]}
         rates = ", ".join(f"{rate:,.0f}" for rate in r["tokens_per_s_per_run"])
