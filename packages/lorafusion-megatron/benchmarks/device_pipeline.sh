@@ -20,18 +20,8 @@ case $preset in
   llama-3.1-70b) stages=4 ;;
   *) echo "unknown preset $preset: use qwen2.5-32b (2 GPUs) or llama-3.1-70b (4 GPUs)" >&2; exit 2 ;;
 esac
-out=${OUT:?"OUT must name the folder whose files come back (the device tool sets it)"}
 budget=${BUDGET:-550}
-start=$SECONDS
-stamp() { echo "[$((SECONDS - start)) s] $*"; }
-
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl ||
-    { echo "installing the carried wheels failed" >&2; exit 2; }
-fi
-# Absolute paths: the benchmark starts each launch in its own folder.
-PYTHONPATH=/tmp/site:$(ls -d "$PWD"/packages/*/src | tr '\n' ':')${PYTHONPATH:-}
-export PYTHONPATH PYTHONUNBUFFERED=1
+source packages/lorafusion-megatron/benchmarks/device_env.sh
 # The GPUs of these machines are shared with others: NVLink multicast stays off (KINDS.md).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 stamp "wheels installed"

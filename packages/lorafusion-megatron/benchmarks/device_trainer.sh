@@ -15,17 +15,9 @@
 # Everything worth keeping lands in $OUT: the results JSON, logs, the profile and the run summary.
 set -uo pipefail
 
-out=${OUT:?"OUT must name the folder whose files come back (the device tool sets it)"}
 stages=${STAGES:-bench}
-start=$SECONDS
-stamp() { echo "[$((SECONDS - start)) s] $*"; }
-
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl ||
-    { echo "installing the carried wheels failed" >&2; exit 2; }
-fi
-PYTHONPATH=/tmp/site:$(ls -d "$PWD"/packages/*/src | tr '\n' ':')${PYTHONPATH:-}
-export PYTHONPATH PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+source packages/lorafusion-megatron/benchmarks/device_env.sh
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 stamp "wheels installed"
 
