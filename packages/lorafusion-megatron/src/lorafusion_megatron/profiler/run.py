@@ -70,7 +70,7 @@ def with_profiled_capacity(config: TrainerConfig) -> TrainerConfig:
 def profile_due(config: TrainerConfig, *, device_type: str, resume: bool) -> bool:
     """Whether ``train`` profiles the model before it starts.
 
-    So it does on GPUs when ``capacity: auto`` has nothing to read yet: a fresh run (a resumed one
+    It does on GPUs when ``capacity: auto`` has nothing to read yet: in a fresh run (a resumed one
     keeps its plan) whose output folder holds no ``profile.json``. On the CPU ``auto`` stays 4096
     (a GPU's range of token counts would take minutes there).
     """
