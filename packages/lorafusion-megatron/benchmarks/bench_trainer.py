@@ -26,7 +26,9 @@ under a provenance header (device, package versions, UTC date; ``provenance.py``
 end, ``RUNS`` times in the same process (``--trainer-siblings``: with ``runtime.fuse_sibling_layers``):
 the first with the allocator's cache emptied (it maps its memory as a fresh process does), the
 others reusing what the run before freed. The report gives every run's tokens/s and how many
-distinct microbatch token counts the trainer ran.
+distinct microbatch token counts the trainer ran. ``--trainer-profile`` adds one more run whose
+plan execution runs under ``torch.profiler``: the GPU's busy and idle time per microbatch, and the
+idle gaps by the kernel that ended them (``gpu_time.py``, as ``profile_trainer.py`` reports them).
 
     python packages/lorafusion-megatron/benchmarks/bench_trainer.py --preset llama-3.1-8b --out bench.json
     python packages/lorafusion-megatron/benchmarks/bench_trainer.py --preset tiny --device cpu --dtype float32 \\
@@ -46,7 +48,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from gpu_time import gpu_time
 from provenance import provenance
+from torch.profiler import ProfilerActivity, profile
 
 import lorafusion_kernels
 from lorafusion_megatron.atomic_files import write_json_atomically
@@ -60,6 +64,8 @@ from lorafusion_megatron.trainer import Trainer, prepare_data
 from lorafusion_sched.models import Plan
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from peft import PeftModel
 
 HET = ("xsum", "cnndm", "wikisum", "mixed")
@@ -268,14 +274,22 @@ def time_modes(
 
 
 def run_trainer(
-    args: argparse.Namespace, device: torch.device, warmed_token_counts: set[int], *, cold: bool
+    args: argparse.Namespace,
+    device: torch.device,
+    warmed_token_counts: set[int],
+    *,
+    cold: bool,
+    profile_gpu: bool = False,
 ) -> dict[str, Any]:
     """The whole trainer, end to end, on the same config; and the microbatch token counts it ran.
 
     ``cold``: the caching allocator first gives its memory back to the driver, so the run maps its
     memory as a fresh process does; otherwise it reuses what the previous run freed.
+    ``profile_gpu``: the plan's execution (after the model is built) runs under ``torch.profiler``,
+    and the result gains ``gpu`` (:func:`gpu_time.gpu_time`; the profiler slows the host a little).
     """
-    with tempfile.TemporaryDirectory(prefix="bench-trainer-") as output:
+    profiles: list[Any] = []
+    with tempfile.TemporaryDirectory(prefix="bench-trainer-") as output, _gpu_profiled(profiles, enabled=profile_gpu):
         config = parse_config(het_config(args, Path(output), fuse_sibling_layers=args.trainer_siblings))
         gc.collect()  # the previous model: the kernels' PEFT hooks hold it in a reference cycle
         if device.type == "cuda":
@@ -286,6 +300,10 @@ def run_trainer(
         plan = plan_from_json((Path(output) / "plan.json").read_text(encoding="utf-8"))
     token_counts = {mb.tokens for mb in plan.microbatches if not mb.noop}
     tokens = sum(job.tokens for job in result.state.jobs.values())
+    if profiles:
+        microbatches = len(plan.microbatches)
+        gpu = gpu_time(profiles[0], microbatches, result.state.seconds * 1e3 / microbatches, top=15)
+        return {"microbatches": microbatches, "tokens_per_s": tokens / result.state.seconds, "gpu": gpu}
     return {
         "tokens": tokens,
         "seconds": result.state.seconds,
@@ -295,6 +313,35 @@ def run_trainer(
         "distinct_token_counts": len(token_counts),
         "distinct_token_counts_not_warmed": len(token_counts - warmed_token_counts),
     }
+
+
+@contextlib.contextmanager
+def _gpu_profiled(profiles: list[Any], *, enabled: bool) -> Iterator[None]:
+    """While inside, the trainer executes its plan under ``torch.profiler``, appended to ``profiles``.
+
+    GPU activity on a GPU; without one the profile holds no GPU events (busy 0: a smoke test).
+    """
+    if not enabled:
+        yield
+        return
+    import lorafusion_megatron.trainer as trainer_module
+
+    execute = trainer_module.execute_plan
+    cuda = torch.cuda.is_available()
+
+    def profiled_execute(*args: Any, **kwargs: Any) -> int:
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            position = execute(*args, **kwargs)
+            if cuda:
+                torch.cuda.synchronize()
+        profiles.append(prof)
+        return position
+
+    trainer_module.execute_plan = profiled_execute
+    try:
+        yield
+    finally:
+        trainer_module.execute_plan = execute
 
 
 def main() -> None:
@@ -329,6 +376,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--trainer-siblings", action="store_true", help="the trainer with runtime.fuse_sibling_layers: true"
+    )
+    parser.add_argument(
+        "--trainer-profile",
+        action="store_true",
+        help="after the --trainer runs, one more under torch.profiler: the GPU's busy and idle time per microbatch",
     )
     parser.add_argument("--out", type=Path, default=Path("bench_trainer.json"))
     args = parser.parse_args()
@@ -369,6 +421,13 @@ def main() -> None:
         runs = [run_trainer(args, device, warmed, cold=run == 0) for run in range(args.trainer)]
         # The last run's figures (the warmest process), and every run's tokens/s.
         r = results["trainer"] = {**runs[-1], "tokens_per_s_per_run": [run["tokens_per_s"] for run in runs]}
+        if args.trainer_profile:
+            r["profiled"] = run_trainer(args, device, warmed, cold=False, profile_gpu=True)
+            gpu = r["profiled"]["gpu"]
+            print(
+                f"{'trainer profiled':>16}: {gpu['wall_ms']:.1f} ms per microbatch, GPU busy {gpu['busy_ms']:.1f}, "
+                f"idle {gpu['idle_ms']:.1f}; idle before: {gpu['gaps']['by_next_kernel_ms']}"
+            )
         rates = ", ".join(f"{rate:,.0f}" for rate in r["tokens_per_s_per_run"])
         print(
             f"{'trainer':>16}: {rates} tokens/s (runs in order), {r['microbatches']} microbatches, "

@@ -3,12 +3,13 @@
 #
 # From the repository root, in a device `run` (timeout_s 600) with carry [".whl"] (the wheels that
 # ../shared/device/fetch-wheels.sh downloads: pydantic, highspy and their needs):
-#   STAGES=bench  bash packages/lorafusion-megatron/benchmarks/device_trainer.sh   # about 300 s
+#   STAGES=bench  bash packages/lorafusion-megatron/benchmarks/device_trainer.sh   # about 350 s
 #   STAGES=auto   bash packages/lorafusion-megatron/benchmarks/device_trainer.sh   # about 250 s
 # Stages:
 #   bench: bench_trainer.py on the 8B preset, the fused modes and the floor at 8,192 tokens per
 #          microbatch, plain PEFT at 4,096 (where it fits), then the whole trainer twice in the
-#          same process (the first run pays the one-time costs). BENCH_ARGS replaces the arguments.
+#          same process (the first run pays the one-time costs) and once more under the profiler
+#          (GPU busy and idle time per microbatch). BENCH_ARGS replaces the arguments.
 #   auto:  `lorafusion-megatron train` on examples/llama-3.1-8b-het.yaml with `capacity: auto` and
 #          a fresh output folder: the CLI profiles the model first (profile.json, profile.md), then
 #          trains AUTO_STEPS steps per job at the chosen capacity (summary.json, plan.json).
@@ -25,7 +26,7 @@ status=0
 if [[ " $stages " == *" bench "* ]]; then
   python3 packages/lorafusion-megatron/benchmarks/bench_trainer.py \
     ${BENCH_ARGS:---preset llama-3.1-8b --capacity 8192 --baseline-capacity 4096 --samples 32 --repeats 2 \
-      --modes frozen peft-sequential lorafusion-siblings --trainer 2 --trainer-siblings} \
+      --modes frozen peft-sequential lorafusion-siblings --trainer 2 --trainer-siblings --trainer-profile} \
     --out "$out/trainer.json" 2>&1 | tee "$out/bench.log" | tail -20
   status=$((status | PIPESTATUS[0]))
   stamp "bench done"

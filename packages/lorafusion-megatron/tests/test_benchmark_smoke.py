@@ -17,7 +17,19 @@ MODES = {"frozen", "peft-sequential", "peft-mixed", "lorafusion", "lorafusion-si
 def test_bench_trainer_runs_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     args = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--capacity", "512", "--length-scale", "0.05"]
-    args += ["--samples", "8", "--global-batch-size", "4", "--repeats", "2", "--trainer", "2", "--out", str(out)]
+    args += [
+        "--samples",
+        "8",
+        "--global-batch-size",
+        "4",
+        "--repeats",
+        "2",
+        "--trainer",
+        "2",
+        "--trainer-profile",
+        "--out",
+        str(out),
+    ]
     args += ["--baseline-capacity", "256"]
     subprocess.run([sys.executable, str(SCRIPT), *args], check=True, cwd=tmp_path, capture_output=True)
     report = json.loads(out.read_text())
@@ -34,3 +46,6 @@ def test_bench_trainer_runs_on_cpu(tmp_path: Path) -> None:
         assert r["tokens_per_s_min"] <= r["tokens_per_s_median"] == r["tokens_per_s"] <= r["tokens_per_s_max"]
     assert results["trainer"]["distinct_token_counts"] >= 1
     assert len(results["trainer"]["tokens_per_s_per_run"]) == 2
+    profiled = results["trainer"]["profiled"]
+    assert profiled["gpu"]["wall_ms"] > 0
+    assert profiled["gpu"]["busy_ms"] == 0  # no GPU: no GPU events

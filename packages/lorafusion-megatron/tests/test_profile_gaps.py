@@ -1,4 +1,4 @@
-"""The trainer profile's gap analysis bins idle time by length and by the kernel that ended it."""
+"""The GPU-time analysis bins idle time by length and by the kernel that ended it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-profile_trainer = pytest.importorskip("profile_trainer")
+gpu_time = pytest.importorskip("gpu_time")
 
 
 def _kernel(start: float, end: float, name: str) -> SimpleNamespace:
@@ -28,7 +28,7 @@ def test_idle_gaps_bins_and_attributes_each_gap() -> None:
         _kernel(900, 1100, "e"),
         _kernel(3200, 3300, "c"),
     ]
-    gaps = profile_trainer.idle_gaps(events, microbatches=1, top=10)
+    gaps = gpu_time.idle_gaps(events, microbatches=1, top=10)
     assert gaps["by_length_ms"] == {"<10 us": 0.01, "<100 us": 0.06, "<1000 us": 0.6, ">=1000 us": 2.0}
     assert gaps["by_next_kernel_ms"] == {"c": 2.01, "e": 0.6, "d": 0.06}
-    assert profile_trainer.idle_gaps(events, microbatches=2, top=1)["by_next_kernel_ms"] == {"c": 1.0}
+    assert gpu_time.idle_gaps(events, microbatches=2, top=1)["by_next_kernel_ms"] == {"c": 1.0}
