@@ -112,6 +112,25 @@ def test_milp_in_worker_processes_matches_the_contract(fast_options: PlanOptions
     assert p.stats.num_microbatches - p.stats.num_noops >= p.stats.lower_bound
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_planning_writes_nothing_to_stdout(workers: int) -> None:
+    """HiGHS 1.16 prints a banner from C when a process builds its first solver: never on our stdout
+    (a command's stdout may carry JSON; a worker's carries its results)."""
+    import subprocess
+
+    code = (
+        "from lorafusion_sched import PlanOptions, plan\n"
+        "from lorafusion_sched.workloads import synthetic_jobs\n"
+        "jobs = synthetic_jobs('het', 640, num_adapters=4, global_batch_size=16, seed=6)\n"
+        f"p = plan(jobs, PlanOptions(capacity=4096, time_limit=0.02, workers={workers}))\n"
+        "assert p.stats.milp_runs > 0 and p.stats.workers == " + str(workers) + "\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, check=False)
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout == b""
+    assert b"MILP tasks kept their greedy packing" not in done.stderr
+
+
 def test_padding_is_per_adapter_segment(fast_options: PlanOptions) -> None:
     jobs = [make_job("a", [10, 20, 30], gbs=3), make_job("b", [40], gbs=1)]
     p = plan(jobs, fast_options.model_copy(update={"pipeline_stages": 1}))

@@ -11,8 +11,13 @@ here the objective travels inside ``passModel``, so the order is ``passModel``, 
 from __future__ import annotations
 
 import enum
+import functools
+import os
+import sys
+import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import highspy
 import numpy as np
@@ -96,11 +101,41 @@ def _to_lp(model: MilpModel) -> highspy.HighsLp:
     return lp
 
 
+_FIRST_INSTANCE = threading.Lock()
+
+
+@functools.cache
+def _banner_swallowed() -> None:
+    """Build this process's first HiGHS instance with file descriptor 1 on the null device (once).
+
+    HiGHS 1.16 writes a banner from C to the process's stdout when its first instance is built,
+    before any option can silence it. In a solver worker that stream carries the results (the
+    banner broke their framing), and a command's stdout may carry JSON, so it must not get there.
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()  # type: ignore[no-untyped-call]
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _silent_highs() -> Any:
+    """A ``highspy.Highs`` that writes nothing to stdout."""
+    with _FIRST_INSTANCE:
+        _banner_swallowed()
+    h = highspy.Highs()  # type: ignore[no-untyped-call]
+    h.silent()
+    return h
+
+
 def solve(model: MilpModel, settings: SolverSettings, warm_start: npt.NDArray[np.float64] | None) -> SolveResult:
     """Solve ``model`` with HiGHS on one thread, seeded with ``warm_start`` when given."""
     start = time.perf_counter()
-    h = highspy.Highs()  # type: ignore[no-untyped-call]
-    h.silent()
+    h = _silent_highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("threads", 1)
     h.setOptionValue("time_limit", float(settings.time_limit))
@@ -137,8 +172,7 @@ def write_model(model: MilpModel, path: str) -> None:
 
     The format follows the suffix (``.lp`` or ``.mps``), as HiGHS decides.
     """
-    h = highspy.Highs()  # type: ignore[no-untyped-call]
-    h.silent()
+    h = _silent_highs()
     lp = _to_lp(model)
     lp.col_names_ = list(model.col_names)
     h.passModel(lp)
