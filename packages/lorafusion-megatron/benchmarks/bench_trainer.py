@@ -386,6 +386,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.trainer_profile and not args.trainer:
+        parser.error("--trainer-profile profiles one more trainer run: add --trainer")
 
     if args.baseline_capacity is None:
         args.baseline_capacity = args.capacity
