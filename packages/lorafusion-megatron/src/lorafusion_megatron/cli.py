@@ -76,13 +76,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     config = _load(args)
     parallel = parallel_from_args(args, config.parallel)
+    config = with_profiled_capacity(config)
     if config.scheduler.capacity == "auto":
-        config = with_profiled_capacity(config)
-        if config.scheduler.capacity == "auto":
-            _console.print(
-                f"scheduler.capacity is auto and the output folder holds no profile.json: planned at "
-                f"{config.scheduler.resolved_capacity} tokens (`train` on a GPU profiles first and may choose another)"
-            )
+        _console.print(
+            f"scheduler.capacity is auto and the output folder holds no profile.json: planned at "
+            f"{config.scheduler.resolved_capacity} tokens (`train` on a GPU profiles first and may choose another)"
+        )
     plan = make_plan(
         config,
         prepare_data(config).jobs,
