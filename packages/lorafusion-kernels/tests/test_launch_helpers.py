@@ -46,14 +46,3 @@ def test_capability_heuristic_picks_by_device():
     assert heuristic(KEY, (9, 0)) == hopper
     assert capability_heuristic(interpreter=small, gpu=gpu)(KEY, (9, 0)) == gpu
     assert GEMM_HEURISTIC(KEY, (9, 0)).block_n == 256
-
-
-def test_a_one_adapter_dy_pass_launches_with_fused_loras_configs():
-    """All row tiles of a 1-adapter batch add into one adapter's dB: FusedLoRA's tuning fits it."""
-    from lorafusion_kernels import MultiLoRABatch
-    from lorafusion_kernels._kernels import lora_dys_dyb, multi_lora_bwd
-
-    one = MultiLoRABatch.from_segments([5, 0, 7], [2, 0, 2], num_adapters=3)
-    two = MultiLoRABatch.from_segments([5, 7], [0, 1], num_adapters=2)
-    assert multi_lora_bwd._dy_config_kernel(one) == lora_dys_dyb.KERNEL
-    assert multi_lora_bwd._dy_config_kernel(two) == multi_lora_bwd.DY_KERNEL

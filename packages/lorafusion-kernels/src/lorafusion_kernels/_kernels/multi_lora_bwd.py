@@ -466,17 +466,6 @@ def _grad_operands(dys: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor | N
     return [*dys, *[None] * spare], [d.stride(0) for d in dys] + [0] * spare, len(dys) if len(dys) > 1 else 0
 
 
-def _dy_config_kernel(batch: MultiLoRABatch) -> str:
-    """Whose tuned configs the dy pass of ``batch`` launches with.
-
-    Every row tile adds its ``dy^T S'`` into its adapter's ``dB`` rows, so with one adapter all
-    ``T / BLOCK_M`` tiles add into the same addresses. The multi-adapter configs are tuned on
-    4-adapter batches; a 1-adapter batch (a sibling call's: single layers take FusedLoRA) takes
-    FusedLoRA's ``dys_dyb`` configs, tuned on one adapter with the same tiling.
-    """
-    return lora_dys_dyb.KERNEL if batch.single_adapter() is not None else DY_KERNEL
-
-
 def multi_lora_dys_dyb(
     dy: torch.Tensor | Sequence[torch.Tensor],
     b_cat: torch.Tensor,
@@ -520,7 +509,7 @@ def multi_lora_dys_dyb(
     T, N = first.shape[0], sum(d.shape[1] for d in dys)
     siblings = bool(members)
     db = torch.zeros(b_cat.shape, dtype=torch.float32, device=first.device)
-    cfg = config or launch_config(_dy_config_kernel(batch), first, m=T, n=N, k=N, r=max_rank)
+    cfg = config or launch_config(DY_KERNEL, first, m=T, n=N, k=N, r=max_rank)
     tiles = batch.segment_tiles(cfg.block_m)
     group = max(1, len(members))
     widest = max(members) if siblings else N
