@@ -110,7 +110,7 @@ class StageModel:
             "config": self.config,
             "inputs_embeds": hidden,
             "attention_mask": extra.pop("attention_mask", None),
-            "past_key_values": None,
+            _cache_keyword(create_causal_mask): None,
             "position_ids": extra["position_ids"],
         }
         masks = {"full_attention": create_causal_mask(**kwargs)}
@@ -195,6 +195,14 @@ class StageModel:
             else:
                 hidden = layer(hidden, **kwargs)
         return hidden
+
+
+@functools.cache
+def _cache_keyword(mask_builder: Callable[..., Any]) -> str:
+    """The name of ``mask_builder``'s KV-cache argument: ``cache`` since transformers 5.24, ``past_key_values`` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(mask_builder).parameters else "past_key_values"
 
 
 @contextlib.contextmanager
