@@ -199,7 +199,7 @@ class StageModel:
 
 @functools.cache
 def _cache_keyword(mask_builder: Callable[..., Any]) -> str:
-    """The name of ``mask_builder``'s KV-cache argument: ``cache`` since transformers 5.24, ``past_key_values`` before."""
+    """The name of ``mask_builder``'s KV-cache argument: ``cache`` from transformers 5.24, else ``past_key_values``."""
     import inspect
 
     return "cache" if "cache" in inspect.signature(mask_builder).parameters else "past_key_values"
