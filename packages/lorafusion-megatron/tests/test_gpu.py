@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from lorafusion_megatron.config import parse_config
+from lorafusion_megatron.config import DatasetConfig, JobConfig, parse_config
+from lorafusion_megatron.dropout_seeds import drawing_for
+from lorafusion_megatron.optim import AdapterOptimizer
 from lorafusion_megatron.packing import pack_microbatch
 from lorafusion_megatron.runner import MicrobatchRunner
 from lorafusion_megatron.testing import lora_grads, plan_microbatch, random_job, tiny_peft_model
@@ -16,16 +18,21 @@ from lorafusion_megatron.trainer import Trainer
 pytestmark = pytest.mark.gpu
 
 
-def _cuda_grads(*, fused: bool, requested_attn: str) -> dict[str, torch.Tensor]:
-    import lorafusion_kernels
-    from lorafusion_megatron.model import resolve_attn_implementation
-
-    device = torch.device("cuda")
+def _two_jobs() -> tuple[dict, dict]:
     data = {
         "first": random_job("first", [90, 50, 120], 3, seed=0),
         "second": random_job("second", [70, 110], 2, seed=1),
     }
     denominators = {(name, 0): job.global_batch_targets(0) for name, job in data.items()}
+    return data, denominators
+
+
+def _cuda_grads(*, fused: bool, requested_attn: str) -> dict[str, torch.Tensor]:
+    import lorafusion_kernels
+    from lorafusion_megatron.model import resolve_attn_implementation
+
+    device = torch.device("cuda")
+    data, denominators = _two_jobs()
     mb = plan_microbatch(("first", 0, (0, 1, 2)), ("second", 0, (0, 1)))
     model, _ = tiny_peft_model(attn_implementation=requested_attn)
     model.to(device=device, dtype=torch.bfloat16)
@@ -58,3 +65,39 @@ def test_bf16_training_run_on_cuda(tmp_path, config_dict) -> None:
         assert job.last_loss is not None
         assert math.isfinite(job.last_loss)
     assert all((path / "adapter_model.safetensors").is_file() for path in result.adapters.values())
+
+
+def test_queueing_a_microbatch_and_a_step_never_waits_for_the_gpu() -> None:
+    """Packing, the host-to-GPU copies, forward + backward and the optimizer step only queue work.
+
+    The GPU is kept busy by a long sleep kernel queued first: if anything on the way synchronises
+    (a pageable copy, a read-back), the host cannot return before the sleep has ended.
+    """
+    import lorafusion_kernels
+    from lorafusion_megatron.model import lora_parameters, resolve_attn_implementation
+
+    device = torch.device("cuda")
+    data, denominators = _two_jobs()
+    mb = plan_microbatch(("first", 0, (0, 1, 2)), ("second", 0, (0, 1)))
+    model, _ = tiny_peft_model(attn_implementation="varlen", dropout=0.1)
+    model.to(device=device, dtype=torch.bfloat16)
+    lorafusion_kernels.patch_peft_model(model)
+    attn = resolve_attn_implementation("varlen", device)
+    runner = MicrobatchRunner(model, ["first", "second"], attn_implementation=attn, dtype=torch.bfloat16, fused=True)
+    job = JobConfig(name="first", dataset=DatasetConfig(synthetic="xsum"), max_grad_norm=1.0)
+    optimizer = AdapterOptimizer(job, lora_parameters(model, "first"), total_steps=4)
+
+    def queue_microbatch_and_step() -> None:
+        with drawing_for(mb):
+            runner.forward_backward(pack_microbatch(mb, data).to(device), denominators)
+        optimizer.step()
+
+    queue_microbatch_and_step()  # compiles the kernels, fills the allocator's cache
+    torch.cuda.synchronize()
+    cycles_per_second = torch.cuda.get_device_properties(device).clock_rate * 1000
+    torch.cuda._sleep(int(2 * cycles_per_second))
+    slept = torch.cuda.Event()
+    slept.record()
+    queue_microbatch_and_step()
+    assert not slept.query(), "the host waited for the GPU while queueing a microbatch or an optimizer step"
+    torch.cuda.synchronize()

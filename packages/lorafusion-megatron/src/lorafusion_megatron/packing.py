@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lorafusion_megatron.host_copy import to_device
+
 if TYPE_CHECKING:
     import torch
 
@@ -74,12 +76,12 @@ class PackedBatch:
         return sum(self.sample_lengths)
 
     def to(self, device: torch.device) -> PackedBatch:
-        """The same batch with its tensors on ``device``."""
+        """The same batch with its (host) tensors on ``device``; the host does not wait for the device."""
         return replace(
             self,
-            input_ids=self.input_ids.to(device, non_blocking=True),
-            position_ids=self.position_ids.to(device, non_blocking=True),
-            targets=self.targets.to(device, non_blocking=True),
+            input_ids=to_device(self.input_ids, device),
+            position_ids=to_device(self.position_ids, device),
+            targets=to_device(self.targets, device),
         )
 
     def multi_lora_routing(self, adapters: Sequence[str]) -> MultiLoRABatch:
@@ -189,7 +191,7 @@ def attention_inputs(batch: PackedBatch, attn_implementation: str, dtype: torch.
         return inputs
     if attn_implementation == VARLEN:
         bounds = torch.tensor([0, *itertools.accumulate(batch.sample_lengths)], dtype=torch.int32)
-        cu = bounds.to(batch.input_ids.device, non_blocking=True)
+        cu = to_device(bounds, batch.input_ids.device)
         longest = max(batch.sample_lengths)
         inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         return inputs

@@ -52,7 +52,7 @@ class RunState:
         position: Index of the next plan microbatch to run.
         jobs: Per-job counters, in config order.
         total_optimizer_steps: Steps of all jobs together (what ``save_steps`` counts).
-        seconds: Wall time of the run so far, over all sessions.
+        seconds: Wall time spent executing the plan so far (start-up excluded), over all sessions.
     """
 
     position: int

@@ -147,16 +147,17 @@ class Trainer:
                 position=0,
                 jobs={a.name: JobProgress(name=a.name, total_steps=a.num_global_batches) for a in plan.adapters},
             )
-        session.start(plan, state, self.console, resumed=checkpoint_path is not None)
-        with (
-            start_up_objects_frozen(),
-            self.stop,
-            ProgressDisplay(
-                len(plan.microbatches), state.position, enabled=config.logging.progress_bar, console=self.console
-            ) as display,
-        ):
-            session.display = display
-            position = execute_plan(plan.microbatches, session, start=state.position, should_stop=self.stop)
+        # The collection that freezes the start-up objects is start-up too: the clock starts after it.
+        with start_up_objects_frozen():
+            session.start(plan, state, self.console, resumed=checkpoint_path is not None)
+            with (
+                self.stop,
+                ProgressDisplay(
+                    len(plan.microbatches), state.position, enabled=config.logging.progress_bar, console=self.console
+                ) as display,
+            ):
+                session.display = display
+                position = execute_plan(plan.microbatches, session, start=state.position, should_stop=self.stop)
         session.close()
         if position < len(plan.microbatches):
             path = session.save_checkpoint()

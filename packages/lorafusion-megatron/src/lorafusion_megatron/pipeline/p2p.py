@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lorafusion_megatron.host_copy import to_device
+
 if TYPE_CHECKING:
     import torch
 
@@ -97,7 +99,7 @@ class StageLink:
         def send(transfer: Transfer, peer: int | None, what: str) -> None:
             assert peer is not None, f"stage {layout.stage} has no neighbour to send {what} to"
             self._check_send(transfer, what)
-            header = torch.tensor([transfer.microbatch, transfer.tokens], dtype=torch.int64, device=layout.device)
+            header = to_device(torch.tensor([transfer.microbatch, transfer.tokens], dtype=torch.int64), layout.device)
             payload = transfer.tensor.contiguous()
             ops.append(dist.P2POp(dist.isend, header, peer, layout.pipeline_group))
             ops.append(dist.P2POp(dist.isend, payload, peer, layout.pipeline_group))
