@@ -5,7 +5,8 @@ the device (a read-back, a blocking copy, an allocation that frees cached memory
 This probe runs the trainer's steps for one microbatch of the tiny preset on CUDA, each step behind
 a two-second sleep kernel, and reports the steps that returned only after the sleep had ended. It
 also runs them under ``torch.cuda.set_sync_debug_mode("warn")`` and prints where torch itself
-synchronised (the innermost frames of the project's code and of torch).
+synchronised (the innermost four frames of the project's code on the way there). It reaches into
+the runner's private steps so that forward and backward are probed apart.
 
     python3 packages/lorafusion-megatron/benchmarks/sync_probe.py [--siblings] [--p 0.1] [--attn varlen]
 """
