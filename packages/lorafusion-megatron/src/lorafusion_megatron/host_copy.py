@@ -22,8 +22,9 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``host`` (a CPU tensor) on ``device``, queued behind the stream's work without waiting for it.
 
     On a GPU the tensor goes through pinned memory from torch's caching host allocator, which keeps
-    the pinned block until the copy has run, so ``host`` may be dropped or changed at once.
+    the pinned block until the copy has run, so ``host`` may be dropped or changed at once. A tensor
+    that is not on the CPU, or a device that is not a GPU, takes a plain ``Tensor.to``.
     """
-    if device.type != "cuda":
+    if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
