@@ -57,12 +57,16 @@ from pipeline_results import SCHEDULES, expected_rate, summarise_cells
 from provenance import provenance
 
 from lorafusion_megatron.atomic_files import write_json_atomically
+from lorafusion_megatron.pipeline.partition import CheckpointSetting
 
 HET = ("xsum", "cnndm", "wikisum", "mixed")
 """The paper's heterogeneous workload: adapter ``i`` trains on ``HET[i]``."""
 
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.1, "target_modules": "all-linear"}
 """Every job's adapter (the issue's and the paper's setting)."""
+
+CHECKPOINTING: dict[str, CheckpointSetting] = {"none": False, "all": True, "balanced": "balanced"}
+"""``--checkpointing`` to ``runtime.activation_checkpointing``."""
 
 SIMULATED_AS = {"megatron": "megatron-1f1b"}
 """The simulator's run names that differ from the schedule's."""
@@ -107,7 +111,7 @@ def run_config(args: argparse.Namespace, cell: Cell, *, samples: int, steps: int
             for name in HET[: cell.adapters]
         ],
         "scheduler": {"capacity": args.capacity, "padding_multiple": 64},
-        "runtime": {"seed": 0, "activation_checkpointing": args.checkpointing, "fused_kernels": fused},
+        "runtime": {"seed": 0, "activation_checkpointing": CHECKPOINTING[args.checkpointing], "fused_kernels": fused},
         "logging": {"progress_bar": False, "logging_steps": 1000},
         "parallel": {"pipeline_stages": args.stages, "schedule": cell.schedule},
     }
@@ -258,12 +262,13 @@ def simulated(plan_file: Path, stage_factors: tuple[float, ...] | None) -> dict[
     }
 
 
-def partition_factors(preset: str, stages: int) -> tuple[float, ...] | None:
-    """``stage_cost_factors`` of a random-weight preset's layer partition over ``stages``."""
-    from lorafusion_megatron.pipeline.partition import stage_cost_factors
+def partition_factors(preset: str, stages: int, checkpointing: str) -> tuple[float, ...] | None:
+    """``stage_cost_factors`` of a random-weight preset's layer partition over ``stages``, recomputation included."""
+    from lorafusion_megatron.pipeline.partition import recomputed_layers, stage_cost_factors
     from lorafusion_megatron.presets import PRESETS
 
-    return stage_cost_factors(PRESETS[preset].config, stages)
+    config = PRESETS[preset].config
+    return stage_cost_factors(config, stages, recomputed_layers(config, stages, CHECKPOINTING[checkpointing]))
 
 
 class Benchmark:
@@ -296,7 +301,7 @@ class Benchmark:
             "capacity": a.capacity,
             "length_scale": a.length_scale,
             "dtype": a.dtype,
-            "activation_checkpointing": a.checkpointing,
+            "activation_checkpointing": CHECKPOINTING[a.checkpointing],
             "baseline_kernels": a.baseline_kernels,
         }
 
@@ -355,7 +360,7 @@ class Benchmark:
             traces.mkdir(exist_ok=True)
             shutil.copyfile(trace, traces / f"{folder.name}.json")
         if record["status"] == "ok" and not record["warmup"] and str(cell.adapters) not in self.simulated:
-            factors = partition_factors(self.args.preset, self.args.stages)
+            factors = partition_factors(self.args.preset, self.args.stages, self.args.checkpointing)
             self.simulated[str(cell.adapters)] = simulated(folder / "plan.json", factors)
         self.runs.append(record)
         self.write()
@@ -472,7 +477,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--capacity", type=int, default=4096, help="tokens per microbatch (a multiple of 64)")
     parser.add_argument("--length-scale", type=float, default=1.0, help="scales the synthetic lengths")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every layer")
+    parser.add_argument(
+        "--checkpointing",
+        nargs="?",
+        const="all",
+        default="none",
+        choices=tuple(CHECKPOINTING),
+        help="activation checkpointing: of every layer (alone: all), none, or balanced over the stages",
+    )
     parser.add_argument(
         "--baseline-kernels",
         choices=("plain", "fused"),

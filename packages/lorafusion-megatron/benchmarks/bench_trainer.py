@@ -58,7 +58,9 @@ from lorafusion_megatron.config import TrainerConfig, parse_config
 from lorafusion_megatron.data.job_data import JobData
 from lorafusion_megatron.model import attach_adapters, build_base_model, resolve_attn_implementation
 from lorafusion_megatron.packing import PackedBatch, pack_microbatch
+from lorafusion_megatron.pipeline.partition import recomputed_layers
 from lorafusion_megatron.planning import make_plan, plan_from_json
+from lorafusion_megatron.presets import PRESETS
 from lorafusion_megatron.runner import MicrobatchRunner
 from lorafusion_megatron.trainer import Trainer, prepare_data
 from lorafusion_sched.models import Plan
@@ -254,7 +256,8 @@ def time_modes(
     the joint plan at ``--baseline-capacity`` (``peft-mixed``) and ``sequential`` the jobs' own plans
     at ``--baseline-capacity`` (``peft-sequential``).
     """
-    base = build_base_model(config.base_model, device=device, seed=0, activation_checkpointing=args.checkpointing)
+    recomputed = recomputed_layers(PRESETS[args.preset].config, 1, args.checkpointing)[0]
+    base = build_base_model(config.base_model, device=device, seed=0, recomputed_layers=recomputed)
     # The frozen floor needs a gradient path through the activations.
     base.enable_input_require_grads()  # type: ignore[no-untyped-call]
     model = attach_adapters(base, config.jobs, seed=0, name_or_path=args.preset)

@@ -7,6 +7,8 @@
 #   kind nvidia-h200-x4:  bash packages/lorafusion-megatron/benchmarks/device_pipeline.sh llama-3.1-70b
 # Extra arguments go to bench_pipeline.py (e.g. --repeats 1, --baseline-kernels fused).
 # NCCL_TEST=0 skips the NCCL test (a second call on a machine where it already passed).
+# CHECKPOINTING (default balanced; all: every layer, as the runs up to 2026-11-23; none) sets
+# runtime.activation_checkpointing of every schedule alike.
 # Six files come back in $OUT: the results JSON, its markdown table and plot, the runs' traces
 # (pipeline_trace.json of each, in a .tar.gz), and two logs.
 # The call is planned to end within BUDGET seconds (default 550, under the device's 600): the NCCL
@@ -50,7 +52,7 @@ fi
 deadline=$((budget - (SECONDS - start) - 60))
 stamp "benchmark, deadline $deadline s"
 python3 packages/lorafusion-megatron/benchmarks/bench_pipeline.py --preset "$preset" --stages "$stages" \
-  --checkpointing --deadline-seconds "$deadline" --grace-seconds 40 --work "$(mktemp -d /tmp/bench-pipeline.XXXX)" \
+  --checkpointing "${CHECKPOINTING:-balanced}" --deadline-seconds "$deadline" --grace-seconds 40 --work "$(mktemp -d /tmp/bench-pipeline.XXXX)" \
   --out "$out/$name.json" "$@" 2>&1 | tee "$out/bench.log"
 bench_status=${PIPESTATUS[0]}
 stamp "benchmark exit status $bench_status"

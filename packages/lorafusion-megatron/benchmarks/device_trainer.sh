@@ -13,6 +13,9 @@
 #   auto:  `lorafusion-megatron train` on examples/llama-3.1-8b-het.yaml with `capacity: auto` and
 #          a fresh output folder: the CLI profiles the model first (profile.json, profile.md), then
 #          trains AUTO_STEPS steps per job at the chosen capacity (summary.json, plan.json).
+#   recompute: `lorafusion-megatron profile` on the same example with RECOMPUTE layers recomputed
+#          (default "0 8 16 32": runtime.activation_checkpointing = [N]) at RECOMPUTE_CAPACITIES
+#          tokens (default "8192 16384"): forward and backward time and peak memory per count.
 # Everything worth keeping lands in $OUT: the results JSON, logs, the profile and the run summary.
 set -uo pipefail
 
@@ -42,5 +45,15 @@ if [[ " $stages " == *" auto "* ]]; then
   # Keep the small files; the adapters (about 170 MB each) stay behind.
   rm -rf "$run/adapters" "$run/checkpoints"
   stamp "auto done"
+fi
+if [[ " $stages " == *" recompute "* ]]; then
+  for count in ${RECOMPUTE:-0 8 16 32}; do
+    run="$out/recompute-$count"
+    python3 -m lorafusion_megatron.cli profile packages/lorafusion-megatron/examples/llama-3.1-8b-het.yaml \
+      --set "output_dir=$run" --set logging.tensorboard_dir=null --set "runtime.activation_checkpointing=[$count]" \
+      --capacities ${RECOMPUTE_CAPACITIES:-8192 16384} 2>&1 | tee "$out/recompute-$count.log" | tail -25
+    status=$((status | PIPESTATUS[0]))
+    stamp "recompute $count done"
+  done
 fi
 exit $status

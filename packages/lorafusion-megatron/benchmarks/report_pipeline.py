@@ -24,6 +24,9 @@ from pipeline_results import SCHEDULES, merge_results
 
 from lorafusion_megatron.atomic_files import write_text_atomically
 
+CHECKPOINTING_WORDS: dict[bool | str, str] = {True: "on", False: "off", "balanced": "balanced over the stages"}
+"""How the setup paragraph names ``runtime.activation_checkpointing``."""
+
 COLOURS = {"lorafusion": "#1b9e77", "megatron-1f1b": "#d95f02", "mlora": "#7570b3"}
 """One colour per schedule, the same in both panels."""
 
@@ -47,7 +50,8 @@ def _setup(document: dict[str, Any]) -> str:
         f"{s['steps_per_adapter']} global batches of {s['global_batch_size']} samples per adapter, "
         f"LoRA r={s['lora']['r']}, alpha={s['lora']['lora_alpha']}, dropout {s['lora']['lora_dropout']}, "
         f"capacity {s['capacity']} tokens, {s['dtype']}, activation checkpointing "
-        f"{'on' if s['activation_checkpointing'] else 'off'}; the baselines run {kernels}."
+        f"{CHECKPOINTING_WORDS.get(s['activation_checkpointing'], s['activation_checkpointing'])}; "
+        f"the baselines run {kernels}."
     )
 
 

@@ -47,7 +47,17 @@ def test_every_schedule_of_a_cell_trains_the_same_jobs(scripts: dict[str, Module
     # The paper's baselines run the unfused LoRA layers; only that and the schedule differ.
     assert [c.runtime.fused_kernels for c in configs.values()] == [True, False, False]
     assert len({c.model_dump_json(exclude={"parallel", "runtime"}) for c in configs.values()}) == 1
-    assert configs["mlora"].runtime.activation_checkpointing
+    assert configs["mlora"].runtime.activation_checkpointing is True
+    balanced = _args(scripts, "--preset", "llama-3.1-70b", "--stages", "4", "--checkpointing", "balanced")
+    assert (
+        parse_config(
+            bench.run_config(balanced, bench.Cell(4, "lorafusion"), samples=32, steps=2)
+        ).runtime.activation_checkpointing
+        == "balanced"
+    )
+    assert max(bench.partition_factors("llama-3.1-70b", 4, "balanced")) < max(
+        bench.partition_factors("llama-3.1-70b", 4, "all")
+    )
 
 
 def test_the_yaml_config_starts_with_its_command(scripts: dict[str, ModuleType], tmp_path: Path) -> None:

@@ -138,6 +138,23 @@ def test_plan_of_a_pipeline_weighs_its_stages(tmp_path: Path, config_dict, capsy
     assert "partition" in capsys.readouterr().out  # the simulator runs the stages the runtime builds
 
 
+def test_recomputed_layer_counts_are_checked_against_the_stages_the_run_uses(
+    tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One count per stage, of the stages the command line gives; no count above a stage's layers."""
+    data = config_dict()
+    data["runtime"] = {"activation_checkpointing": [1, 1]}
+    path = _write(tmp_path / "run.yaml", data)
+    assert main(["validate", str(path)]) == 2
+    assert "gives 2 counts for 1 pipeline stage(s)" in capsys.readouterr().err
+    assert main(["plan", str(path), "--pipeline-stages", "2"]) == 0  # the tiny preset: 1 layer per stage
+    capsys.readouterr()
+    assert main(["plan", str(path), "--pipeline-stages", "2", "--set", "runtime.activation_checkpointing=[1, 2]"]) == 2
+    assert "stage 1 holds 1 decoder layer(s) (layers 1 to 1), so it can recompute 0 to 1 of them, not 2" in (
+        capsys.readouterr().err
+    )
+
+
 def test_train_then_export_merged_model(tmp_path: Path, config_dict, tiny_base: Path) -> None:
     data = config_dict(base_model={"model_name_or_path": str(tiny_base), "dtype": "float32"})
     path = _write(tmp_path / "run.yaml", data)

@@ -37,7 +37,12 @@ def three_layer_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(
-    model: str, tmp_path: Path, *, activation_checkpointing: bool = False, attn: str = "sdpa", fused: bool = True
+    model: str,
+    tmp_path: Path,
+    *,
+    activation_checkpointing: bool | str | list[int] = False,
+    attn: str = "sdpa",
+    fused: bool = True,
 ) -> TrainerConfig:
     jobs = [
         {"name": name, "dataset": {"synthetic": "xsum"}, "r": r, "lora_alpha": 8, "target_modules": targets}
@@ -63,10 +68,17 @@ def _stages(config: TrainerConfig, count: int) -> list[StageModel]:
 
 
 @pytest.mark.parametrize(
-    ("activation_checkpointing", "attn"), [(False, "sdpa"), (True, "sdpa"), (False, "eager"), (False, "varlen")]
+    ("activation_checkpointing", "attn", "recomputed"),
+    [
+        (False, "sdpa", [0, 0]),
+        (True, "sdpa", [2, 1]),
+        ([1, 0], "sdpa", [1, 0]),
+        (False, "eager", [0, 0]),
+        (False, "varlen", [0, 0]),
+    ],
 )
 def test_two_stages_give_the_full_models_losses_gradients_and_initial_adapters(
-    three_layer_base: Path, tmp_path: Path, activation_checkpointing: bool, attn: str
+    three_layer_base: Path, tmp_path: Path, activation_checkpointing: bool | list[int], attn: str, recomputed: list[int]
 ) -> None:
     from lorafusion_megatron.attention import torch_varlen_available
 
@@ -75,6 +87,7 @@ def test_two_stages_give_the_full_models_losses_gradients_and_initial_adapters(
     config = _config(str(three_layer_base), tmp_path, activation_checkpointing=activation_checkpointing, attn=attn)
     stages = _stages(config, 2)
     assert [list(s.spec.layers) for s in stages] == [[0, 1], [2]]
+    assert [s.recomputed_layers for s in stages] == recomputed
     data = {"first": random_job("first", [5, 7, 4], 3, seed=1), "second": random_job("second", [6, 3], 2, seed=2)}
     batch = pack_microbatch(plan_microbatch(("first", 0, (0, 1, 2)), ("second", 0, (0, 1))), data)
     denominators = {("first", 0): 13, ("second", 0): 7}
@@ -94,6 +107,12 @@ def test_two_stages_give_the_full_models_losses_gradients_and_initial_adapters(
     )
     expected = runner.forward_backward(batch, denominators).get()
 
+    # Each layer's attention runs once in the forward, and again where the backward recomputes it.
+    calls: dict[int, int] = {}
+    for stage in stages:
+        for i in stage.spec.layers:
+            attention = stage.model.base_model.model.model.layers[i].self_attn
+            attention.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls.get(i, 0) + 1))
     hidden = stages[0].forward(batch, None)
     received = hidden.detach().requires_grad_(True)
     token_loss = stages[1].forward(batch, received)
@@ -102,6 +121,7 @@ def test_two_stages_give_the_full_models_losses_gradients_and_initial_adapters(
     assert [float(v.detach()) for v in sums] == pytest.approx([r.loss_sum for r in expected], rel=1e-6)
     objective.backward()
     hidden.backward(received.grad)
+    assert calls == {0: 1 + (recomputed[0] > 0), 1: 1 + (recomputed[0] > 1), 2: 1 + (recomputed[1] > 0)}
 
     full = dict(reference.named_parameters())
     checked = 0

@@ -70,21 +70,29 @@ def test_results_report_loss_sums_and_token_counts() -> None:
 
 
 def test_fused_routing_and_activation_checkpointing_give_the_same_gradients() -> None:
-    """Mixed microbatch: plain PEFT per segment == fused routing == fused with recomputation."""
+    """Mixed microbatch: plain PEFT per segment == fused routing == fused recomputing one or both layers."""
     import lorafusion_kernels
 
     data = {"first": random_job("first", [9, 5, 12], 3, seed=0), "second": random_job("second", [7, 11], 2, seed=1)}
     denominators = {(name, 0): job.global_batch_targets(0) for name, job in data.items()}
     mb = microbatch(("first", 0, (0, 1, 2)), ("second", 0, (0, 1)))
     grads = []
-    for fused, checkpointing in ((False, False), (True, False), (True, True)):
-        model, _ = tiny_peft(activation_checkpointing=checkpointing)
+    for fused, recomputed in ((False, 0), (True, 0), (True, 1), (True, 2)):
+        model, _ = tiny_peft(recomputed_layers=recomputed)
         if fused:
             lorafusion_kernels.patch_peft_model(model)
         runner = MicrobatchRunner(
             model, ["first", "second"], attn_implementation="sdpa", dtype=torch.float32, fused=fused
         )
+        # A layer's attention runs once per forward of the layer (plain PEFT: once per adapter's
+        # segment), and again where the backward recomputes it.
+        layers = model.base_model.model.model.layers
+        calls = [0] * len(layers)
+        for index, layer in enumerate(layers):
+            layer.self_attn.register_forward_hook(lambda *_, i=index, c=calls: c.__setitem__(i, c[i] + 1))
         runner.forward_backward(pack_microbatch(mb, data), denominators)
+        passes = 1 if fused else len(data)
+        assert calls == [passes * (2 if index < recomputed else 1) for index in range(len(layers))]
         grads.append(lora_grads(model))
     for other in grads[1:]:
         assert other.keys() == grads[0].keys()

@@ -33,6 +33,34 @@ def model_type(config: TrainerConfig) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _model_config(config: TrainerConfig) -> dict[str, object] | None:
+    """The base model's config as a dict (a preset's, or its ``config.json``), if it can be read."""
+    preset = PRESETS.get(config.base_model.model_name_or_path)
+    if preset is not None:
+        return dict(preset.config)
+    path = Path(config.base_model.model_name_or_path) / "config.json"
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _recomputation_problem(config: TrainerConfig, stages: int) -> str | None:
+    """What is wrong with ``runtime.activation_checkpointing``'s counts for ``stages`` stages, if anything."""
+    from lorafusion_megatron.pipeline.partition import recomputed_layers
+
+    setting = config.runtime.activation_checkpointing
+    model = _model_config(config)
+    if not isinstance(setting, list) or model is None:
+        return None
+    try:
+        recomputed_layers(model, stages, setting)
+    except (TrainerError, KeyError, TypeError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
 def _writable_ancestor(path: Path) -> bool:
     for candidate in (path, *path.parents):
         if candidate.exists():
@@ -40,7 +68,7 @@ def _writable_ancestor(path: Path) -> bool:
     return False
 
 
-def _problems(config: TrainerConfig) -> list[str]:
+def _problems(config: TrainerConfig, pipeline_stages: int) -> list[str]:
     problems = []
     model = config.base_model
     if not model.is_preset and not (Path(model.model_name_or_path) / "config.json").is_file():
@@ -73,16 +101,26 @@ def _problems(config: TrainerConfig) -> list[str]:
         problems.append(f"output_dir: {config.output_dir} cannot be created or written")
     if config.logging.tensorboard_dir is not None and not _writable_ancestor(Path(config.logging.tensorboard_dir)):
         problems.append(f"logging.tensorboard_dir: {config.logging.tensorboard_dir} cannot be created or written")
+    recomputation = _recomputation_problem(config, pipeline_stages)
+    if recomputation is not None:
+        problems.append(recomputation)
     return problems
 
 
-def check_config(config: TrainerConfig, *, source: str = "config") -> None:
+def check_config(config: TrainerConfig, *, source: str = "config", pipeline_stages: int | None = None) -> None:
     """Check what the config points to.
+
+    Args:
+        config: The run.
+        source: How the messages name the config (its file).
+        pipeline_stages: The stages the run will use (a command-line flag may override the config's
+            ``parallel.pipeline_stages``, which ``None`` takes).
 
     Raises:
         TrainerError: Listing every problem, each naming its key.
     """
-    problems = _problems(config)
+    stages = config.parallel.pipeline_stages if pipeline_stages is None else pipeline_stages
+    problems = _problems(config, stages)
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise TrainerError(f"{source} has {len(problems)} problem(s):\n{lines}")

@@ -42,7 +42,9 @@ def _load(args: argparse.Namespace) -> Any:
     from lorafusion_megatron.config import load_config
 
     config = load_config(args.config, _overrides(args.set))
-    check_config(config, source=str(args.config))
+    check_config(
+        config, source=str(args.config), pipeline_stages=parallel_from_args(args, config.parallel).pipeline_stages
+    )
     return config
 
 
@@ -111,10 +113,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     factors = None
     if parallel.pipeline_stages > 1:
         from lorafusion_megatron.model import load_model_config
-        from lorafusion_megatron.pipeline.partition import stage_cost_factors
+        from lorafusion_megatron.pipeline.partition import recomputed_layers, stage_cost_factors
 
-        factors = stage_cost_factors(load_model_config(config.base_model).to_dict(), parallel.pipeline_stages)
-    stages_note = "" if factors is None else ", stages weighted by the layer partition's costs"
+        model_config = load_model_config(config.base_model).to_dict()
+        stages = parallel.pipeline_stages
+        recomputed = recomputed_layers(model_config, stages, config.runtime.activation_checkpointing)
+        factors = stage_cost_factors(model_config, stages, recomputed)
+    stages_note = "" if factors is None else ", stages weighted by the layer partition's costs and recomputation"
     simulated = Table(
         title=f"Simulated with the scheduler's default cost model{stages_note} (ratios matter, not seconds)"
     )

@@ -116,7 +116,7 @@ def load_model_config(config: BaseModelConfig) -> PretrainedConfig:
 
 
 def build_base_model(
-    config: BaseModelConfig, *, device: torch.device, seed: int, activation_checkpointing: bool = False
+    config: BaseModelConfig, *, device: torch.device, seed: int, recomputed_layers: int = 0
 ) -> PreTrainedModel:
     """Load (or, for a preset, build with seeded random weights) the base model, frozen, on ``device``.
 
@@ -124,7 +124,8 @@ def build_base_model(
         config: The base model section.
         device: Where the model runs.
         seed: Seed of a preset's random weights.
-        activation_checkpointing: Recompute decoder layers in the backward.
+        recomputed_layers: How many decoder layers, the first ones, recompute their activations in
+            the backward (see :func:`~lorafusion_megatron.pipeline.partition.recomputed_layers`).
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -150,7 +151,7 @@ def build_base_model(
             ) from None
     model.requires_grad_(False)
     model.config.use_cache = False
-    if activation_checkpointing:
+    if recomputed_layers:
         kwargs = {"use_reentrant": False}
         # transformers renamed gradient_* to activation_checkpointing_* (the old name warns since ~5.20).
         enable = getattr(model, "activation_checkpointing_enable", None)
@@ -158,6 +159,12 @@ def build_base_model(
             enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        # Every decoder layer checks its own flag on each call: the later ones keep their activations.
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+        for layer in layers[recomputed_layers:]:
+            layer.gradient_checkpointing = False
         # With a frozen embedding nothing before the first layer needs a gradient; the checkpointed
         # layers still must see an input that does, or autograd skips their LoRA weights.
         model.enable_input_require_grads()

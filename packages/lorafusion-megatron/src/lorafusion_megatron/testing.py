@@ -70,7 +70,7 @@ def tiny_peft_model(
     *,
     attn_implementation: str = "sdpa",
     dropout: float = 0.0,
-    activation_checkpointing: bool = False,
+    recomputed_layers: int = 0,
 ) -> tuple[PeftModel, list[JobConfig]]:
     """The ``tiny`` preset (fp32, CPU) with one LoRA adapter per name on q/v/down projections.
 
@@ -85,7 +85,7 @@ def tiny_peft_model(
         BaseModelConfig(model_name_or_path="tiny", dtype="float32", attn_implementation=attn_implementation),  # type: ignore[arg-type]
         device=torch.device("cpu"),
         seed=0,
-        activation_checkpointing=activation_checkpointing,
+        recomputed_layers=recomputed_layers,
     )
     jobs = [
         JobConfig(

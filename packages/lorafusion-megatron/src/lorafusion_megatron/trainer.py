@@ -224,6 +224,7 @@ class _Session:
             resolve_device,
             torch_dtype,
         )
+        from lorafusion_megatron.pipeline.partition import recomputed_layers
         from lorafusion_megatron.runner import MicrobatchRunner
 
         device = resolve_device(config.runtime.device)
@@ -231,7 +232,9 @@ class _Session:
             config.base_model,
             device=device,
             seed=config.runtime.seed,
-            activation_checkpointing=config.runtime.activation_checkpointing,
+            recomputed_layers=recomputed_layers(
+                prepared.model_config.to_dict(), 1, config.runtime.activation_checkpointing
+            )[0],
         )
         model = attach_adapters(
             base, config.jobs, seed=config.runtime.seed, name_or_path=config.base_model.model_name_or_path

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lorafusion_megatron.dropout_seeds import drawing_segment, install_dropout_seeding, with_draws_restored
-from lorafusion_megatron.pipeline.partition import StageSpec
+from lorafusion_megatron.pipeline.partition import StageSpec, recomputed_layers
 
 if TYPE_CHECKING:
     import torch
@@ -64,7 +64,8 @@ class StageModel:
         attn_implementation: The attention kernel.
         dtype: Activation dtype.
         device: Where the stage computes.
-        activation_checkpointing: Recompute each decoder layer in the backward.
+        recomputed_layers: How many of the stage's decoder layers, the first ones, recompute their
+            activations in the backward (the others keep them).
         fused: Route LoRA layers through ``lorafusion_kernels`` (else plain PEFT, one segment at a time).
     """
 
@@ -75,7 +76,7 @@ class StageModel:
     attn_implementation: str
     dtype: torch.dtype
     device: torch.device
-    activation_checkpointing: bool = False
+    recomputed_layers: int = 0
     fused: bool = True
 
     @property
@@ -188,7 +189,7 @@ class StageModel:
                 "attention_mask": masks[layer_types[i] if layer_types else "full_attention"],
                 "position_embeddings": position_embeddings,
             }
-            if self.activation_checkpointing:
+            if i - self.spec.start < self.recomputed_layers:
                 hidden = torch.utils.checkpoint.checkpoint(
                     layer, hidden, use_reentrant=False, context_fn=checkpoint_contexts, **kwargs
                 )
@@ -311,6 +312,8 @@ def build_stage_model(
         attn_implementation=attn,
         dtype=dtype,
         device=device,
-        activation_checkpointing=config.runtime.activation_checkpointing,
+        recomputed_layers=recomputed_layers(
+            model_config.to_dict(), spec.num_stages, config.runtime.activation_checkpointing
+        )[spec.stage],
         fused=fused,
     )
