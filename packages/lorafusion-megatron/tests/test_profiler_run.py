@@ -94,7 +94,20 @@ def test_a_capacity_that_runs_out_of_memory_is_reported_and_never_chosen(tmp_pat
     fits = {c["capacity"]: c["fits"] for c in report["candidates"]}
     assert fits == {64: True, 128: True, 256: False, 512: False}
     assert report["chosen_capacity"] in (64, 128)
-    assert "256 tokens ran out of device memory" in (Path(config.output_dir) / "profile.md").read_text()
+    table = (Path(config.output_dir) / "profile.md").read_text()
+    assert "256 tokens ran out of device memory" in table
+    # No predictions where the measurement ran out of memory.
+    assert "| 256 | - | no (out of memory) |" in table
+    assert "| 512 | - | no (out of memory) |" in table
+
+
+def test_a_profile_of_one_token_count_says_it_cannot_compare_capacities(tmp_path: Path, memory_for) -> None:
+    memory_for(64)
+    config = _config(tmp_path)
+    report = _profile_on_one_rank(config, tmp_path, (64, 128))
+    assert report is not None
+    assert [m["tokens"] for m in report["measurements"]] == [64]
+    assert "One token count was measured" in (Path(config.output_dir) / "profile.md").read_text()
 
 
 def test_a_profile_where_nothing_fits_says_what_to_change(tmp_path: Path, memory_for) -> None:

@@ -124,22 +124,29 @@ def write_report(
             "",
             f"A microbatch of {out_of_memory_at} tokens ran out of device memory: larger ones were not measured.",
         ]
+    one_count = len({m.tokens for m in measurements}) < 2
     lines += [
         "",
         f"Cost model: forward = {cost.forward_fixed_s * 1e3:.3f} ms + "
         f"{cost.forward_per_token_s * 1e6:.3f} us x tokens; "
-        f"backward = {cost.backward_factor:.2f} x forward; stage factors {cost.stage_factors}.",
+        f"backward = {cost.backward_factor:.2f} x forward; stage factors {cost.stage_factors}."
+        + (
+            " One token count was measured, so the forward time is taken as the same for every count "
+            "and the peak memory too: measure two or more (--capacities) to compare capacities."
+            if one_count
+            else ""
+        ),
         "",
         "| capacity | predicted peak GiB | fits | microbatches | simulated bubble | simulated tokens/s |",
         "|---:|---:|:---:|---:|---:|---:|",
     ]
     for o in options:
-        peak = f"{o.peak_bytes / 2**30:.2f}" if o.peak_bytes is not None else "-"
+        ran_out = out_of_memory_at is not None and o.capacity >= out_of_memory_at
+        peak = f"{o.peak_bytes / 2**30:.2f}" if o.peak_bytes is not None and not ran_out else "-"
+        fits = "no (out of memory)" if ran_out else "yes" if o.fits else "no"
+        numbers = ("-", "-") if ran_out else (f"{o.bubble_ratio:.1%}", f"{o.tokens_per_s:,.0f}")
         mark = " (chosen)" if o.capacity == chosen else ""
-        lines.append(
-            f"| {o.capacity}{mark} | {peak} | {'yes' if o.fits else 'no'} | {o.microbatches} | "
-            f"{o.bubble_ratio:.1%} | {o.tokens_per_s:,.0f} |"
-        )
+        lines.append(f"| {o.capacity}{mark} | {peak} | {fits} | {o.microbatches} | {numbers[0]} | {numbers[1]} |")
     write_text_atomically(output_dir / "profile.md", "\n".join(lines) + "\n")
     return path
 
