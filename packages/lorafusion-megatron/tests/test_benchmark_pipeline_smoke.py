@@ -26,9 +26,10 @@ def scripts(monkeypatch: pytest.MonkeyPatch) -> dict[str, ModuleType]:
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import bench_pipeline
     import pipeline_results
+    import profile_stage
     import report_pipeline
 
-    return {"bench": bench_pipeline, "results": pipeline_results, "report": report_pipeline}
+    return {"bench": bench_pipeline, "results": pipeline_results, "report": report_pipeline, "stage": profile_stage}
 
 
 def _args(scripts: dict[str, ModuleType], *argv: str) -> Any:
@@ -251,3 +252,19 @@ def test_bench_pipeline_runs_every_schedule_on_two_cpu_stages(tmp_path: Path, on
         report += ["--plot", str(tmp_path / "plot.png")]
     subprocess.run(report, check=True, cwd=tmp_path, capture_output=True)
     assert (tmp_path / "t.md").read_text().count("| `mlora` |") == 2
+
+
+def test_profile_stage_measures_each_recompute_setting_on_one_stage(
+    scripts: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    out = tmp_path / "stage.json"
+    argv = ["--preset", "tiny", "--stages", "2", "--stage", "1", "--recompute", "all", "balanced", "0"]
+    argv += ["--tokens", "64", "--sample-length", "32", "--device", "cpu", "--out", str(out)]
+    assert scripts["stage"].main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    # The tiny preset's LM head outweighs its layer: the last stage of 2 recomputes nothing when balanced.
+    assert [(r["setting"], r["recomputed_layers"], r["tokens"]) for r in rows] == [
+        ("all", 1, 64),
+        ("balanced", 0, 64),
+        ("0", 0, 64),
+    ]
