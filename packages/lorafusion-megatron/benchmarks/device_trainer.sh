@@ -13,6 +13,9 @@
 #   auto:  `lorafusion-megatron train` on examples/llama-3.1-8b-het.yaml with `capacity: auto` and
 #          a fresh output folder: the CLI profiles the model first (profile.json, profile.md), then
 #          trains AUTO_STEPS steps per job at the chosen capacity (summary.json, plan.json).
+#          AUTO_CHECKPOINTING=auto also sets runtime.activation_checkpointing (the profile then
+#          chooses the recomputed layers too; any other value is used as given, e.g. [16]);
+#          AUTO_NAME names the run's folder and log (default auto).
 #   recompute: `lorafusion-megatron profile` on the same example with RECOMPUTE layers recomputed
 #          (default "0 8 16 32": runtime.activation_checkpointing = [N]) at RECOMPUTE_CAPACITIES
 #          tokens (default "8192 16384"): forward and backward time and peak memory per count.
@@ -35,16 +38,18 @@ if [[ " $stages " == *" bench "* ]]; then
   stamp "bench done"
 fi
 if [[ " $stages " == *" auto "* ]]; then
-  run="$out/auto-run"
+  name=${AUTO_NAME:-auto}
+  run="$out/$name-run"
   steps=${AUTO_STEPS:-3}
   sets=(--set scheduler.capacity=auto --set "output_dir=$run" --set logging.tensorboard_dir=null --set save_steps=null)
+  if [[ -n ${AUTO_CHECKPOINTING:-} ]]; then sets+=(--set "runtime.activation_checkpointing=$AUTO_CHECKPOINTING"); fi
   for job in 0 1 2 3; do sets+=(--set "jobs.$job.max_steps=$steps"); done
   python3 -m lorafusion_megatron.cli train packages/lorafusion-megatron/examples/llama-3.1-8b-het.yaml "${sets[@]}" \
-    2>&1 | tee "$out/auto.log" | tail -40
+    2>&1 | tee "$out/$name.log" | tail -40
   status=$((status | PIPESTATUS[0]))
   # Keep the small files; the adapters (about 170 MB each) stay behind.
   rm -rf "$run/adapters" "$run/checkpoints"
-  stamp "auto done"
+  stamp "$name done"
 fi
 if [[ " $stages " == *" recompute "* ]]; then
   for count in ${RECOMPUTE:-0 8 16 32}; do

@@ -29,6 +29,17 @@ def test_fit_recovers_the_model_that_made_the_times() -> None:
     assert cost.forward_seconds(4096, 1) == pytest.approx(1.2 * (1e-3 + 2e-6 * 4096))
 
 
+def test_fit_leaves_out_the_small_counts_the_host_bounds() -> None:
+    """The 8B preset on an H100 (every layer recomputed): below 8,192 tokens the forward waits for the
+    host's launches. A line through every count had a 173 ms fixed cost and chose 32,768 tokens."""
+    forward_ms = {1024: 275.0, 2048: 336.3, 4096: 227.3, 8192: 295.0, 16384: 578.5, 32768: 1161.7}
+    backward_ms = {1024: 486.4, 2048: 385.8, 4096: 374.3, 8192: 668.4, 16384: 1312.8, 32768: 2614.6}
+    cost = fit_cost_model([Measurement(0, n, forward_ms[n] / 1e3, backward_ms[n] / 1e3, None) for n in forward_ms])
+    assert cost.forward_fixed_s < 0.01
+    assert cost.forward_per_token_s == pytest.approx(35.4e-6, rel=0.02)
+    assert cost.backward_factor == pytest.approx(2.265, rel=0.01)
+
+
 def test_fit_line_never_goes_negative() -> None:
     assert fit_line([1.0, 2.0], [3.0, 1.0]) == (2.0, 0.0)
     assert fit_line([5.0, 5.0], [1.0, 3.0]) == (2.0, 0.0)

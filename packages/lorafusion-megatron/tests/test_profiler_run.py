@@ -10,7 +10,7 @@ import pytest
 from lorafusion_megatron.config import TrainerConfig, parse_config
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.pipeline.options import ParallelConfig
-from lorafusion_megatron.profiler.run import profile_rank, profiled_capacity, with_profiled_capacity
+from lorafusion_megatron.profiler.run import profile_due, profile_rank, profiled_capacity, with_profiled_choices
 
 
 def _config(tmp_path: Path) -> TrainerConfig:
@@ -31,7 +31,7 @@ def _config(tmp_path: Path) -> TrainerConfig:
 def test_profile_writes_the_report_and_the_chosen_capacity(tmp_path: Path) -> None:
     config = _config(tmp_path)
     assert profiled_capacity(config.output_dir) is None
-    assert with_profiled_capacity(config) is config
+    assert with_profiled_choices(config) is config
     report = _profile_on_one_rank(config, tmp_path, (64, 128, 256))
     assert report is not None
     assert [m["tokens"] for m in report["measurements"]] == [64, 128, 256]
@@ -39,11 +39,38 @@ def test_profile_writes_the_report_and_the_chosen_capacity(tmp_path: Path) -> No
     assert all(m["forward_s"] > 0 and m["backward_s"] > 0 for m in report["measurements"])
     assert report["chosen_capacity"] in (64, 128, 256)
     assert profiled_capacity(config.output_dir) == report["chosen_capacity"]
-    assert with_profiled_capacity(config).scheduler.capacity == report["chosen_capacity"]
+    assert with_profiled_choices(config).scheduler.capacity == report["chosen_capacity"]
     saved = json.loads((Path(config.output_dir) / "profile.json").read_text())
     assert saved["cost_model"]["forward_per_token_s"] >= 0
     table = (Path(config.output_dir) / "profile.md").read_text()
     assert "(chosen)" in table
+
+
+@pytest.mark.parametrize("capacity", ["auto", 128])
+def test_auto_checkpointing_measures_both_ways_and_resolves_to_counts(tmp_path: Path, capacity: int | str) -> None:
+    """On the CPU nothing limits memory: the tiny preset's 2 layers keep their activations."""
+    config = _config(tmp_path)
+    config = config.model_copy(
+        update={
+            "runtime": config.runtime.model_copy(update={"activation_checkpointing": "auto"}),
+            "scheduler": config.scheduler.model_copy(update={"capacity": capacity}),
+        }
+    )
+    assert profile_due(config, device_type="cuda", resume=False)
+    assert with_profiled_choices(config) is config  # nothing profiled yet: every layer recomputed
+    report = _profile_on_one_rank(config, tmp_path, (64, 128))
+    assert report is not None
+    [model] = report["recompute_models"]
+    assert model["layers"] == 2
+    assert model["seconds_per_token"] >= 0
+    # A fixed capacity is kept: only the recomputed layers are chosen for it.
+    assert [c["capacity"] for c in report["candidates"]] == ([64, 128] if capacity == "auto" else [128])
+    assert report["chosen_recomputed_layers"] == [0]
+    resolved = with_profiled_choices(config)
+    assert resolved.runtime.activation_checkpointing == [0]
+    assert resolved.scheduler.capacity == report["chosen_capacity"]
+    assert not profile_due(config, device_type="cuda", resume=False)
+    assert "recomputed layers per stage" in (Path(config.output_dir) / "profile.md").read_text()
 
 
 def _profile_on_one_rank(config: TrainerConfig, tmp_path: Path, candidates: tuple[int, ...]):

@@ -110,3 +110,47 @@ def test_activate_sets_the_adapters_of_the_first_pass() -> None:
         )
         runner.activate(batch)
         assert sorted(model.base_model.active_adapters) == expected
+
+
+def test_recomputation_in_another_thread_sees_the_forwards_routing_and_draws() -> None:
+    """On a GPU, autograd runs the backward (and so the recomputation) in its own thread for the
+    device, which does not see the forward's context variables; a thread of our own does the same
+    on the CPU. The gradients must equal those of a backward in the forward's thread."""
+    import threading
+
+    import lorafusion_kernels
+    from lorafusion_megatron.dropout_seeds import drawing_for, install_dropout_seeding
+
+    data = {"first": random_job("first", [9, 5, 12], 3, seed=0), "second": random_job("second", [7, 11], 2, seed=1)}
+    planned = microbatch(("first", 0, (0, 1, 2)), ("second", 0, (0, 1)))
+    batch = pack_microbatch(planned, data)
+    grads = []
+    for elsewhere in (False, True):
+        model, _ = tiny_peft(recomputed_layers=2, dropout=0.3)
+        lorafusion_kernels.patch_peft_model(model)
+        install_dropout_seeding(dict(enumerate(model.base_model.model.model.layers)), run_seed=0)
+        runner = MicrobatchRunner(
+            model, ["first", "second"], attn_implementation="sdpa", dtype=torch.float32, fused=True
+        )
+        runner.activate(batch)
+        with drawing_for(planned), runner._routing(batch):
+            objective = sum(runner._segment_losses(batch))
+        failures: list[BaseException] = []
+
+        def backward(objective: torch.Tensor = objective, failures: list[BaseException] = failures) -> None:
+            try:
+                objective.backward()
+            except BaseException as exc:  # re-raised in the test's thread
+                failures.append(exc)
+
+        if elsewhere:
+            thread = threading.Thread(target=backward)
+            thread.start()
+            thread.join()
+        else:
+            backward()
+        assert not failures, failures
+        grads.append(lora_grads(model))
+    assert grads[1].keys() == grads[0].keys()
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=0, msg=name)

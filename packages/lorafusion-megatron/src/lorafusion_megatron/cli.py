@@ -71,14 +71,14 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from lorafusion_megatron.atomic_files import write_text_atomically
     from lorafusion_megatron.planning import make_plan
-    from lorafusion_megatron.profiler.run import with_profiled_capacity
+    from lorafusion_megatron.profiler.run import with_profiled_choices
     from lorafusion_megatron.trainer import prepare_data
     from lorafusion_sched import simulate
     from lorafusion_sched.models import CostModel
 
     config = _load(args)
     parallel = parallel_from_args(args, config.parallel)
-    config = with_profiled_capacity(config)
+    config = with_profiled_choices(config)
     if config.scheduler.capacity == "auto":
         _console.print(
             f"scheduler.capacity is auto and the output folder holds no profile.json: planned at "

@@ -325,14 +325,17 @@ class RuntimeConfig(BaseModel):
     layer on a fused qkv projection does; ``false``: one mask per layer, as separate PEFT layers draw
     (identical results with ``lora_dropout: 0``)."""
 
-    activation_checkpointing: StrictBool | Literal["balanced"] | list[NonNegativeInt] = False
+    activation_checkpointing: StrictBool | Literal["balanced", "auto"] | list[NonNegativeInt] = False
     """Recompute decoder layers' activations in the backward instead of keeping them: each recomputed
     layer keeps less memory and costs one more forward of the layer (LLaMa-3.1-8B, 8,192 tokens, H100:
     1.45 GiB and 8.6 ms per layer). ``true``: every layer; ``false``: none; a list: how many layers
     each pipeline stage recomputes, one count per stage (``[16]`` on one process: the first 16
     layers); ``balanced``: every layer, except that the pipeline stages with more work than the
     lightest one (whole layers rarely divide evenly) recompute fewer, just enough to even out the
-    stages (one process: every layer)."""
+    stages (one process: every layer); ``auto``: as few as fit the GPUs' memory at the capacity, per
+    stage, chosen by ``lorafusion-megatron profile`` (which ``train`` runs first, as for
+    ``scheduler.capacity: auto``; stage ``s`` of ``S`` holds up to ``S - s`` microbatches); every
+    layer while there is no profile (the CPU)."""
 
     seed: int = Field(default=0, ge=0)
     """Seed for LoRA initialisation, dropout, shuffling and synthetic data."""
@@ -341,11 +344,11 @@ class RuntimeConfig(BaseModel):
     @classmethod
     def _checkpointing_setting(cls, value: Any) -> Any:
         counts = isinstance(value, list) and all(type(c) is int and c >= 0 for c in value)
-        if isinstance(value, bool) or value == "balanced" or (counts and value):
+        if isinstance(value, bool) or value in ("balanced", "auto") or (counts and value):
             return value
         raise ValueError(
-            "give true, false, balanced, or a list with one count of recomputed layers per pipeline stage "
-            "(e.g. [20, 18])"
+            "give true, false, balanced, auto, or a list with one count of recomputed layers per pipeline "
+            "stage (e.g. [20, 18])"
         )
 
 

@@ -152,7 +152,13 @@ def build_base_model(
     model.requires_grad_(False)
     model.config.use_cache = False
     if recomputed_layers:
-        kwargs = {"use_reentrant": False}
+        import lorafusion_kernels
+        from lorafusion_megatron.dropout_seeds import with_draws_restored
+
+        # The recomputation runs in autograd's thread for the device, which does not see the context
+        # variables of the forward: the multi-adapter routing and the dropout draws are re-entered.
+        contexts = with_draws_restored(lorafusion_kernels.multi_lora_checkpoint_contexts)
+        kwargs = {"use_reentrant": False, "context_fn": contexts}
         # transformers renamed gradient_* to activation_checkpointing_* (the old name warns since ~5.20).
         enable = getattr(model, "activation_checkpointing_enable", None)
         if enable is not None:

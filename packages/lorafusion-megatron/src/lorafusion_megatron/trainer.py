@@ -111,9 +111,9 @@ class Trainer:
     """
 
     def __init__(self, config: TrainerConfig, *, console: Console | None = None, stop: StopSignal | None = None):
-        from lorafusion_megatron.profiler.run import with_profiled_capacity
+        from lorafusion_megatron.profiler.run import with_profiled_choices
 
-        self.config = with_profiled_capacity(config)
+        self.config = with_profiled_choices(config)
         self.console = console or Console(stderr=True)
         self.stop = stop or StopSignal()
 

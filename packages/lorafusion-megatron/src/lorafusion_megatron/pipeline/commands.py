@@ -109,6 +109,9 @@ def profile(
     if report is not None:
         console.print((Path(config.output_dir) / "profile.md").read_text(encoding="utf-8"), markup=False)
         console.print(f"Chosen capacity: {report['chosen_capacity']} tokens (used by `capacity: auto`)")
+        if report["chosen_recomputed_layers"] is not None:
+            counts = ", ".join(map(str, report["chosen_recomputed_layers"]))
+            console.print(f"Recomputed layers per stage: {counts} (used by `activation_checkpointing: auto`)")
     return 0
 
 

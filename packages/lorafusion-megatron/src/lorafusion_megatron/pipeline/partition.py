@@ -32,8 +32,8 @@ __all__ = [
     "stage_cost_factors",
 ]
 
-CheckpointSetting = bool | Literal["balanced"] | list[int]
-"""``runtime.activation_checkpointing``: none, every layer, ``balanced``, or a count per stage."""
+CheckpointSetting = bool | Literal["balanced", "auto"] | list[int]
+"""``runtime.activation_checkpointing``: none, every layer, ``balanced``, ``auto``, or a count per stage."""
 
 BACKWARD_OVER_FORWARD = 1.36
 """``beta``: backward over forward time of a stage that recomputes nothing. Measured with the
@@ -167,6 +167,7 @@ def recomputed_layers(config: Mapping[str, Any], stages: int, setting: Checkpoin
             per stage); ``"balanced"``: every layer, except that each stage costlier than the cheapest
             one (all layers recomputed) skips the recomputation of as few layers as bring it down to
             that cost (all of them where even that does not). One stage: the same as ``True``.
+            ``"auto"`` (not yet resolved by a profile): every layer, as ``True``.
 
     Raises:
         TrainerError: A list whose length is not ``S``, or a count above the stage's layers.
@@ -174,7 +175,7 @@ def recomputed_layers(config: Mapping[str, Any], stages: int, setting: Checkpoin
     specs = partition_model(config, stages)
     if setting is False:
         return (0,) * stages
-    if setting is True:
+    if setting is True or setting == "auto":
         return tuple(len(spec.layers) for spec in specs)
     if setting == "balanced":
         return _balanced_recomputation(decoder_costs(config)[0], specs)

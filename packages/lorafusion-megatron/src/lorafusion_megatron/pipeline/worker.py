@@ -208,11 +208,11 @@ def run_rank(
     from lorafusion_megatron.pipeline.programs import build_program, split_for_checkpoints
     from lorafusion_megatron.pipeline.stopping import RANK_STOP_MESSAGE, StopAgreement, rank_stop_signal
     from lorafusion_megatron.pipeline.trace import chrome_trace
-    from lorafusion_megatron.profiler.run import with_profiled_capacity
+    from lorafusion_megatron.profiler.run import with_profiled_choices
     from lorafusion_megatron.trainer import prepare_data
 
     phases = _Phases.start()
-    config = with_profiled_capacity(config)
+    config = with_profiled_choices(config)
     with (
         rank_stop_signal() as stop,
         parallel_layout(

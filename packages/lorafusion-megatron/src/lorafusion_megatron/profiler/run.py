@@ -2,13 +2,15 @@
 
 Writes ``<output_dir>/profile.json`` (measurements, the fitted cost model, every candidate
 capacity's predicted memory and simulated throughput, the choice) and ``profile.md``, the same as a
-readable table. :func:`profiled_capacity` reads the choice back, for ``capacity: auto``.
+readable table. :func:`with_profiled_choices` reads the choice back, for ``capacity: auto`` and
+``activation_checkpointing: auto``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,8 +21,11 @@ from lorafusion_megatron.pipeline.options import ParallelConfig
 
 if TYPE_CHECKING:
     from lorafusion_megatron.config import TrainerConfig
+    from lorafusion_megatron.pipeline.partition import StageSpec
+    from lorafusion_megatron.pipeline.stage_model import StageModel
     from lorafusion_megatron.profiler.capacity import CapacityOption
     from lorafusion_megatron.profiler.measure import Measurement, StageMeasurements
+    from lorafusion_megatron.profiler.recompute import RecomputeModel
 
 __all__ = [
     "CPU_CANDIDATES",
@@ -29,7 +34,7 @@ __all__ = [
     "profile_due",
     "profile_rank",
     "profiled_capacity",
-    "with_profiled_capacity",
+    "with_profiled_choices",
     "write_report",
 ]
 
@@ -52,34 +57,44 @@ def profiled_capacity(output_dir: str | Path) -> int | None:
     return int(json.loads(path.read_text(encoding="utf-8"))["chosen_capacity"])
 
 
-def with_profiled_capacity(config: TrainerConfig) -> TrainerConfig:
-    """``config`` with ``scheduler.capacity: auto`` replaced by the profiled choice, when there is one.
+def profiled_recomputation(output_dir: str | Path) -> list[int] | None:
+    """The recomputed layers per stage a previous ``profile`` run chose, if it chose any (``auto``)."""
+    path = Path(output_dir) / _REPORT
+    if not path.is_file():
+        return None
+    chosen = json.loads(path.read_text(encoding="utf-8")).get("chosen_recomputed_layers")
+    return None if chosen is None else [int(count) for count in chosen]
 
-    Without a ``profile.json`` in the output folder the config is returned unchanged (``auto`` then
-    means the scheduler's default).
+
+def with_profiled_choices(config: TrainerConfig) -> TrainerConfig:
+    """``config`` with its ``auto`` capacity and activation checkpointing replaced by the profiled choices.
+
+    Without a ``profile.json`` in the output folder (or one profiled without ``auto`` checkpointing)
+    that key stays ``auto``: the scheduler's default capacity, every layer recomputed.
     """
-    if config.scheduler.capacity != "auto":
-        return config
-    chosen = profiled_capacity(config.output_dir)
-    if chosen is None:
-        return config
-    scheduler = config.scheduler.model_validate({**config.scheduler.model_dump(), "capacity": chosen})
-    return config.model_copy(update={"scheduler": scheduler})
+    if config.scheduler.capacity == "auto":
+        chosen = profiled_capacity(config.output_dir)
+        if chosen is not None:
+            scheduler = config.scheduler.model_validate({**config.scheduler.model_dump(), "capacity": chosen})
+            config = config.model_copy(update={"scheduler": scheduler})
+    if config.runtime.activation_checkpointing == "auto":
+        counts = profiled_recomputation(config.output_dir)
+        if counts is not None:
+            runtime = config.runtime.model_validate({**config.runtime.model_dump(), "activation_checkpointing": counts})
+            config = config.model_copy(update={"runtime": runtime})
+    return config
 
 
 def profile_due(config: TrainerConfig, *, device_type: str, resume: bool) -> bool:
     """Whether ``train`` profiles the model before it starts.
 
-    It does on GPUs when ``capacity: auto`` has nothing to read yet: in a fresh run (a resumed one
-    keeps its plan) whose output folder holds no ``profile.json``. On the CPU ``auto`` stays 4096
-    (a GPU's range of token counts would take minutes there).
+    It does on GPUs when ``capacity: auto`` or ``activation_checkpointing: auto`` has nothing to read
+    yet: in a fresh run (a resumed one keeps its plan) whose output folder holds no
+    ``profile.json``. On the CPU ``auto`` stays 4096 tokens and every layer recomputed (a GPU's
+    range of token counts would take minutes there).
     """
-    return (
-        config.scheduler.capacity == "auto"
-        and device_type == "cuda"
-        and not resume
-        and profiled_capacity(config.output_dir) is None
-    )
+    wants = config.scheduler.capacity == "auto" or config.runtime.activation_checkpointing == "auto"
+    return wants and device_type == "cuda" and not resume and profiled_capacity(config.output_dir) is None
 
 
 def write_report(
@@ -92,12 +107,16 @@ def write_report(
     chosen: int,
     options: list[CapacityOption],
     out_of_memory_at: int | None = None,
+    recompute: list[RecomputeModel] | None = None,
 ) -> Path:
     """Write ``profile.json`` and ``profile.md``; returns the JSON's path.
 
     ``out_of_memory_at``: the smallest measured token count that ran out of memory on some stage.
+    ``recompute``: the stages' models with ``activation_checkpointing: auto`` (the measurements are
+    then those with every layer recomputed).
     """
     output_dir.mkdir(parents=True, exist_ok=True)
+    chosen_option = next(o for o in options if o.capacity == chosen)
     document = {
         "device": device,
         "pipeline_stages": parallel.pipeline_stages,
@@ -105,8 +124,10 @@ def write_report(
         "measurements": [asdict(m) for m in measurements],
         "out_of_memory_at": out_of_memory_at,
         "cost_model": cost.model_dump(mode="json"),
+        "recompute_models": None if recompute is None else [asdict(r) for r in recompute],
         "candidates": [asdict(o) for o in options],
         "chosen_capacity": chosen,
+        "chosen_recomputed_layers": chosen_option.recomputed_layers,
     }
     path = output_dir / _REPORT
     write_json_atomically(path, document)
@@ -119,6 +140,17 @@ def write_report(
     for m in measurements:
         peak = f"{m.peak_bytes / 2**30:.2f}" if m.peak_bytes is not None else "-"
         lines.append(f"| {m.stage} | {m.tokens} | {m.forward_s * 1e3:.2f} | {m.backward_s * 1e3:.2f} | {peak} |")
+    if recompute is not None:
+        lines += [
+            "",
+            "Measured with every layer recomputed. A layer that keeps its activations instead:",
+            "",
+            "| stage | layers | MiB per 1,000 tokens held | backward ms saved per 1,000 tokens |",
+            "|---:|---:|---:|---:|",
+        ]
+        for r in recompute:
+            held = f"{r.bytes_per_token * 1000 / 2**20:.1f}" if r.bytes_per_token != float("inf") else "(no fit)"
+            lines.append(f"| {r.stage} | {r.layers} | {held} | {r.seconds_per_token * 1e6:.2f} |")
     if out_of_memory_at is not None:
         lines += [
             "",
@@ -137,8 +169,9 @@ def write_report(
             else ""
         ),
         "",
-        "| capacity | predicted peak GiB | fits | microbatches | simulated bubble | simulated tokens/s |",
-        "|---:|---:|:---:|---:|---:|---:|",
+        "| capacity | predicted peak GiB | fits | microbatches | simulated bubble | simulated tokens/s |"
+        + (" recomputed layers per stage |" if recompute is not None else ""),
+        "|---:|---:|:---:|---:|---:|---:|" + ("---|" if recompute is not None else ""),
     ]
     for o in options:
         ran_out = out_of_memory_at is not None and o.capacity >= out_of_memory_at
@@ -146,7 +179,10 @@ def write_report(
         fits = "no (out of memory)" if ran_out else "yes" if o.fits else "no"
         numbers = ("-", "-") if ran_out else (f"{o.bubble_ratio:.1%}", f"{o.tokens_per_s:,.0f}")
         mark = " (chosen)" if o.capacity == chosen else ""
-        lines.append(f"| {o.capacity}{mark} | {peak} | {fits} | {o.microbatches} | {numbers[0]} | {numbers[1]} |")
+        row = f"| {o.capacity}{mark} | {peak} | {fits} | {o.microbatches} | {numbers[0]} | {numbers[1]} |"
+        if recompute is not None:
+            row += f" {', '.join(map(str, o.recomputed_layers)) if o.recomputed_layers and not ran_out else '-'} |"
+        lines.append(row)
     write_text_atomically(output_dir / "profile.md", "\n".join(lines) + "\n")
     return path
 
@@ -217,16 +253,20 @@ def profile_rank(
                     DEFAULT_CANDIDATES[0],
                     DEFAULT_CANDIDATES[-1],
                 )
-        spec = partition_model(load_model_config(config.base_model).to_dict(), layout.num_stages)[layout.stage]
-        measured: StageMeasurements | None = None
+        specs = partition_model(load_model_config(config.base_model).to_dict(), layout.num_stages)
+        auto = config.runtime.activation_checkpointing == "auto"
+        measured: tuple[StageMeasurements, StageMeasurements | None] | None = None
         if layout.replica == 0:
-            stage = build_stage_model(config, spec, layout.device)
-            measured = measure_stage(stage, candidates, sample_length=sample_length, repeats=repeats)
+            # With `auto` the stage recomputes every layer here (`recomputed_layers`), then none.
+            stage = build_stage_model(config, specs[layout.stage], layout.device)
+            with_all = measure_stage(stage, candidates, sample_length=sample_length, repeats=repeats)
+            kept = _without_recomputation(stage, with_all, sample_length, repeats) if auto else None
+            measured = (with_all, kept)
         everyone: list[Any] = [None] * layout.world_size
         dist.all_gather_object(everyone, measured)
         if layout.rank != 0:
             return None
-        stages: list[StageMeasurements] = [part for part in everyone if part is not None]
+        stages: list[StageMeasurements] = [part[0] for part in everyone if part is not None]
         out_of_memory_at = min((p.out_of_memory_at for p in stages if p.out_of_memory_at is not None), default=None)
         # Every stage measured every count below the smallest one that ran out of memory anywhere.
         measurements = sorted(
@@ -253,16 +293,23 @@ def profile_rank(
         limit = None
         if layout.device.type == "cuda":
             limit = memory_fraction * torch.cuda.get_device_properties(layout.device).total_memory
+        recompute = None
+        if auto:
+            kept_parts = [part[1] for part in everyone if part is not None]
+            recompute = [_recompute_model(spec, stages[spec.stage], kept_parts[spec.stage]) for spec in specs]
+        fixed = config.scheduler.capacity
         chosen, options = choose_capacity(
             jobs,
             cost,
             measurements,
-            candidates=candidates,
+            # A fixed capacity with `auto` checkpointing: only the counts of recomputed layers are chosen.
+            candidates=(fixed,) if auto and fixed != "auto" else candidates,
             stages=layout.num_stages,
             data_parallel=layout.num_replicas,
             padding_multiple=config.scheduler.padding_multiple,
             memory_limit_bytes=limit,
             out_of_memory_at=out_of_memory_at,
+            recompute=recompute,
         )
         device = torch.cuda.get_device_name(layout.device) if layout.device.type == "cuda" else "cpu"
         path = write_report(
@@ -274,6 +321,40 @@ def profile_rank(
             chosen=chosen,
             options=options,
             out_of_memory_at=out_of_memory_at,
+            recompute=recompute,
         )
         document: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
         return document
+
+
+def _without_recomputation(
+    stage: StageModel, with_all: StageMeasurements, sample_length: int, repeats: int
+) -> StageMeasurements:
+    """``stage`` measured again with no layer recomputed, at the token counts that fit with all of them."""
+    from lorafusion_megatron.profiler.measure import measure_stage
+
+    every_layer = stage.recomputed_layers
+    stage.recomputed_layers = 0
+    try:
+        counts = [m.tokens for m in with_all.measurements]
+        return measure_stage(stage, counts, sample_length=sample_length, repeats=repeats)
+    finally:
+        stage.recomputed_layers = every_layer
+
+
+def _recompute_model(spec: StageSpec, with_all: StageMeasurements, kept: StageMeasurements) -> RecomputeModel:
+    """The stage's :class:`RecomputeModel` from its largest token count measured both ways.
+
+    A stage that ran out of memory at every count without recomputation gets a model that never
+    fits a kept layer (it recomputes all of them).
+    """
+    from lorafusion_megatron.profiler.recompute import RecomputeModel, fit_recompute
+
+    both = {m.tokens: m for m in with_all.measurements}
+    common = [m for m in kept.measurements if m.tokens in both]
+    if not common:
+        return RecomputeModel(
+            stage=spec.stage, layers=len(spec.layers), bytes_per_token=math.inf, seconds_per_token=0.0
+        )
+    largest = common[-1]
+    return fit_recompute(both[largest.tokens], largest, len(spec.layers))
