@@ -27,14 +27,14 @@ def _two_jobs() -> tuple[dict, dict]:
     return data, denominators
 
 
-def _cuda_grads(*, fused: bool, requested_attn: str) -> dict[str, torch.Tensor]:
+def _cuda_grads(*, fused: bool, requested_attn: str, recomputed_layers: int = 0) -> dict[str, torch.Tensor]:
     import lorafusion_kernels
     from lorafusion_megatron.model import resolve_attn_implementation
 
     device = torch.device("cuda")
     data, denominators = _two_jobs()
     mb = plan_microbatch(("first", 0, (0, 1, 2)), ("second", 0, (0, 1)))
-    model, _ = tiny_peft_model(attn_implementation=requested_attn)
+    model, _ = tiny_peft_model(attn_implementation=requested_attn, recomputed_layers=recomputed_layers)
     model.to(device=device, dtype=torch.bfloat16)
     if fused:
         lorafusion_kernels.patch_peft_model(model)
@@ -51,6 +51,16 @@ def test_fused_kernels_and_varlen_attention_match_plain_peft_on_cuda(fused: bool
     for name, grad in reference.items():
         scale = float(grad.float().abs().max())
         torch.testing.assert_close(grads[name].float(), grad.float(), rtol=0.05, atol=0.05 * scale, msg=name)
+
+
+def test_fused_kernels_recompute_in_autograds_device_thread() -> None:
+    """The recomputation of a checkpointed layer runs in autograd's thread for the GPU, which does
+    not see the forward's adapter routing unless the checkpoint re-enters it."""
+    reference = _cuda_grads(fused=True, requested_attn="sdpa")
+    for recomputed in (1, 2):
+        grads = _cuda_grads(fused=True, requested_attn="sdpa", recomputed_layers=recomputed)
+        for name, grad in reference.items():
+            torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=name)
 
 
 def test_bf16_training_run_on_cuda(tmp_path, config_dict) -> None:
