@@ -116,3 +116,24 @@ def test_auto_chooses_per_stage_counts_and_the_capacity_with_them() -> None:
     assert not by_capacity[65536].fits  # even recomputing everything does not
     assert by_capacity[65536].recomputed_layers is None
     assert chosen in (1024, 4096)
+
+
+def test_a_stage_that_cannot_keep_any_layer_recomputes_all_of_them() -> None:
+    """Its run with no layer recomputed ran out of memory at every count: an infinite cost per kept layer."""
+    measurements = _with_all(0) + _with_all(1)
+    models = [RecomputeModel(0, LAYERS, math.inf, 0.0), RecomputeModel(1, LAYERS, HELD, SAVED)]
+    jobs = [AdapterJob(name="a", sample_tokens=[512] * 64, global_batch_size=16)]
+    _, [option] = choose_capacity(
+        jobs,
+        fit_cost_model(measurements),
+        measurements,
+        candidates=[4096],
+        stages=2,
+        data_parallel=1,
+        padding_multiple=64,
+        memory_limit_bytes=12 * GIB,
+        recompute=models,
+    )
+    assert option.recomputed_layers == (LAYERS, 5)
+    assert option.peak_bytes is not None
+    assert math.isfinite(option.peak_bytes)

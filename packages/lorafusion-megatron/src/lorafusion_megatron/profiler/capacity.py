@@ -85,7 +85,8 @@ def _recomputation(
         if count is None:
             return None, max(peaks)
         counts.append(count)
-        predicted.append(peak + in_flight * capacity * (model.layers - count) * model.bytes_per_token)
+        kept = model.layers - count
+        predicted.append(peak + in_flight * capacity * kept * model.bytes_per_token if kept else peak)
     return tuple(counts), max(predicted)
 
 

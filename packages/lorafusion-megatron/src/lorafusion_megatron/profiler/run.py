@@ -124,7 +124,13 @@ def write_report(
         "measurements": [asdict(m) for m in measurements],
         "out_of_memory_at": out_of_memory_at,
         "cost_model": cost.model_dump(mode="json"),
-        "recompute_models": None if recompute is None else [asdict(r) for r in recompute],
+        # A stage that could not keep any layer's activations holds "infinite" bytes: null in JSON.
+        "recompute_models": None
+        if recompute is None
+        else [
+            {**asdict(r), "bytes_per_token": None if math.isinf(r.bytes_per_token) else r.bytes_per_token}
+            for r in recompute
+        ],
         "candidates": [asdict(o) for o in options],
         "chosen_capacity": chosen,
         "chosen_recomputed_layers": chosen_option.recomputed_layers,
