@@ -155,7 +155,7 @@ def write_report(
             "|---:|---:|---:|---:|",
         ]
         for r in recompute:
-            held = f"{r.bytes_per_token * 1000 / 2**20:.1f}" if r.bytes_per_token != float("inf") else "(no fit)"
+            held = f"{r.bytes_per_token * 1000 / 2**20:.1f}" if not math.isinf(r.bytes_per_token) else "(no fit)"
             lines.append(f"| {r.stage} | {r.layers} | {held} | {r.seconds_per_token * 1e6:.2f} |")
     if out_of_memory_at is not None:
         lines += [
