@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench_pipeline import HET, LORA
+from bench_pipeline import CHECKPOINTING, HET, LORA
 from provenance import provenance
 
 from lorafusion_megatron.atomic_files import write_json_atomically
@@ -43,8 +43,7 @@ def counts_for(setting: str, preset: str, stages: int, stage: int) -> int:
     """Layers stage ``stage`` recomputes under ``setting`` (``all``, ``balanced`` or a count)."""
     if setting.isdigit():
         return int(setting)
-    value: bool | str = True if setting == "all" else setting
-    return recomputed_layers(PRESETS[preset].config, stages, value)[stage]  # type: ignore[arg-type]
+    return recomputed_layers(PRESETS[preset].config, stages, CHECKPOINTING[setting])[stage]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,11 +25,7 @@ def model_type(config: TrainerConfig) -> str | None:
     preset = PRESETS.get(config.base_model.model_name_or_path)
     if preset is not None:
         return preset.model_type
-    path = Path(config.base_model.model_name_or_path) / "config.json"
-    try:
-        value = json.loads(path.read_text(encoding="utf-8")).get("model_type")
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return None
+    value = (_model_config(config) or {}).get("model_type")
     return value if isinstance(value, str) else None
 
 

@@ -49,21 +49,19 @@ CPU_CANDIDATES = (128, 256, 512, 1024)
 _REPORT = "profile.json"
 
 
+def _report(output_dir: str | Path) -> dict[str, Any] | None:
+    """The ``profile.json`` of this output folder, if a previous ``profile`` run wrote one."""
+    path = Path(output_dir) / _REPORT
+    if not path.is_file():
+        return None
+    document: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return document
+
+
 def profiled_capacity(output_dir: str | Path) -> int | None:
     """The capacity a previous ``profile`` run chose for this output folder, if any."""
-    path = Path(output_dir) / _REPORT
-    if not path.is_file():
-        return None
-    return int(json.loads(path.read_text(encoding="utf-8"))["chosen_capacity"])
-
-
-def profiled_recomputation(output_dir: str | Path) -> list[int] | None:
-    """The recomputed layers per stage a previous ``profile`` run chose, if it chose any (``auto``)."""
-    path = Path(output_dir) / _REPORT
-    if not path.is_file():
-        return None
-    chosen = json.loads(path.read_text(encoding="utf-8")).get("chosen_recomputed_layers")
-    return None if chosen is None else [int(count) for count in chosen]
+    report = _report(output_dir)
+    return None if report is None else int(report["chosen_capacity"])
 
 
 def with_profiled_choices(config: TrainerConfig) -> TrainerConfig:
@@ -72,15 +70,20 @@ def with_profiled_choices(config: TrainerConfig) -> TrainerConfig:
     Without a ``profile.json`` in the output folder (or one profiled without ``auto`` checkpointing)
     that key stays ``auto``: the scheduler's default capacity, every layer recomputed.
     """
+    report = _report(config.output_dir)
+    if report is None:
+        return config
     if config.scheduler.capacity == "auto":
-        chosen = profiled_capacity(config.output_dir)
-        if chosen is not None:
-            scheduler = config.scheduler.model_validate({**config.scheduler.model_dump(), "capacity": chosen})
-            config = config.model_copy(update={"scheduler": scheduler})
+        chosen = int(report["chosen_capacity"])
+        scheduler = config.scheduler.model_validate({**config.scheduler.model_dump(), "capacity": chosen})
+        config = config.model_copy(update={"scheduler": scheduler})
     if config.runtime.activation_checkpointing == "auto":
-        counts = profiled_recomputation(config.output_dir)
+        counts = report.get("chosen_recomputed_layers")
         if counts is not None:
-            runtime = config.runtime.model_validate({**config.runtime.model_dump(), "activation_checkpointing": counts})
+            recomputed = [int(count) for count in counts]
+            runtime = config.runtime.model_validate(
+                {**config.runtime.model_dump(), "activation_checkpointing": recomputed}
+            )
             config = config.model_copy(update={"runtime": runtime})
     return config
 
