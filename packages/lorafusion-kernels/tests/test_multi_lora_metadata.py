@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -40,19 +42,51 @@ def test_tables_cover_every_row_exactly_once(segments: list[tuple[int, int]], bl
 
     tiles = batch.segment_tiles(block_m)
     table = tiles.tiles.tolist()
-    ptr = tiles.adapter_ptr.tolist()
-    assert tiles.num_tiles == len(table) == ptr[-1]
-    owner = [a for n, a in zip(lengths, adapters, strict=True) for _ in range(n)]
-    seen = [0] * batch.total_tokens
-    for a in range(6):
-        for row0, row1, adapter in table[ptr[a] : ptr[a + 1]]:
-            assert adapter == a
-            assert 0 < row1 - row0 <= block_m
-            for t in range(row0, row1):
-                seen[t] += 1
-                assert owner[t] == a
-    assert seen == [1] * batch.total_tokens
+    assert tiles.num_tiles == len(table)
+    assert [adapter for _, _, adapter in table] == sorted(adapter for _, _, adapter in table)
+    assert_one_owner_per_row(table, lengths, adapters, block_m)
     assert batch.adapter_tokens == tuple(sum(n for n, a in segments if a == i) for i in range(6))
+
+
+def assert_one_owner_per_row(table: list[list[int]], lengths: list[int], adapters: list[int], longest: int) -> None:
+    """Each row lies in exactly one ``(row0, row1, adapter)`` entry, of its own adapter, none over ``longest`` rows."""
+    owner = [a for n, a in zip(lengths, adapters, strict=True) for _ in range(n)]
+    seen = [0] * len(owner)
+    for row0, row1, adapter in table:
+        assert 0 < row1 - row0 <= longest
+        for t in range(row0, row1):
+            seen[t] += 1
+            assert owner[t] == adapter
+    assert seen == [1] * len(owner)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    segments=st.lists(st.tuples(st.integers(0, 70), st.integers(0, 3)), min_size=1, max_size=12).filter(
+        lambda s: sum(n for n, _ in s) > 0
+    ),
+    max_rows=st.integers(1, 100),
+)
+def test_runs_cover_every_row_exactly_once(segments: list[tuple[int, int]], max_rows: int) -> None:
+    lengths = [n for n, _ in segments]
+    adapters = [a for _, a in segments]
+    runs = MultiLoRABatch.from_segments(lengths, adapters).segment_runs(max_rows)
+    table = runs.runs.tolist()
+    assert runs.num_runs == len(table)
+    assert runs.max_rows == max_rows
+    assert_one_owner_per_row(table, lengths, adapters, max_rows)
+    # Runs follow each other in token order, and only the cut at max_rows separates two runs of one adapter.
+    for (start, end, adapter), (next_start, _, next_adapter) in itertools.pairwise(table):
+        assert end == next_start
+        if next_adapter == adapter:
+            assert end - start == max_rows
+
+
+def test_runs_merge_neighbouring_segments_of_one_adapter() -> None:
+    batch = MultiLoRABatch.from_segments([3, 0, 5, 4, 2], [1, 0, 1, 0, 0])
+    assert batch.segment_runs(100).runs.tolist() == [[0, 8, 1], [8, 14, 0]]
+    assert batch.segment_runs(4).runs.tolist() == [[0, 4, 1], [4, 8, 1], [8, 12, 0], [12, 14, 0]]
+    assert batch.segment_runs(4) is batch.segment_runs(4)
 
 
 def test_no_cap_on_tiles_or_tokens() -> None:
@@ -103,4 +137,5 @@ def test_tables_live_on_the_device() -> None:
     batch = MultiLoRABatch.from_segments([5, 7], [0, 1], device="cuda")
     assert batch.segments.is_cuda
     assert batch.row_tiles(64).seg_range.is_cuda
-    assert batch.segment_tiles(64).adapter_ptr.is_cuda
+    assert batch.segment_tiles(64).tiles.is_cuda
+    assert batch.segment_runs(64).runs.is_cuda

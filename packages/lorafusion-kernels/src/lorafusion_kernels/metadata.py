@@ -17,9 +17,12 @@ the microbatch (no fixed caps, nothing truncated):
   for each tile the half-open range of segments it overlaps, so the base GEMM is tiled exactly as
   the frozen layer and only the LoRA term of a tile that straddles a boundary loops over segments;
 * **segment tiles** (each segment cut into ``cdiv(length, BLOCK_M)`` tiles that never cross a
-  segment boundary), ordered by adapter, with a CSR pointer per adapter: every such tile has one
-  adapter, which is what the rank-``r`` shrink, the ``dB``/``dS`` kernel and the per-adapter ``dA``
-  reduction need.
+  segment boundary), ordered by adapter: every such tile has one adapter, which is what the
+  rank-``r`` shrink and the ``dB``/``dS`` kernel need.
+
+The per-adapter ``dA`` reduction takes **segment runs** instead: rows of one adapter in one stretch
+(neighbouring segments of one adapter merged), cut into runs of at most a given number of rows, so
+one program loops over consecutive rows with no table read per step.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 
 from lorafusion_kernels.errors import LoRAFusionKernelsError
 
-__all__ = ["MultiLoRABatch", "RowTiles", "SegmentTiles"]
+__all__ = ["MultiLoRABatch", "RowTiles", "SegmentRuns", "SegmentTiles"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,16 +62,27 @@ class SegmentTiles:
         block_m: Rows per tile (the last tile of a segment may be shorter).
         num_tiles: Total tiles, ``sum_j cdiv(len_j, block_m)``.
         tiles: int32 ``[num_tiles, 3]`` on the batch's device: ``(row_start, row_end, adapter)``.
-        adapter_ptr: int32 ``[num_adapters + 1]``: the tiles of adapter ``a`` are
-            ``tiles[adapter_ptr[a]:adapter_ptr[a + 1]]`` (empty for an adapter without tokens).
-        adapter_tiles: Host tuple, the number of tiles of each adapter.
     """
 
     block_m: int
     num_tiles: int
     tiles: torch.Tensor
-    adapter_ptr: torch.Tensor
-    adapter_tiles: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class SegmentRuns:
+    """Stretches of consecutive rows of one adapter, cut into runs of at most ``max_rows`` rows.
+
+    Attributes:
+        max_rows: Longest run.
+        num_runs: Number of runs.
+        runs: int32 ``[num_runs, 3]`` on the batch's device: ``(row_start, row_end, adapter)``, in
+            token order. Neighbouring segments of one adapter are one stretch.
+    """
+
+    max_rows: int
+    num_runs: int
+    runs: torch.Tensor
 
 
 def _as_int_list(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
@@ -114,6 +128,7 @@ class MultiLoRABatch:
 
     __slots__ = (
         "_row_tiles",
+        "_runs",
         "_seg_tiles",
         "_starts",
         "adapter_tokens",
@@ -152,6 +167,7 @@ class MultiLoRABatch:
         self.segments = _to_device(host, device)
         self._row_tiles: dict[int, RowTiles] = {}
         self._seg_tiles: dict[int, SegmentTiles] = {}
+        self._runs: dict[int, SegmentRuns] = {}
 
     @classmethod
     def from_segments(
@@ -289,18 +305,38 @@ class MultiLoRABatch:
                 (row, min(row + block_m, start + length), adapter) for row in range(start, start + length, block_m)
             )
         rows = [t for tiles in per_adapter for t in tiles]
-        ptr = [0, *itertools.accumulate(len(tiles) for tiles in per_adapter)]
         host_tiles = torch.tensor(rows, dtype=torch.int32).reshape(len(rows), 3)
-        host_ptr = torch.tensor(ptr, dtype=torch.int32)
-        tiles = SegmentTiles(
-            block_m=block_m,
-            num_tiles=len(rows),
-            tiles=_to_device(host_tiles, self.device),
-            adapter_ptr=_to_device(host_ptr, self.device),
-            adapter_tiles=tuple(len(tiles) for tiles in per_adapter),
-        )
+        tiles = SegmentTiles(block_m=block_m, num_tiles=len(rows), tiles=_to_device(host_tiles, self.device))
         self._seg_tiles[block_m] = tiles
         return tiles
+
+    def segment_runs(self, max_rows: int) -> SegmentRuns:
+        """Runs of at most ``max_rows`` consecutive rows of one adapter (computed on the host once, then cached).
+
+        Args:
+            max_rows: Longest run (``>= 1``).
+
+        Returns:
+            The :class:`SegmentRuns` for this length.
+        """
+        cached = self._runs.get(max_rows)
+        if cached is not None:
+            return cached
+        stretches: list[list[int]] = []
+        for start, length, adapter in self.nonempty_segments():
+            if stretches and stretches[-1][2] == adapter and stretches[-1][1] == start:
+                stretches[-1][1] = start + length
+            else:
+                stretches.append([start, start + length, adapter])
+        rows = [
+            (row, min(row + max_rows, end), adapter)
+            for start, end, adapter in stretches
+            for row in range(start, end, max_rows)
+        ]
+        host = torch.tensor(rows, dtype=torch.int32).reshape(len(rows), 3)
+        runs = SegmentRuns(max_rows=max_rows, num_runs=len(rows), runs=_to_device(host, self.device))
+        self._runs[max_rows] = runs
+        return runs
 
     def __repr__(self) -> str:
         return (
