@@ -68,7 +68,7 @@ NO_DROPOUT = Case(
 )
 
 
-def make_inputs(case: Case, dtype: torch.dtype, *, seed: int = 0) -> dict[str, object]:
+def make_inputs(case: Case, dtype: torch.dtype, *, seed: int = 0, frozen_a: bool = False) -> dict[str, object]:
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int, scale: float = 1.0, grad: bool = True) -> torch.Tensor:
@@ -78,7 +78,7 @@ def make_inputs(case: Case, dtype: torch.dtype, *, seed: int = 0) -> dict[str, o
     return {
         "x": rand(case.t, case.k),
         "weight": rand(case.n, case.k, scale=case.k**-0.5, grad=False),
-        "lora_a": [rand(r, case.k, scale=case.k**-0.5) for r in case.ranks],
+        "lora_a": [rand(r, case.k, scale=case.k**-0.5, grad=not frozen_a) for r in case.ranks],
         "lora_b": [rand(case.n, r, scale=r**-0.5) for r in case.ranks],
         "bias": rand(case.n, scale=0.1) if case.bias else None,
     }
@@ -141,8 +141,11 @@ def run_reference(case: Case, inputs: dict[str, object], dy: torch.Tensor, seed:
     return y.detach()
 
 
-def check_against_reference(case: Case, dtype: torch.dtype, seed: int = 1234, **kw: object) -> None:
-    inputs = make_inputs(case, dtype)
+def check_against_reference(
+    case: Case, dtype: torch.dtype, seed: int = 1234, *, frozen_a: bool = False, **kw: object
+) -> None:
+    """Output and every gradient against float64 (``frozen_a``: no ``dA``, so ``dx`` takes the fused GEMM)."""
+    inputs = make_inputs(case, dtype, frozen_a=frozen_a)
     ref_in = detached(inputs, torch.float64)
     eager_in = detached(inputs, dtype)
     dy = torch.randn(case.t, case.n, generator=torch.Generator().manual_seed(7)).to(dtype)
@@ -169,11 +172,21 @@ def test_kernels_match_reference(case: Case, dtype: torch.dtype) -> None:
 
 @INTERPRET
 @pytest.mark.usefixtures("interpreter", "nan_poison")
-def test_tma_kernels_match_reference() -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_fused_dx_gemm_matches_reference(case: Case, dtype: torch.dtype) -> None:
+    """Frozen A: no dA pass to write dx's LoRA term, so dx is the one Triton GEMM with the term routed in."""
+    check_against_reference(case, dtype, frozen_a=True)
+
+
+@INTERPRET
+@pytest.mark.usefixtures("interpreter", "nan_poison")
+@pytest.mark.parametrize("frozen_a", [False, True], ids=["dx-from-dA-pass", "dx-fused-gemm"])
+def test_tma_kernels_match_reference(frozen_a: bool) -> None:
     """The sm_90 variants of the two GEMMs (TMA descriptors), which the interpreter also runs."""
     tma = KernelConfig(block_m=32, block_n=32, block_k=32, group_m=4, num_warps=4, num_stages=1, tma=True)
     with override_configs({"multi_xw_sb": tma, "multi_dyw_dsa": tma}):
-        check_against_reference(dataclasses.replace(MIXED, k=40, n=48), torch.float32)
+        check_against_reference(dataclasses.replace(MIXED, k=40, n=48), torch.float32, frozen_a=frozen_a)
 
 
 @INTERPRET

@@ -127,6 +127,7 @@ def multi_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
     s = _random(problem, m, params.block_r)
     ds = _random(problem, m, params.block_r, dtype=torch.float32)
     dy = _random(problem, m, n)
+    dx = torch.empty(m, k, device=problem.device, dtype=problem.dtype)
     dropout: dict[str, Any] = {
         "max_rank": r,
         "ranks": tables.ranks,
@@ -148,8 +149,9 @@ def multi_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
             lambda: multi_lora_bwd.multi_lora_dys_dyb(dy, b_cat, s, batch, scaling=tables.scaling, config=c, **routing)
         ),
         multi_lora_bwd.DA_KERNEL: lambda c: (
+            # As the op's backward runs it when x needs a gradient: also writing dx's LoRA term.
             lambda: multi_lora_bwd.multi_lora_dsx(
-                ds, x, batch, r_tot=r * count, inv_keep=tables.inv_keep, config=c, **dropout
+                ds, x, batch, r_tot=r * count, inv_keep=tables.inv_keep, lora_dx=(a_cat, dx), config=c, **dropout
             )
         ),
         multi_lora_bwd.DX_KERNEL: lambda c: (
