@@ -212,7 +212,7 @@ def _multi_lora_da_kernel(
     The sum goes to column block ``j`` of the run's adapter's rows: added to the fp32 ``out`` with
     atomics (``ATOMIC_OUT``), or written to partial ``out[c]`` (summed later in a fixed order). A run
     is consecutive rows, so the loop steps its pointers with no table read per step (reading each
-    tile's rows from a table inside the loop cost 15-25% of this pass on H100, 2026-11-25).
+    tile's rows from a table inside the loop made this pass 16-27% slower on H100, 2026-11-25).
 
     ``LORA_DX``: also write ``dx``'s LoRA term ``keep * (dS A_a) / (1 - p_a)`` for the same rows and
     columns (``dx`` in x's dtype), from the same mask draw; ``dy W`` is added onto it afterwards.
