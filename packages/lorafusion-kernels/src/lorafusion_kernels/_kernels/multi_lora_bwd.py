@@ -7,7 +7,8 @@ Notation as in ``multi_lora_fwd``; ``dy [T, N]``, token ``t`` of adapter ``a = a
     dS[t, :r_a] = scaling_a * dy[t] B_a                  (dy kernel, one adapter per tile)
     dB_a        = sum_{t in a} dy[t]^T S'[t, :r_a]       (same kernel, same dy tile)
     dA_a        = sum_{t in a} dS[t, :r_a]^T x_hat[t]    (runs of a's rows, added by atomics)
-    dx[t]       = dy[t] W + keep_a(t, :) * (dS[t, :r_a] A_a) / (1 - p_a)   (one GEMM)
+    dx[t]       = dy[t] W + keep_a(t, :) * (dS[t, :r_a] A_a) / (1 - p_a)   (one GEMM; or, where
+                  K <= N, the dA pass writes the second term and cuBLAS adds dy W: multi_lora_dx_da)
 
 A sibling call (``multi_lora_fwd``'s docstring: members ``g`` owning columns ``n_g .. n_{g+1}``,
 ``S'[t, g r_a : (g+1) r_a]`` and ``B_{a,g}`` in ``B_flat``) splits the first two per member:
@@ -668,7 +669,7 @@ def multi_lora_dx_da(
     LoRA term (it draws the same mask), and ``dx.addmm_(dy, W)`` puts cuBLAS's GEMM on top. The
     LoRA term is rounded to dx's dtype once before the sum (the fused GEMM keeps it in fp32).
     Measured on H100 (bf16, 4 adapters, 2026-11-25): 1-6% less time than the fused GEMM and the
-    separate ``dA`` pass on most layer shapes, where the Triton GEMM ran behind cuBLAS.
+    separate ``dA`` pass on most layer shapes with ``K <= N``, where the Triton GEMM ran behind cuBLAS.
 
     Args:
         dy: ``[T, N]`` in x's dtype.
