@@ -36,7 +36,6 @@ from lorafusion_kernels._kernels._common import rank_block, runs_triton
 from lorafusion_kernels._kernels.multi_lora_bwd import (
     member_grads,
     multi_lora_dsx,
-    multi_lora_dx_da,
     multi_lora_dys_dyb,
     multi_lora_dyw_dsa,
 )
@@ -512,19 +511,23 @@ def _backward_core(
     }
     da_args: dict[str, Any] = {"r_tot": a_cat.shape[0], "out_dtype": a_cat.dtype, "deterministic": deterministic}
     if need_dx and need_da and len(dys) == 1 and _dx_from_da_pass(weight):
-        dx, da = multi_lora_dx_da(dys[0], weight, ds, x, a_cat, batch, **da_args, **dropout)
-        return dx, da, db.to(b_cat.dtype)
+        dx = torch.empty_like(x)
+        da = multi_lora_dsx(ds, x, batch, lora_dx=(a_cat, dx), **da_args, **dropout)
+        return dx.addmm_(dys[0], weight), da, db.to(b_cat.dtype)
     dx = multi_lora_dyw_dsa(dys, weight, ds, a_cat, batch, bounds=dev.bounds, **dropout) if need_dx else x.new_empty(0)
     da = multi_lora_dsx(ds, x, batch, **da_args, **dropout) if need_da else x.new_empty(0)
     return dx, da, db.to(b_cat.dtype)
 
 
 def _dx_from_da_pass(weight: torch.Tensor) -> bool:
-    """Whether dx takes :func:`multi_lora_dx_da` (LoRA term written by the ``dA`` pass, cuBLAS adds ``dy W``).
+    """Whether the ``dA`` pass writes dx's LoRA term (``lora_dx``) and cuBLAS adds ``dy W`` in place.
 
-    Only where ``K <= N``: writing the ``[T, K]`` term costs more than the fused GEMM loses to cuBLAS
-    when dx is the wide side (H100, 4 adapters, whole grid, 2026-11-25: the down projections went
-    from 1.22x to 1.24x the frozen layer on LLaMa-3.1-8B; o, qkv and gate_up gained 0-4%).
+    That draws the dropout mask once instead of twice (the fused dx GEMM draws it again) and runs the
+    big product at cuBLAS's speed; the LoRA term is rounded to dx's dtype once before the sum (the
+    fused GEMM keeps it in fp32). Only where ``K <= N``: writing the ``[T, K]`` term costs more than
+    the fused GEMM loses to cuBLAS when dx is the wide side (H100, 4 adapters, whole grid,
+    2026-11-25: the down projections went from 1.22x to 1.24x the frozen layer on LLaMa-3.1-8B; o,
+    qkv and gate_up gained 0-4%).
     """
     n, k = weight.shape
     return k <= n

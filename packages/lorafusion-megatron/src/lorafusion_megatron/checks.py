@@ -22,9 +22,6 @@ _DATASET_SUFFIXES = {".jsonl", ".json", ".parquet"}
 
 def model_type(config: TrainerConfig) -> str | None:
     """The base model's ``model_type`` (``llama``, ``qwen2``, ...), if it can be read."""
-    preset = PRESETS.get(config.base_model.model_name_or_path)
-    if preset is not None:
-        return preset.model_type
     value = (_model_config(config) or {}).get("model_type")
     return value if isinstance(value, str) else None
 
@@ -33,7 +30,7 @@ def _model_config(config: TrainerConfig) -> dict[str, object] | None:
     """The base model's config as a dict (a preset's, or its ``config.json``), if it can be read."""
     preset = PRESETS.get(config.base_model.model_name_or_path)
     if preset is not None:
-        return dict(preset.config)
+        return {"model_type": preset.model_type, **preset.config}
     path = Path(config.base_model.model_name_or_path) / "config.json"
     try:
         value = json.loads(path.read_text(encoding="utf-8"))

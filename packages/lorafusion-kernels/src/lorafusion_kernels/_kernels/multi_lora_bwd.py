@@ -7,8 +7,8 @@ Notation as in ``multi_lora_fwd``; ``dy [T, N]``, token ``t`` of adapter ``a = a
     dS[t, :r_a] = scaling_a * dy[t] B_a                  (dy kernel, one adapter per tile)
     dB_a        = sum_{t in a} dy[t]^T S'[t, :r_a]       (same kernel, same dy tile)
     dA_a        = sum_{t in a} dS[t, :r_a]^T x_hat[t]    (runs of a's rows, added by atomics)
-    dx[t]       = dy[t] W + keep_a(t, :) * (dS[t, :r_a] A_a) / (1 - p_a)   (one GEMM; or, where
-                  K <= N, the dA pass writes the second term and cuBLAS adds dy W: multi_lora_dx_da)
+    dx[t]       = dy[t] W + keep_a(t, :) * (dS[t, :r_a] A_a) / (1 - p_a)   (one GEMM; or the dA
+                  pass writes the second term, lora_dx, and cuBLAS adds dy W in place)
 
 A sibling call (``multi_lora_fwd``'s docstring: members ``g`` owning columns ``n_g .. n_{g+1}``,
 ``S'[t, g r_a : (g+1) r_a]`` and ``B_{a,g}`` in ``B_flat``) splits the first two per member:
@@ -586,8 +586,8 @@ def multi_lora_dsx(
         deterministic: Sum the runs in a fixed order (fp32 partials per run) instead of adding
             them with atomics, whose order varies from run to run.
         lora_dx: ``(A_cat, dx)``: also write ``dx [T, K]`` (x's dtype, unit stride along K) with the
-            LoRA term of the input gradient, ``keep_a * (dS A_a) / (1 - p_a)``, every element (see
-            :func:`multi_lora_dx_da`).
+            LoRA term of the input gradient, ``keep_a * (dS A_a) / (1 - p_a)``, every element, from
+            the mask this pass draws anyway; ``dx.addmm_(dy, W)`` then completes the gradient.
         config: Launch config; looked up by shape when None.
 
     Returns:
@@ -642,62 +642,6 @@ def _run_tiles(t: torch.Tensor, row_tiles: int, col_tiles: int) -> int:
     if not t.is_cuda:
         return 2
     return max(1, cdiv(row_tiles * col_tiles, 2 * sm_count(t)))
-
-
-def multi_lora_dx_da(
-    dy: torch.Tensor,
-    weight: torch.Tensor,
-    ds: torch.Tensor,
-    x: torch.Tensor,
-    a_cat: torch.Tensor,
-    batch: MultiLoRABatch,
-    *,
-    r_tot: int,
-    max_rank: int,
-    ranks: torch.Tensor,
-    thresholds: torch.Tensor,
-    inv_keep: torch.Tensor,
-    seed: torch.Tensor,
-    has_dropout: bool,
-    out_dtype: torch.dtype | None = None,
-    deterministic: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx, dA_cat)`` with one mask draw: the ``dA`` pass writes dx's LoRA term, cuBLAS adds ``dy W`` in place.
-
-    ``dx = dy W + keep_a * (dS A_a) / (1 - p_a)``, as :func:`multi_lora_dyw_dsa` computes it in one
-    Triton GEMM. Here the pass over ``x`` that :func:`multi_lora_dsx` makes anyway also writes the
-    LoRA term (it draws the same mask), and ``dx.addmm_(dy, W)`` puts cuBLAS's GEMM on top. The
-    LoRA term is rounded to dx's dtype once before the sum (the fused GEMM keeps it in fp32).
-    Measured on H100 (bf16, 4 adapters, 2026-11-25): 1-6% less time than the fused GEMM and the
-    separate ``dA`` pass on most layer shapes with ``K <= N``, where the Triton GEMM ran behind cuBLAS.
-
-    Args:
-        dy: ``[T, N]`` in x's dtype.
-        weight: ``[N, K]`` frozen weight in x's dtype.
-        ds: fp32 ``[T, BLOCK_R]`` from :func:`multi_lora_dys_dyb`.
-        x: ``[T, K]`` the forward input.
-        a_cat: ``[R_tot, K]`` stacked A.
-        batch: Routing metadata of this microbatch.
-        r_tot: Rows of ``dA_cat``.
-        max_rank: Largest ``r_a`` (the config lookup key).
-        ranks: int32 ``[n, 2]``: ``(r_a, roff_a)``.
-        thresholds: int32 ``[n]``.
-        inv_keep: fp32 ``[n]``.
-        seed: int64 ``[1]``.
-        has_dropout: Whether any adapter has ``p > 0``.
-        out_dtype: dtype of ``dA_cat``; None means ``x.dtype``.
-        deterministic: As :func:`multi_lora_dsx` (dx has no atomics either way).
-
-    Returns:
-        ``dx [T, K]`` in x's dtype and ``dA_cat`` in ``out_dtype``.
-    """
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-    da = multi_lora_dsx(
-        ds, x, batch, r_tot=r_tot, max_rank=max_rank, ranks=ranks, thresholds=thresholds, inv_keep=inv_keep,
-        seed=seed, has_dropout=has_dropout, out_dtype=out_dtype, deterministic=deterministic, lora_dx=(a_cat, dx),
-    )  # fmt: skip
-    dx.addmm_(dy, weight)
-    return dx, da
 
 
 def multi_lora_dyw_dsa(
