@@ -114,7 +114,7 @@ def multi_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
     from lorafusion_kernels._kernels import multi_lora_bwd, multi_lora_fwd
     from lorafusion_kernels.dropout import seed_tensor
     from lorafusion_kernels.metadata import MultiLoRABatch
-    from lorafusion_kernels.multi_lora import _AdapterParams, _device_params
+    from lorafusion_kernels.multi_lora import _AdapterParams, _device_params, _dx_from_da_pass
 
     m, n, k, r, count = problem.m, problem.n, problem.k, problem.r, problem.adapters
     params = _AdapterParams(ranks=(r,) * count, scaling=(2.0,) * count, dropout_p=(problem.p,) * count)
@@ -127,7 +127,7 @@ def multi_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
     s = _random(problem, m, params.block_r)
     ds = _random(problem, m, params.block_r, dtype=torch.float32)
     dy = _random(problem, m, n)
-    dx = torch.empty(m, k, device=problem.device, dtype=problem.dtype)
+    lora_dx = (a_cat, torch.empty(m, k, device=problem.device, dtype=problem.dtype)) if _dx_from_da_pass(w) else None
     dropout: dict[str, Any] = {
         "max_rank": r,
         "ranks": tables.ranks,
@@ -149,9 +149,9 @@ def multi_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
             lambda: multi_lora_bwd.multi_lora_dys_dyb(dy, b_cat, s, batch, scaling=tables.scaling, config=c, **routing)
         ),
         multi_lora_bwd.DA_KERNEL: lambda c: (
-            # As the op's backward runs it when x needs a gradient: also writing dx's LoRA term.
+            # As the op's backward runs it when x needs a gradient: also writing dx's LoRA term where K <= N.
             lambda: multi_lora_bwd.multi_lora_dsx(
-                ds, x, batch, r_tot=r * count, inv_keep=tables.inv_keep, lora_dx=(a_cat, dx), config=c, **dropout
+                ds, x, batch, r_tot=r * count, inv_keep=tables.inv_keep, lora_dx=lora_dx, config=c, **dropout
             )
         ),
         multi_lora_bwd.DX_KERNEL: lambda c: (
