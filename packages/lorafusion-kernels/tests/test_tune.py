@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lorafusion_kernels._kernels._common import interpreting
+from lorafusion_kernels.errors import LoRAFusionKernelsError
 from lorafusion_kernels.tuning import ConfigFile, KernelConfig, ShapeKey, TunedEntry
 from lorafusion_kernels.tuning.config import dumps
 from lorafusion_kernels.tuning.launches import (
@@ -21,7 +22,7 @@ from lorafusion_kernels.tuning.launches import (
     multi_adapter_launches,
 )
 from lorafusion_kernels.tuning.search_space import CANDIDATES
-from lorafusion_kernels.tuning.tune import KERNELS, kernel_tables, sweep
+from lorafusion_kernels.tuning.tune import KERNELS, interleaved_times, kernel_tables, sweep
 
 TINY_GEMM = [
     KernelConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_stages=1),
@@ -70,6 +71,45 @@ def test_default_is_the_most_frequent_winner():
     assert found["multi_xw_sb"].default == b
     tie = kernel_tables({"multi_xw_sb": [won(1, b), won(2, a)]}, TINY_CANDIDATES)
     assert tie["multi_xw_sb"].default == a, "ties go to the earliest candidate"
+
+
+class DriftingTimer:
+    """A fake timer: launch ``i`` takes ``base[i]`` ms plus ``drift`` ms for every timing before it."""
+
+    def __init__(self, base: list[float], drift: float) -> None:
+        self.base, self.drift, self.calls = base, drift, []
+
+    def __call__(self, launch: Callable[[], object]) -> float:
+        index = launch()
+        assert isinstance(index, int)
+        self.calls.append(index)
+        return self.base[index] + self.drift * (len(self.calls) - 1)
+
+
+def test_interleaved_rounds_cancel_a_linear_drift():
+    base = [1.0, 1.2, 1.1, 0.95]  # the last launch is the fastest
+    launches = [lambda i=i: i for i in range(len(base))]
+    one_pass = interleaved_times(launches, DriftingTimer(base, drift=0.1), rounds=1)
+    assert min(range(4), key=one_pass.__getitem__) == 0, "timed one after the other, the drift decides"
+    timer = DriftingTimer(base, drift=0.1)
+    means = interleaved_times(launches, timer, rounds=2)
+    assert timer.calls == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert means == pytest.approx([b + 0.35 for b in base]), "every mean shifted by the same amount"
+    assert min(range(4), key=means.__getitem__) == 3
+
+
+def test_a_failing_launch_is_timed_once():
+    calls = []
+
+    def timer(launch: Callable[[], object]) -> float:
+        calls.append(launch())
+        return math.inf if calls[-1] == "bad" else 1.0
+
+    assert interleaved_times([lambda: "ok", lambda: "bad"], timer, rounds=4) == [1.0, math.inf]
+    assert calls.count("bad") == 1
+    assert calls.count("ok") == 4
+    with pytest.raises(LoRAFusionKernelsError, match="rounds must be at least 1"):
+        interleaved_times([lambda: "ok"], timer, rounds=0)
 
 
 def test_time_limit_stops_before_the_next_shape():

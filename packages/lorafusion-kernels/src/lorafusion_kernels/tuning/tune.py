@@ -11,6 +11,12 @@ adapter, the FusedMultiLoRA kernels (``multi_xa``, ...) on a microbatch of ``--a
 splitting the ``m`` tokens evenly; both are keyed by ``(m, n, k, r, dtype)``, ``r`` being the
 (largest) rank. The written file is deterministic given the measurements: entries sorted by shape,
 keys sorted, each kernel's default the config that won most often (ties: earliest candidate).
+
+Each kernel's candidates, and the config the file gives it today, are timed in ``--rounds``
+interleaved rounds, forward then backward order, and ranked by their mean over the rounds. Timings
+that drift steadily during a shape's sweep then shift every candidate alike. Timed one after the
+other, they did not: on one H100 (2026-11-25, ``--rep 20``) the config in the file, timed once
+after the sweep, came out between 11% faster and 23% slower than the same config inside the sweep.
 """
 
 from __future__ import annotations
@@ -88,6 +94,29 @@ def _frozen_gemm(problem: LayerProblem) -> Callable[[], object]:
     return lambda: x @ w.T
 
 
+def interleaved_times(launches: Sequence[Callable[[], object]], timer: Timer, rounds: int) -> list[float]:
+    """Mean time of each launch over ``rounds`` rounds, the order reversed every other round.
+
+    Round 0 times launches ``0, 1, ..., n-1``, round 1 ``n-1, ..., 0``, and so on, so with an even
+    ``rounds`` every launch's mean position in the sequence is the same: a linear drift of the
+    timings over the sweep adds the same amount to every mean. A launch that fails (``inf``) is not
+    timed again.
+
+    Raises:
+        LoRAFusionKernelsError: if ``rounds < 1``.
+    """
+    if rounds < 1:
+        raise LoRAFusionKernelsError(f"rounds must be at least 1, got {rounds}")
+    samples: list[list[float]] = [[] for _ in launches]
+    for round_index in range(rounds):
+        order = range(len(launches)) if round_index % 2 == 0 else reversed(range(len(launches)))
+        for i in order:
+            if math.inf in samples[i]:
+                continue
+            samples[i].append(timer(launches[i]))
+    return [math.inf if math.inf in times else sum(times) / len(times) for times in samples]
+
+
 @dataclasses.dataclass(frozen=True)
 class SweepResult:
     """What a sweep measured: the winner per kernel and shape, and how much of the grid it covered."""
@@ -110,6 +139,7 @@ def sweep(
     adapters: int = MULTI_ADAPTERS,
     device: str = "cuda",
     time_limit_s: float | None = None,
+    rounds: int = 2,
 ) -> SweepResult:
     """Time every candidate of every kernel at every ``(n, k)`` of ``shapes``, ``m`` and ``r``; keep the winners.
 
@@ -125,6 +155,7 @@ def sweep(
         adapters: Adapters in the FusedMultiLoRA kernels' microbatch.
         device: Where the inputs live (``"cpu"`` only under ``TRITON_INTERPRET=1``).
         time_limit_s: Start no new shape after this many seconds (the result says how far it got).
+        rounds: Interleaved rounds per kernel and shape (:func:`interleaved_times`).
 
     Raises:
         LoRAFusionKernelsError: for a kernel without candidates.
@@ -144,16 +175,16 @@ def sweep(
         problem = LayerProblem(m=m, n=n, k=k, r=r, dtype=dtype, p=p, adapters=adapters, device=device)
         _say(f"m={m} n={n} k={k} r={r} (at {elapsed:.0f} s): torch x W^T {timer(_frozen_gemm(problem)):.4f} ms")
         for kernel, launch in kernel_launches(problem, kernels).items():
-            timed = [(timer(launch(c)), i) for i, c in enumerate(candidates[kernel])]
-            best_ms, best_index = min(timed)
+            # The config the kernel launches with today (a multi kernel without entries: FusedLoRA's),
+            # timed in the same rounds, last in the list.
+            *timed, current_ms = interleaved_times([*map(launch, candidates[kernel]), launch(None)], timer, rounds)
+            best_ms, best_index = min((ms, i) for i, ms in enumerate(timed))
             if math.isinf(best_ms):
                 _say(f"  {kernel:14s} every candidate failed: no entry")
                 continue
             best = candidates[kernel][best_index]
             key = ShapeKey(m=m, n=n, k=k, r=r, dtype=dtype_name(dtype))
             entries[kernel].append(TunedEntry(key=key, config=best, ms=best_ms))
-            # The config the kernel launches with today (a multi kernel without entries: FusedLoRA's).
-            current_ms = timer(launch(None))
             _say(f"  {kernel:14s} {best_ms:.4f} ms (looked-up config {current_ms:.4f} ms)  {best.to_dict()}")
         done += 1
         if device == "cuda":
@@ -184,6 +215,7 @@ def tune(
     p: float = 0.1,
     adapters: int = MULTI_ADAPTERS,
     rep: int = 30,
+    rounds: int = 2,
     time_limit_s: float | None = None,
 ) -> ConfigFile:
     """Sweep on the current GPU and return its config file.
@@ -205,12 +237,13 @@ def tune(
         p=p,
         adapters=adapters,
         time_limit_s=time_limit_s,
+        rounds=rounds,
     )
     import triton
 
     sweep_text = (
         f"models={','.join(models)} m={','.join(map(str, ms))} r={','.join(map(str, ranks))} "
-        f"dtype={dtype_name(dtype)} p={p}"
+        f"dtype={dtype_name(dtype)} p={p} rep={rep} rounds={rounds}"
     )
     if set(kernels) & set(MULTI_ADAPTER_KERNELS):
         sweep_text += f" adapters={adapters}"
@@ -263,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", nargs="+", default=KERNELS, choices=KERNELS)
     parser.add_argument("--adapters", type=int, default=MULTI_ADAPTERS, help="adapters in the multi_* kernels' batch")
     parser.add_argument("--p", type=float, default=0.1, help="dropout probability the kernels are timed with")
-    parser.add_argument("--rep", type=int, default=30, help="do_bench repetition budget per candidate, ms")
+    parser.add_argument("--rep", type=int, default=30, help="do_bench repetition budget per timing, ms")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved timings per candidate (even: drift cancels)")
     parser.add_argument("--time-limit", type=float, default=None, help="seconds after which no new shape starts")
     parser.add_argument("--out", type=Path, default=Path("."), help="directory for <gpu-key>.json")
     parser.add_argument("--merge", type=Path, default=None, help="an existing file to update instead of replace")
@@ -274,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.adapters < 2:
         _say("--adapters must be at least 2 (one adapter takes the FusedLoRA path)")
         return 2
+    if args.rounds < 1:
+        _say("--rounds must be at least 1")
+        return 2
     result = tune(
         models=args.models,
         ms=args.m,
@@ -282,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         p=args.p,
         adapters=args.adapters,
         rep=args.rep,
+        rounds=args.rounds,
         time_limit_s=args.time_limit,
     )
     if args.merge is not None and args.merge.is_file():
