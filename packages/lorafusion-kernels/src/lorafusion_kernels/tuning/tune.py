@@ -13,10 +13,10 @@ splitting the ``m`` tokens evenly; both are keyed by ``(m, n, k, r, dtype)``, ``
 keys sorted, each kernel's default the config that won most often (ties: earliest candidate).
 
 Each kernel's candidates, and the config the file gives it today, are timed in ``--rounds``
-interleaved rounds, forward then backward order, and ranked by their mean over the rounds. Timings
-that drift steadily during a shape's sweep then shift every candidate alike. Timed one after the
-other, they did not: on one H100 (2026-11-25, ``--rep 20``) the config in the file, timed once
-after the sweep, came out between 11% faster and 23% slower than the same config inside the sweep.
+interleaved rounds, forward then backward order, and ranked by their mean over the rounds, so
+timings that drift steadily during a shape's sweep shift every candidate alike. (Timed one after
+the other, on one H100 on 2026-11-25 with ``--rep 20``, the config in the file, timed once after
+the sweep, came out between 11% faster and 23% slower than the same config inside the sweep.)
 """
 
 from __future__ import annotations
