@@ -197,6 +197,42 @@ def test_adapter_names_in_training_matches_per_row_peft(patched_model: torch.nn.
     assert_grads_equal(model, ref_grads)
 
 
+def test_adapter_names_under_autocast_matches_per_row_peft(
+    patched_model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torch.autocast the fp32 model's mixed batch still runs FusedMultiLoRA, in autocast's dtype.
+
+    Sibling groups run their members one by one there (each cast as nn.Linear's operands would be).
+    Logits and gradients match PEFT run row by row under the same autocast, to fp16 rounding.
+    """
+    import lorafusion_kernels.multi_lora_routing as routing
+
+    model = patched_model
+    model.train()
+    ids = input_ids()
+    with torch.autocast("cpu", dtype=torch.float16):
+        ref_logits, ref_grads = per_row_reference(model, ids)
+    dtypes = []
+    fused = routing.fused_multi_lora_linear
+
+    def counting(x: torch.Tensor, weight: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        dtypes.append((x.dtype, weight.dtype))
+        return fused(x, weight, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(routing, "fused_multi_lora_linear", counting)
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        logits = model(input_ids=ids, adapter_names=ROW_ADAPTERS).logits
+        summed_row_loss(logits).backward()
+    assert dtypes == [(torch.float16, torch.float16)] * 14, "every targeted layer of both decoder layers, fused"
+    torch.testing.assert_close(logits.detach(), ref_logits, rtol=1e-2, atol=1e-3)
+    got = {n: p.grad for n, p in lora_params(model).items() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert got.keys() == {n for n, g in ref_grads.items() if g.abs().sum() > 0}
+    for name, g in got.items():
+        assert g.dtype == torch.float32, name
+        torch.testing.assert_close(g, ref_grads[name], rtol=2e-2, atol=2e-4, msg=name)
+
+
 def test_adapter_names_in_eval_matches_peft_mixed_batch() -> None:
     model = tiny_peft_model()
     model.eval()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -53,7 +55,7 @@ def loss_and_grads(model, ids):
 @pytest.fixture
 def force_fused(monkeypatch):
     """Treat CPU tensors as fused-capable: Triton kernels under the interpreter, the torch path otherwise."""
-    monkeypatch.setattr(integration, "runs_triton", lambda t: True)
+    monkeypatch.setattr(integration, "runs_triton", lambda t, dtype=None: True)
 
 
 def test_patched_model_matches_peft(force_fused):
@@ -70,6 +72,37 @@ def test_patched_model_matches_peft(force_fused):
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
     assert lorafusion_kernels.unpatch_peft_model(model) == 4
     assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_autocast_runs_fused_with_nn_linear_operands(force_fused, monkeypatch):
+    """Under torch.autocast (fp16 on the CPU here, bf16 or fp16 on GPUs) the fp32 model's layers run fused.
+
+    Their operands are cast as nn.Linear's would be, so logits and gradients match PEFT's own path
+    under the same autocast to fp16 rounding, with no fallback warning.
+    """
+    model = tiny_model()
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.float16):
+        ref_logits, ref_grads = loss_and_grads(model, ids)
+    calls = []
+
+    def counting(x, weight, *args, **kwargs):
+        calls.append((x.dtype, weight.dtype))
+        return lorafusion_kernels.fused_lora_linear(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(integration, "fused_lora_linear", counting)
+    lorafusion_kernels.patch_peft_model(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LoRAFusionKernelsWarning)
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits, grads = loss_and_grads(model, ids)
+    assert calls == [(torch.float16, torch.float16)] * 4
+    assert logits.dtype == ref_logits.dtype == torch.float16
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-2, atol=1e-3)
+    assert set(grads) == set(ref_grads)
+    for name in grads:
+        assert grads[name].dtype == torch.float32, name
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=2e-2, atol=2e-4, msg=name)
 
 
 def test_dropout_in_training_and_eval(force_fused):
@@ -95,7 +128,7 @@ def test_unsupported_cases_fall_back_with_one_warning(monkeypatch):
     ids = torch.randint(0, 64, (1, 5))
     expected = model(input_ids=ids).logits
     lorafusion_kernels.patch_peft_model(model)
-    monkeypatch.setattr(integration, "runs_triton", lambda t: True)
+    monkeypatch.setattr(integration, "runs_triton", lambda t, dtype=None: True)
     with pytest.warns(LoRAFusionKernelsWarning, match="DoRA") as record:
         got = model(input_ids=ids).logits
     assert sum("DoRA" in str(w.message) for w in record) == 1, "one warning per reason"
@@ -103,7 +136,7 @@ def test_unsupported_cases_fall_back_with_one_warning(monkeypatch):
 
 
 def test_cpu_without_interpreter_falls_back(monkeypatch):
-    monkeypatch.setattr(integration, "runs_triton", lambda t: False)
+    monkeypatch.setattr(integration, "runs_triton", lambda t, dtype=None: False)
     model = tiny_model()
     ids = torch.randint(0, 64, (1, 5))
     expected = model(input_ids=ids).logits

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lorafusion_kernels._kernels._common import runs_triton
+from lorafusion_kernels.autocast import call_as_linear, linear_compute_dtype
 from lorafusion_kernels.errors import LoRAFusionKernelsError
 from lorafusion_kernels.metadata import MultiLoRABatch
 from lorafusion_kernels.multi_lora import fused_multi_lora_linear
@@ -234,11 +235,10 @@ def _fusable(
     base = layer.base_layer
     if args or kwargs or type(base) is not nn.Linear or getattr(layer, "fan_in_fan_out", False):
         return False
-    if base.weight.dtype != x.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    compute = linear_compute_dtype(x, base.weight)
+    if compute is None:
         return False
-    if torch.is_autocast_enabled(x.device.type):
-        return False
-    if runs_triton(x) and not x.is_cuda and x.dtype == torch.bfloat16:
+    if runs_triton(x, compute) and not x.is_cuda and compute == torch.bfloat16:
         return False
     for name in filter(None, present):
         if layer.lora_B[name].bias is not None:
@@ -268,9 +268,10 @@ def _fused_layer_forward(layer: Any, x: torch.Tensor, batch: MultiLoRABatch, pre
             lora_b.append(layer.lora_B[name].weight)
             scaling.append(float(layer.scaling[name]))
             ps.append(_dropout_p(layer, name))
-    return fused_multi_lora_linear(
-        x, base.weight, lora_a, lora_b, scaling=scaling, dropout_p=ps, bias=base.bias, batch=batch
-    )
+    return call_as_linear(
+        fused_multi_lora_linear, x, base.weight, lora_a, lora_b, scaling=scaling, dropout_p=ps, bias=base.bias,
+        batch=batch,
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)

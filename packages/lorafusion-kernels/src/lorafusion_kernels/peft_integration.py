@@ -8,9 +8,10 @@ Two lines in a training script::
 
 Each PEFT ``lora.Linear`` gets an instance-level ``forward`` that asks the routers (first answer
 wins) whether this call can run fused: CUDA tensors (or CPU under ``TRITON_INTERPRET=1``), fp16,
-bf16 or fp32 activations matching the base weight, one active adapter, no DoRA or other LoRA
-variant, no ``lora_bias``, an unquantized ``nn.Linear`` base layer, no autocast. Anything else
-runs PEFT's own forward, with one warning per reason and per ``patch_peft_model`` call.
+bf16 or fp32 activations matching the base weight (or any of them under ``torch.autocast``, which
+the fused op then follows: see :mod:`lorafusion_kernels.autocast`), one active adapter, no DoRA or
+other LoRA variant, no ``lora_bias``, an unquantized ``nn.Linear`` base layer. Anything else runs
+PEFT's own forward, with one warning per reason and per ``patch_peft_model`` call.
 Nothing in the state dict changes, so ``save_pretrained`` still writes plain PEFT adapter files;
 :func:`unpatch_peft_model` removes the instance attribute again.
 
@@ -34,8 +35,9 @@ import torch
 from torch import nn
 
 from lorafusion_kernels._kernels._common import runs_triton
+from lorafusion_kernels.autocast import autocast_dtype, call_as_linear, linear_compute_dtype
 from lorafusion_kernels.errors import LoRAFusionKernelsWarning
-from lorafusion_kernels.lora import SUPPORTED_DTYPES, fused_lora_linear
+from lorafusion_kernels.lora import fused_lora_linear
 from lorafusion_kernels.multi_lora_routing import install_peft_mixed_batches, uninstall_peft_mixed_batches
 from lorafusion_kernels.peft_siblings import unfuse_sibling_layers
 
@@ -76,12 +78,13 @@ def _warn_once(reason: str) -> None:
 
 
 def _fused_single_adapter(layer: Any, x: torch.Tensor) -> torch.Tensor:
-    """The one active adapter of a PEFT ``lora.Linear`` through :func:`fused_lora_linear`."""
+    """The one active adapter of a PEFT ``lora.Linear`` through :func:`fused_lora_linear` (autocast: as nn.Linear)."""
     name = layer.active_adapters[0]
     base = layer.get_base_layer()
     dropout = layer.lora_dropout[name]
     p = float(dropout.p) if isinstance(dropout, nn.Dropout) and dropout.training else 0.0
-    return fused_lora_linear(
+    return call_as_linear(
+        fused_lora_linear,
         x,
         base.weight,
         layer.lora_A[name].weight,
@@ -121,13 +124,14 @@ def single_adapter_router(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -
         return Route(None, structural)
     if not isinstance(layer.lora_dropout[name], nn.Dropout | nn.Identity):
         return Route(None, f"dropout modules of type {type(layer.lora_dropout[name]).__name__}")
-    if not runs_triton(x):
-        return Route(None, f"{x.device.type} tensors of {x.dtype} (the fused kernels need CUDA fp16/bf16)")
     weight = layer.get_base_layer().weight
-    if x.dtype not in SUPPORTED_DTYPES or x.dtype != weight.dtype:
-        return Route(None, f"{x.dtype} inputs with {weight.dtype} base weights")
-    if torch.is_autocast_enabled(x.device.type):
-        return Route(None, "calls under torch.autocast")
+    compute = linear_compute_dtype(x, weight)
+    if compute is None:
+        amp = autocast_dtype(x)
+        under = f" under torch.autocast to {amp}" if amp is not None else ""
+        return Route(None, f"{x.dtype} inputs with {weight.dtype} base weights{under}")
+    if not runs_triton(x, compute):
+        return Route(None, f"{x.device.type} tensors of {compute} (the fused kernels need CUDA fp16/bf16)")
     return Route(_fused_single_adapter)
 
 

@@ -211,6 +211,8 @@ def _group_arguments(
     if not group.intact():
         _warn_once("sibling layers whose weights were replaced after fuse_sibling_layers (call it again)")
         return None
+    if torch.is_autocast_enabled(x.device.type):
+        return None  # each member alone, its operands cast as nn.Linear's would be (autocast.call_as_linear)
     members = group.members
     if any(m.disable_adapters or m.merged for m in members):
         return None

@@ -22,15 +22,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def runs_triton(t: torch.Tensor) -> bool:
-    """Whether ``t`` is served by the Triton kernels: CUDA fp16/bf16 tensors, or CPU tensors under the interpreter.
+def runs_triton(t: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Whether ``t``, computed in ``dtype`` (default: its own), is served by the Triton kernels.
 
-    float32 CUDA tensors take the plain torch path: the shipped launch configs size their tiles for
-    2-byte operands, and an fp32 GEMM at those tiles needs more shared memory than a Hopper SM has
-    (327,696 bytes of 232,448 for the multi-adapter forward, seen on an H100).
+    They serve CUDA fp16/bf16 tensors, and CPU tensors under the interpreter. float32 CUDA tensors
+    take the plain torch path: the shipped launch configs size their tiles for 2-byte operands, and
+    an fp32 GEMM at those tiles needs more shared memory than a Hopper SM has (327,696 bytes of
+    232,448 for the multi-adapter forward, seen on an H100).
     """
     if t.is_cuda:
-        return t.dtype in (torch.float16, torch.bfloat16)
+        return (dtype or t.dtype) in (torch.float16, torch.bfloat16)
     return t.device.type == "cpu" and interpreting()
 
 
