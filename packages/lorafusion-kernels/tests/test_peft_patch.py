@@ -207,3 +207,28 @@ def test_extra_arguments_go_to_peft_forward_and_the_base_layer(args, kwargs, for
         with pytest.warns(LoRAFusionKernelsWarning, match="extra arguments for the base layer"):
             got = layer(x, *args, **kwargs)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_autocast_bf16_runs_fused_and_matches_peft(monkeypatch):
+    """An fp32 model under autocast to bf16 on the GPU (HF Trainer's bf16=True): fused, as PEFT to bf16 rounding."""
+    model = tiny_model().cuda()
+    ids = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(1)).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref_logits, ref_grads = loss_and_grads(model, ids)
+    calls = []
+    fused = lorafusion_kernels.fused_lora_linear
+
+    def counting(x, weight, *args, **kwargs):
+        calls.append((x.dtype, weight.dtype))
+        return fused(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(integration, "fused_lora_linear", counting)
+    lorafusion_kernels.patch_peft_model(model)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits, grads = loss_and_grads(model, ids)
+    assert calls == [(torch.bfloat16, torch.bfloat16)] * 4
+    assert (logits.float() - ref_logits.float()).norm() / ref_logits.float().norm() < 2e-2
+    for name in grads:
+        assert grads[name].dtype == torch.float32, name
+        assert (grads[name] - ref_grads[name]).norm() / ref_grads[name].norm() < 5e-2, name
