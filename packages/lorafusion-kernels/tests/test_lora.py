@@ -277,3 +277,20 @@ def test_module_starts_as_the_frozen_layer_and_trains():
     assert FusedLoRALinear(4, 4, 16, lora_alpha=8, use_rslora=True).scaling == pytest.approx(2.0)
     with pytest.raises(LoRAFusionKernelsError):
         FusedLoRALinear(4, 4, 0)
+
+
+def test_module_under_autocast_computes_as_nn_linear_would():
+    """fp32 parameters under autocast to fp16: the op runs on fp16 input, weight and bias, the adapters as they are."""
+    layer = FusedLoRALinear(24, 20, 8, lora_alpha=16)
+    torch.nn.init.normal_(layer.lora_b, std=0.1)
+    x = torch.randn(3, 5, 24, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        y = layer(x)
+    assert y.dtype == torch.float16
+    expected = fused_lora_linear(
+        x.half(), layer.weight.half(), layer.lora_a, layer.lora_b, scaling=2.0, bias=layer.bias.half()
+    )
+    assert torch.equal(y, expected)
+    y.float().square().sum().backward()
+    assert x.grad is not None
+    assert x.grad.dtype == layer.lora_a.grad.dtype == torch.float32

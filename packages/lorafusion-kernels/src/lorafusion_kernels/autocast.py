@@ -2,10 +2,11 @@
 
 Under autocast, ``nn.Linear`` casts its input, weight and bias to autocast's dtype (fp16 or bf16)
 and multiplies in that dtype; PEFT's LoRA branch does the same for ``A`` and ``B``. The fused ops
-are custom autograd functions, which autocast does not cast, so the PEFT integration hands them the
-operands cast as ``nn.Linear`` would and runs them with autocast off. The adapters stay in their
-own dtype: the kernels round each tile to the activations' dtype as they load it, which is the
-rounding autocast applies, and their gradients come back in the parameters' dtype.
+are custom autograd functions, which autocast does not cast, so the PEFT integration and
+``FusedLoRALinear`` hand them the operands cast as ``nn.Linear`` would and run them with autocast
+off. The adapters stay in their own dtype: the kernels round each tile to the activations' dtype
+as they load it, which is the rounding autocast applies, and their gradients come back in the
+parameters' dtype.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lorafusion_kernels.lora import SUPPORTED_DTYPES
+from lorafusion_kernels._kernels._common import SUPPORTED_DTYPES
 
 __all__ = ["autocast_dtype", "call_as_linear", "linear_compute_dtype"]
 

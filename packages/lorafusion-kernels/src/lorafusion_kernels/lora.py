@@ -35,19 +35,19 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from lorafusion_kernels._kernels._common import MAX_RANK, runs_triton, zeroed_fp32
+from lorafusion_kernels._kernels._common import MAX_RANK, SUPPORTED_DTYPES, runs_triton, zeroed_fp32
 from lorafusion_kernels._kernels.lora_dsx import lora_dsx
 from lorafusion_kernels._kernels.lora_dys_dyb import lora_dys_dyb
 from lorafusion_kernels._kernels.lora_dyw_dsa import lora_dyw_dsa
 from lorafusion_kernels._kernels.lora_xa import lora_xa
 from lorafusion_kernels._kernels.lora_xw_sb import lora_xw_sb
+from lorafusion_kernels.autocast import call_as_linear
 from lorafusion_kernels.dropout import draw_seed, dropout_keep_mask, keep_threshold, seed_tensor
 from lorafusion_kernels.errors import LoRAFusionKernelsError
 
 __all__ = ["FusedLoRAFunction", "FusedLoRALinear", "fused_lora_linear"]
 
 DETERMINISTIC_ENV = "LORAFUSION_DETERMINISTIC"
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def deterministic_mode() -> bool:
@@ -515,8 +515,13 @@ class FusedLoRALinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[..., in_features] -> [..., out_features]``; dropout only in training mode."""
-        return fused_lora_linear(
+        """``[..., in_features] -> [..., out_features]``; dropout only in training mode.
+
+        Inside ``torch.autocast`` it computes in autocast's dtype as ``nn.Linear`` does (see
+        :mod:`lorafusion_kernels.autocast`).
+        """
+        return call_as_linear(
+            fused_lora_linear,
             x,
             self.weight,
             self.lora_a,

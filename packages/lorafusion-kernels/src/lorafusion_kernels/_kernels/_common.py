@@ -16,6 +16,9 @@ from lorafusion_kernels.tuning.device import capability, num_sms
 MAX_RANK = 128
 """Largest LoRA rank the kernels accept (the rank tile is padded to a power of two, at most 128)."""
 
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""Activation dtypes the fused ops accept (float32 runs the plain torch path on CUDA: :func:`runs_triton`)."""
+
 
 def interpreting() -> bool:
     """Whether Triton runs in interpreter mode (``TRITON_INTERPRET=1``), read at call time."""
