@@ -145,6 +145,8 @@ def tests_together(session: nox.Session) -> None:
     with _venv_removed_afterwards(session):
         session.install(*CPU_CONSTRAINTS, *nox.project.dependency_groups(PYPROJECT, "test"))
         session.install(*CPU_CONSTRAINTS, *[arg for p in Package for arg in ("-e", p.editable_spec)])
+        # The HF Trainer (the kernels' PEFT drop-in under its bf16 autocast) needs accelerate.
+        session.install(*CPU_CONSTRAINTS, "accelerate>=1.0")
         for package in Package:
             _pytest(session, package, "-m", "not slow")
         session.run("pytest", str(ROOT / "integration-tests"), "-m", "not slow", *session.posargs)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
 import torch
 
 import lorafusion_kernels
+import lorafusion_kernels.lora as lora_module
 import lorafusion_kernels.peft_integration as integration
 from lorafusion_kernels.errors import LoRAFusionKernelsWarning
 
@@ -103,6 +105,38 @@ def test_autocast_runs_fused_with_nn_linear_operands(force_fused, monkeypatch):
     for name in grads:
         assert grads[name].dtype == torch.float32, name
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=2e-2, atol=2e-4, msg=name)
+
+
+def test_hf_trainer_with_bf16_runs_every_layer_fused(monkeypatch, tmp_path):
+    """Regression: the HF Trainer's ``bf16=True`` wraps the forward in torch.autocast, and every call fell back.
+
+    Routed as on a GPU; the op takes its plain-torch path (bf16 on the CPU, where the interpreter
+    cannot multiply bf16). Two steps of 4 patched layers: 8 fused calls on bf16 operands, no warning.
+    """
+    pytest.importorskip("accelerate")
+    monkeypatch.setattr(integration, "runs_triton", lambda t, dtype=None: True)
+    monkeypatch.setattr(lora_module, "runs_triton", lambda t, dtype=None: False)
+    calls = []
+    fused = lorafusion_kernels.fused_lora_linear
+
+    def counting(x, weight, *args, **kwargs):
+        calls.append((x.dtype, weight.dtype))
+        return fused(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(integration, "fused_lora_linear", counting)
+    model = tiny_model(lora_dropout=0.1)
+    lorafusion_kernels.patch_peft_model(model)
+    generator = torch.Generator().manual_seed(3)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 16), generator=generator)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, bf16=True, use_cpu=True,
+        report_to=[], save_strategy="no", logging_strategy="no",
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LoRAFusionKernelsWarning)
+        result = transformers.Trainer(model=model, args=args, train_dataset=data).train()
+    assert calls == [(torch.bfloat16, torch.bfloat16)] * 8
+    assert math.isfinite(result.training_loss)
 
 
 def test_dropout_in_training_and_eval(force_fused):
