@@ -60,6 +60,20 @@ def force_fused(monkeypatch):
     monkeypatch.setattr(integration, "runs_triton", lambda t, dtype=None: True)
 
 
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """``(x dtype, weight dtype)`` of each call the patched layers make to ``fused_lora_linear``."""
+    calls = []
+    fused = integration.fused_lora_linear
+
+    def counting(x, weight, *args, **kwargs):
+        calls.append((x.dtype, weight.dtype))
+        return fused(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(integration, "fused_lora_linear", counting)
+    return calls
+
+
 def test_patched_model_matches_peft(force_fused):
     model = tiny_model()
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -76,7 +90,7 @@ def test_patched_model_matches_peft(force_fused):
     assert all("forward" not in vars(m) for m in model.modules())
 
 
-def test_autocast_runs_fused_with_nn_linear_operands(force_fused, monkeypatch):
+def test_autocast_runs_fused_with_nn_linear_operands(force_fused, fused_calls):
     """Under torch.autocast (fp16 on the CPU here, bf16 or fp16 on GPUs) the fp32 model's layers run fused.
 
     Their operands are cast as nn.Linear's would be, so logits and gradients match PEFT's own path
@@ -86,19 +100,12 @@ def test_autocast_runs_fused_with_nn_linear_operands(force_fused, monkeypatch):
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.autocast("cpu", dtype=torch.float16):
         ref_logits, ref_grads = loss_and_grads(model, ids)
-    calls = []
-
-    def counting(x, weight, *args, **kwargs):
-        calls.append((x.dtype, weight.dtype))
-        return lorafusion_kernels.fused_lora_linear(x, weight, *args, **kwargs)
-
-    monkeypatch.setattr(integration, "fused_lora_linear", counting)
     lorafusion_kernels.patch_peft_model(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error", LoRAFusionKernelsWarning)
         with torch.autocast("cpu", dtype=torch.float16):
             logits, grads = loss_and_grads(model, ids)
-    assert calls == [(torch.float16, torch.float16)] * 4
+    assert fused_calls == [(torch.float16, torch.float16)] * 4
     assert logits.dtype == ref_logits.dtype == torch.float16
     torch.testing.assert_close(logits, ref_logits, rtol=1e-2, atol=1e-3)
     assert set(grads) == set(ref_grads)
@@ -107,7 +114,7 @@ def test_autocast_runs_fused_with_nn_linear_operands(force_fused, monkeypatch):
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=2e-2, atol=2e-4, msg=name)
 
 
-def test_hf_trainer_with_bf16_runs_every_layer_fused(monkeypatch, tmp_path):
+def test_hf_trainer_with_bf16_runs_every_layer_fused(monkeypatch, fused_calls, tmp_path):
     """Regression: the HF Trainer's ``bf16=True`` wraps the forward in torch.autocast, and every call fell back.
 
     Routed as on a GPU; the op takes its plain-torch path (bf16 on the CPU, where the interpreter
@@ -116,14 +123,6 @@ def test_hf_trainer_with_bf16_runs_every_layer_fused(monkeypatch, tmp_path):
     pytest.importorskip("accelerate")
     monkeypatch.setattr(integration, "runs_triton", lambda t, dtype=None: True)
     monkeypatch.setattr(lora_module, "runs_triton", lambda t, dtype=None: False)
-    calls = []
-    fused = lorafusion_kernels.fused_lora_linear
-
-    def counting(x, weight, *args, **kwargs):
-        calls.append((x.dtype, weight.dtype))
-        return fused(x, weight, *args, **kwargs)
-
-    monkeypatch.setattr(integration, "fused_lora_linear", counting)
     model = tiny_model(lora_dropout=0.1)
     lorafusion_kernels.patch_peft_model(model)
     generator = torch.Generator().manual_seed(3)
@@ -135,7 +134,7 @@ def test_hf_trainer_with_bf16_runs_every_layer_fused(monkeypatch, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", LoRAFusionKernelsWarning)
         result = transformers.Trainer(model=model, args=args, train_dataset=data).train()
-    assert calls == [(torch.bfloat16, torch.bfloat16)] * 8
+    assert fused_calls == [(torch.bfloat16, torch.bfloat16)] * 8
     assert math.isfinite(result.training_loss)
 
 
@@ -244,24 +243,16 @@ def test_extra_arguments_go_to_peft_forward_and_the_base_layer(args, kwargs, for
 
 
 @pytest.mark.gpu
-def test_gpu_autocast_bf16_runs_fused_and_matches_peft(monkeypatch):
+def test_gpu_autocast_bf16_runs_fused_and_matches_peft(fused_calls):
     """An fp32 model under autocast to bf16 on the GPU (HF Trainer's bf16=True): fused, as PEFT to bf16 rounding."""
     model = tiny_model().cuda()
     ids = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(1)).cuda()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         ref_logits, ref_grads = loss_and_grads(model, ids)
-    calls = []
-    fused = lorafusion_kernels.fused_lora_linear
-
-    def counting(x, weight, *args, **kwargs):
-        calls.append((x.dtype, weight.dtype))
-        return fused(x, weight, *args, **kwargs)
-
-    monkeypatch.setattr(integration, "fused_lora_linear", counting)
     lorafusion_kernels.patch_peft_model(model)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         logits, grads = loss_and_grads(model, ids)
-    assert calls == [(torch.bfloat16, torch.bfloat16)] * 4
+    assert fused_calls == [(torch.bfloat16, torch.bfloat16)] * 4
     assert (logits.float() - ref_logits.float()).norm() / ref_logits.float().norm() < 2e-2
     for name in grads:
         assert grads[name].dtype == torch.float32, name
