@@ -12,7 +12,8 @@ import torch
 
 from lorafusion_kernels._kernels._common import interpreting
 from lorafusion_kernels.errors import LoRAFusionKernelsError
-from lorafusion_kernels.tuning import ConfigFile, KernelConfig, ShapeKey, TunedEntry
+from lorafusion_kernels.tuning import ConfigFile, KernelConfig, KernelTable, ShapeKey, TunedEntry
+from lorafusion_kernels.tuning.agreement import agreement
 from lorafusion_kernels.tuning.config import dumps
 from lorafusion_kernels.tuning.launches import (
     MULTI_ADAPTER_KERNELS,
@@ -22,7 +23,7 @@ from lorafusion_kernels.tuning.launches import (
     multi_adapter_launches,
 )
 from lorafusion_kernels.tuning.search_space import CANDIDATES
-from lorafusion_kernels.tuning.tune import KERNELS, interleaved_times, kernel_tables, sweep
+from lorafusion_kernels.tuning.tune import KERNELS, interleaved_times, kernel_tables, main, sweep
 
 TINY_GEMM = [
     KernelConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_stages=1),
@@ -161,3 +162,34 @@ def test_sweep_over_every_kernel_under_the_interpreter(capsys):
     parsed = ConfigFile.from_json(json.loads(dumps(written)))
     for kernel in KERNELS:
         assert parsed.lookup(kernel, shape) == result.entries[kernel][0].config
+
+
+def test_agreement_counts_same_winners_and_time_moves(capsys, tmp_path):
+    a, b = TINY_GEMM
+
+    def table(*entries: tuple[int, KernelConfig, float]) -> KernelTable:
+        found = tuple(
+            TunedEntry(key=ShapeKey(m=m, n=64, k=64, r=16, dtype="bfloat16"), config=c, ms=ms) for m, c, ms in entries
+        )
+        return KernelTable(default=a, entries=found)
+
+    def file(**kernels: KernelTable) -> ConfigFile:
+        provenance = {"date": "-", "torch": "-", "triton": "-", "lorafusion_kernels": "-", "search_space": "-"}
+        return ConfigFile(
+            device_name="NVIDIA Test GPU", device_key="nvidia_test_gpu", capability=(9, 0), provenance=provenance,
+            kernels=kernels,
+        )  # fmt: skip
+
+    first = file(xw_sb=table((1, a, 1.0), (2, a, 2.0), (3, b, 4.0)), xa=table((1, a, 1.0)))
+    second = file(xw_sb=table((1, a, 1.1), (2, b, 1.5), (3, b, 4.0), (4, a, 9.0)), dsx=table((1, a, 1.0)))
+    (row,) = agreement(first, second)
+    assert (row.kernel, row.shapes, row.same_config) == ("xw_sb", 3, 2)
+    assert row.same_config_time_spread == pytest.approx(0.05)  # median of 10% and 0%
+    assert row.max_time_spread == pytest.approx(0.25)
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, config in zip(paths, (first, second), strict=True):
+        path.write_text(dumps(config))
+    assert main(["--compare", *map(str, paths)]) == 0
+    assert "xw_sb" in capsys.readouterr().out
+    assert main(["--compare", str(tmp_path / "missing.json"), str(paths[0])]) == 2
+    assert "not a file" in capsys.readouterr().out

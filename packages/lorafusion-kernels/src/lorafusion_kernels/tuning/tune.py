@@ -36,6 +36,7 @@ import torch
 
 from lorafusion_kernels.__about__ import __version__
 from lorafusion_kernels.errors import LoRAFusionKernelsError
+from lorafusion_kernels.tuning.agreement import agreement, format_agreement
 from lorafusion_kernels.tuning.config import (
     ConfigFile,
     KernelConfig,
@@ -287,6 +288,22 @@ def merge(old: ConfigFile, new: ConfigFile) -> ConfigFile:
     return dataclasses.replace(new, kernels=kernels, provenance=provenance)
 
 
+def _compare(first: Path, second: Path) -> int:
+    """``--compare``: print :func:`agreement.agreement` of two config files."""
+    missing = [str(path) for path in (first, second) if not path.is_file()]
+    if missing:
+        _say(f"--compare: not a file: {', '.join(missing)}")
+        return 2
+    try:
+        a, b = (ConfigFile.from_json(json.loads(path.read_text()), where=str(path)) for path in (first, second))
+    except (LoRAFusionKernelsError, json.JSONDecodeError) as exc:
+        _say(f"--compare: {exc}")
+        return 2
+    rows = agreement(a, b)
+    _say(format_agreement(rows) if rows else "the two files share no tuned shape")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``lorafusion-tune``."""
     parser = argparse.ArgumentParser(prog="lorafusion-tune", description=__doc__.splitlines()[0])
@@ -301,7 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=None, help="seconds after which no new shape starts")
     parser.add_argument("--out", type=Path, default=Path("."), help="directory for <gpu-key>.json")
     parser.add_argument("--merge", type=Path, default=None, help="an existing file to update instead of replace")
+    parser.add_argument(
+        "--compare", nargs=2, type=Path, metavar=("A", "B"), help="only compare two tuned files' winners (no GPU)"
+    )
     args = parser.parse_args(argv)
+    if args.compare is not None:
+        return _compare(*args.compare)
     if not torch.cuda.is_available():
         _say("lorafusion-tune needs a CUDA GPU")
         return 2
