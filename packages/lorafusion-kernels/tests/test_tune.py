@@ -42,6 +42,15 @@ TINY_CANDIDATES = {
 }
 
 
+def made_up_gpu_file(kernels: dict[str, KernelTable]) -> ConfigFile:
+    """A config file of a made-up GPU holding ``kernels``."""
+    provenance = {"date": "-", "torch": "-", "triton": "-", "lorafusion_kernels": "-", "search_space": "-"}
+    return ConfigFile(
+        device_name="NVIDIA Test GPU", device_key="nvidia_test_gpu", capability=(9, 0), provenance=provenance,
+        kernels=kernels,
+    )  # fmt: skip
+
+
 def wall_clock_ms(fn: Callable[[], object]) -> float:
     """One run, timed on the host (the interpreter has no CUDA events); a failing launch fails the test."""
     start = time.perf_counter()
@@ -152,13 +161,7 @@ def test_sweep_over_every_kernel_under_the_interpreter(capsys):
         assert entry.config in TINY_CANDIDATES[kernel]
         assert 0 < entry.ms < math.inf
         assert f"  {kernel} " in log, "each winner is printed with its time"
-    written = ConfigFile(
-        device_name="NVIDIA Test GPU",
-        device_key="nvidia_test_gpu",
-        capability=(9, 0),
-        provenance={"date": "-", "torch": "-", "triton": "-", "lorafusion_kernels": "-", "search_space": "-"},
-        kernels=kernel_tables(result.entries, TINY_CANDIDATES),
-    )
+    written = made_up_gpu_file(kernel_tables(result.entries, TINY_CANDIDATES))
     parsed = ConfigFile.from_json(json.loads(dumps(written)))
     for kernel in KERNELS:
         assert parsed.lookup(kernel, shape) == result.entries[kernel][0].config
@@ -174,11 +177,7 @@ def test_agreement_counts_same_winners_and_time_moves(capsys, tmp_path):
         return KernelTable(default=a, entries=found)
 
     def file(**kernels: KernelTable) -> ConfigFile:
-        provenance = {"date": "-", "torch": "-", "triton": "-", "lorafusion_kernels": "-", "search_space": "-"}
-        return ConfigFile(
-            device_name="NVIDIA Test GPU", device_key="nvidia_test_gpu", capability=(9, 0), provenance=provenance,
-            kernels=kernels,
-        )  # fmt: skip
+        return made_up_gpu_file(kernels)
 
     first = file(xw_sb=table((1, a, 1.0), (2, a, 2.0), (3, b, 4.0)), xa=table((1, a, 1.0)))
     second = file(xw_sb=table((1, a, 1.1), (2, b, 1.5), (3, b, 4.0), (4, a, 9.0)), dsx=table((1, a, 1.0)))
