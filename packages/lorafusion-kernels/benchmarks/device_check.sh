@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call: environment, GPU tests, Triton API probe, benchmark, tuner. Writes logs/JSON to $OUT.
-#   STAGES="tests tune bench" (the default, run in that order; "multi" adds the FusedMultiLoRA
-#   benchmarks: bench_multi_lora.py, then bench_grouped.py); TEST_K (a pytest -k expression),
-#   TUNE_ARGS, BENCH_ARGS, MULTI_ARGS, GROUPED_ARGS (passed through); *_TIMEOUT (seconds per stage).
+#   STAGES="tests tune bench" (the default, run in that order; "repro" tunes one subset twice and
+#   compares the runs; "multi" adds the FusedMultiLoRA benchmarks: bench_multi_lora.py, then
+#   bench_grouped.py); TEST_PATHS and TEST_K (pytest paths and -k expression), TUNE_ARGS, REPRO_ARGS,
+#   BENCH_ARGS, MULTI_ARGS, GROUPED_ARGS (passed through); *_TIMEOUT (seconds per stage).
 # A device call ends after 600 s: run the tune stage alone (STAGES=tune). By default it tunes the
 # FusedMultiLoRA kernels (multi_*) on LLaMa-3.1-8B's layers, M = 4K and 8K, r = 16, merged into
 # this GPU's shipped file: $OUT/configs/<gpu-key>.json is the file to commit. The tuner starts no
@@ -47,6 +48,20 @@ if [[ " $STAGES " == *" tune "* ]]; then
     ${TUNE_ARGS:---models llama-3.1-8b --m 4096 8192 --r 16 --kernels $multi --time-limit ${TUNE_LIMIT:-400} --merge $shipped} \
     2>&1 | tee "$OUT/tune.log" | tail -60
   echo "tune stage: $((SECONDS - started)) s" | tee -a "$OUT/tune.log"
+fi
+if [[ " $STAGES " == *" repro "* ]]; then
+  # Two tuning runs of one subset, back to back, each keeping every candidate's time; then how far
+  # they agree (winners, and the regret: how much slower each run timed the other's winner).
+  key=$(python3 -c "import torch; from lorafusion_kernels.tuning import gpu_key; print(gpu_key(torch.cuda.get_device_name()))")
+  for run in a b; do
+    timeout "${REPRO_TIMEOUT:-240}" python3 -m lorafusion_kernels.tuning --out "$OUT/repro-$run" \
+      --timings "$OUT/repro-$run/timings.json" \
+      ${REPRO_ARGS:---models llama-3.1-8b llama-3.1-70b --m 8192 --r 16 --kernels xw_sb dyw_dsa multi_xw_sb multi_dyw_dsa --rep 50} \
+      2>&1 | tee "$OUT/repro-$run.log" | tail -5
+  done
+  { python3 -m lorafusion_kernels.tuning --compare "$OUT/repro-a/timings.json" "$OUT/repro-b/timings.json"
+    python3 -m lorafusion_kernels.tuning --compare "$OUT/repro-a/$key.json" "$OUT/repro-b/$key.json"
+  } 2>&1 | tee "$OUT/repro.txt"
 fi
 if [[ " $STAGES " == *" bench "* ]]; then
   # Benchmark with the configs just tuned, if any.

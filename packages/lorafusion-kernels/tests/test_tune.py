@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -13,7 +14,14 @@ import torch
 from lorafusion_kernels._kernels._common import interpreting
 from lorafusion_kernels.errors import LoRAFusionKernelsError
 from lorafusion_kernels.tuning import ConfigFile, KernelConfig, KernelTable, ShapeKey, TunedEntry
-from lorafusion_kernels.tuning.agreement import agreement
+from lorafusion_kernels.tuning.agreement import (
+    ShapeTimings,
+    agreement,
+    regret,
+    shape_regret,
+    timings_from_json,
+    timings_to_json,
+)
 from lorafusion_kernels.tuning.config import dumps
 from lorafusion_kernels.tuning.launches import (
     MULTI_ADAPTER_KERNELS,
@@ -23,7 +31,7 @@ from lorafusion_kernels.tuning.launches import (
     multi_adapter_launches,
 )
 from lorafusion_kernels.tuning.search_space import CANDIDATES
-from lorafusion_kernels.tuning.tune import KERNELS, interleaved_times, kernel_tables, main, sweep
+from lorafusion_kernels.tuning.tune import KERNELS, interleaved_times, kernel_tables, main, sweep, write_atomically
 
 TINY_GEMM = [
     KernelConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_stages=1),
@@ -161,6 +169,11 @@ def test_sweep_over_every_kernel_under_the_interpreter(capsys):
         assert entry.config in TINY_CANDIDATES[kernel]
         assert 0 < entry.ms < math.inf
         assert f"  {kernel} " in log, "each winner is printed with its time"
+    assert [t.kernel for t in result.timings] == KERNELS
+    for timed in result.timings:
+        assert list(timed.times) == TINY_CANDIDATES[timed.kernel], "every candidate's time is kept, in order"
+        assert timed.winner == result.entries[timed.kernel][0].config
+        assert 0 < timed.current_ms < math.inf
     written = made_up_gpu_file(kernel_tables(result.entries, TINY_CANDIDATES))
     parsed = ConfigFile.from_json(json.loads(dumps(written)))
     for kernel in KERNELS:
@@ -192,3 +205,54 @@ def test_agreement_counts_same_winners_and_time_moves(capsys, tmp_path):
     assert "xw_sb" in capsys.readouterr().out
     assert main(["--compare", str(tmp_path / "missing.json"), str(paths[0])]) == 2
     assert "not a file" in capsys.readouterr().out
+
+
+def test_regret_is_how_much_slower_each_run_timed_the_other_runs_winner(capsys, tmp_path):
+    a, b = TINY_GEMM
+    key = ShapeKey(m=1, n=64, k=64, r=16, dtype="bfloat16")
+    other_key = dataclasses.replace(key, m=2)
+
+    def timed(times: dict[KernelConfig, float], shape: ShapeKey = key, kernel: str = "xw_sb") -> ShapeTimings:
+        return ShapeTimings(kernel, shape, times, current_ms=1.0)
+
+    first = [timed({a: 1.0, b: 1.02}), timed({a: 2.0, b: 3.0}, other_key), timed({a: 1.0, b: 1.0}, kernel="dsx")]
+    second = [timed({a: 1.1, b: 1.0}), timed({a: 2.5, b: math.inf}, other_key)]
+    assert shape_regret(first[0], second[0]) == pytest.approx(0.1), "second run: a is 10% slower than its winner b"
+    assert shape_regret(first[1], second[1]) == 0.0
+    assert shape_regret(timed({a: 1.0, b: math.inf}), timed({a: math.inf, b: 1.0})) == math.inf
+    (row,) = regret(first, second)
+    assert (row.kernel, row.shapes, row.same_winner) == ("xw_sb", 2, 1)
+    assert (row.median_regret, row.max_regret) == pytest.approx((0.05, 0.1))
+
+    provenance = {"date": "-", "sweep": "m=1,2"}
+    document = json.loads(json.dumps(timings_to_json(second, provenance)))
+    assert document["timings"][1]["candidates"][1]["ms"] is None, "a failed candidate is null, not Infinity"
+    assert timings_from_json(document) == second
+    with pytest.raises(LoRAFusionKernelsError, match="not a lorafusion-tune --timings file"):
+        timings_from_json({"timings": [{"kernel": "xw_sb"}]})
+
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, rows in zip(paths, (first, second), strict=True):
+        path.write_text(json.dumps(timings_to_json(rows, provenance)))
+    assert main(["--compare", *map(str, paths)]) == 0
+    assert "median regret" in capsys.readouterr().out
+    config_path = tmp_path / "config.json"
+    config_path.write_text(dumps(made_up_gpu_file({})))
+    assert main(["--compare", str(config_path), str(paths[0])]) == 2
+    assert "not one of each" in capsys.readouterr().out
+
+
+def test_an_interrupted_write_leaves_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "configs" / "gpu.json"
+    write_atomically(path, "old")
+    write_atomically(path, "new")
+    assert path.read_text() == "new"
+
+    def interrupted(source: str, target: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("lorafusion_kernels.tuning.tune.os.replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_atomically(path, "half")
+    assert path.read_text() == "new"
+    assert [p.name for p in path.parent.iterdir()] == ["gpu.json"], "no temporary file is left behind"

@@ -5,6 +5,7 @@ Usage (on the GPU to tune; the file goes to ``--out``, named after the GPU)::
     lorafusion-tune --out packages/lorafusion-kernels/src/lorafusion_kernels/configs
     lorafusion-tune --models llama-3.1-8b --m 4096 8192 --r 16   # a quick subset
     lorafusion-tune --kernels multi_xa multi_xw_sb --merge configs/nvidia_h100_80gb_hbm3.json --time-limit 400
+    lorafusion-tune --kernels xw_sb --timings a.json ...; lorafusion-tune --compare a.json b.json  # reproducible?
 
 The FusedLoRA kernels (``xa``, ``xw_sb``, ``dys_dyb``, ``dsx``, ``dyw_dsa``) are timed with one
 adapter, the FusedMultiLoRA kernels (``multi_xa``, ...) on a microbatch of ``--adapters`` adapters
@@ -27,7 +28,9 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -36,7 +39,15 @@ import torch
 
 from lorafusion_kernels.__about__ import __version__
 from lorafusion_kernels.errors import LoRAFusionKernelsError
-from lorafusion_kernels.tuning.agreement import agreement, format_agreement
+from lorafusion_kernels.tuning.agreement import (
+    ShapeTimings,
+    agreement,
+    format_agreement,
+    format_regret,
+    regret,
+    timings_from_json,
+    timings_to_json,
+)
 from lorafusion_kernels.tuning.config import (
     ConfigFile,
     KernelConfig,
@@ -120,9 +131,10 @@ def interleaved_times(launches: Sequence[Callable[[], object]], timer: Timer, ro
 
 @dataclasses.dataclass(frozen=True)
 class SweepResult:
-    """What a sweep measured: the winner per kernel and shape, and how much of the grid it covered."""
+    """What a sweep measured: the winners, every candidate's time, and how much of the grid it covered."""
 
     entries: Mapping[str, Sequence[TunedEntry]]
+    timings: Sequence[ShapeTimings]
     points_done: int
     points_total: int
 
@@ -166,6 +178,7 @@ def sweep(
             raise LoRAFusionKernelsError(f"unknown kernel {kernel!r}; choose from {sorted(candidates)}")
     points = [(n, k, m, r) for n, k in shapes for m in ms for r in ranks]
     entries: dict[str, list[TunedEntry]] = collections.defaultdict(list)
+    timings: list[ShapeTimings] = []
     started = time.monotonic()
     done = 0
     for n, k, m, r in points:
@@ -179,19 +192,23 @@ def sweep(
             # The config the kernel launches with today (a multi kernel without entries: FusedLoRA's),
             # timed in the same rounds, last in the list.
             *timed, current_ms = interleaved_times([*map(launch, candidates[kernel]), launch(None)], timer, rounds)
-            best_ms, best_index = min((ms, i) for i, ms in enumerate(timed))
+            key = ShapeKey(m=m, n=n, k=k, r=r, dtype=dtype_name(dtype))
+            timings.append(ShapeTimings(kernel, key, dict(zip(candidates[kernel], timed, strict=True)), current_ms))
+            best_ms, second_ms = sorted(timed)[:2] if len(timed) > 1 else (timed[0], math.inf)
             if math.isinf(best_ms):
                 _say(f"  {kernel:14s} every candidate failed: no entry")
                 continue
-            best = candidates[kernel][best_index]
-            key = ShapeKey(m=m, n=n, k=k, r=r, dtype=dtype_name(dtype))
+            best = timings[-1].winner
             entries[kernel].append(TunedEntry(key=key, config=best, ms=best_ms))
-            _say(f"  {kernel:14s} {best_ms:.4f} ms (looked-up config {current_ms:.4f} ms)  {best.to_dict()}")
+            _say(
+                f"  {kernel:14s} {best_ms:.4f} ms (runner-up +{second_ms / best_ms - 1:.1%}, "
+                f"looked-up config {current_ms:.4f} ms)  {best.to_dict()}"
+            )
         done += 1
         if device == "cuda":
             torch.cuda.empty_cache()
     _say(f"swept {done} of {len(points)} shapes in {time.monotonic() - started:.0f} s")
-    return SweepResult(entries=dict(entries), points_done=done, points_total=len(points))
+    return SweepResult(entries=dict(entries), timings=timings, points_done=done, points_total=len(points))
 
 
 def kernel_tables(
@@ -218,8 +235,8 @@ def tune(
     rep: int = 30,
     rounds: int = 2,
     time_limit_s: float | None = None,
-) -> ConfigFile:
-    """Sweep on the current GPU and return its config file.
+) -> tuple[ConfigFile, Sequence[ShapeTimings]]:
+    """Sweep on the current GPU; return its config file and every candidate's timings.
 
     Raises:
         LoRAFusionKernelsError: for an unknown model or kernel name.
@@ -251,7 +268,7 @@ def tune(
     if result.points_done < result.points_total:
         sweep_text += f" (time limit: {result.points_done} of {result.points_total} shapes)"
     name = torch.cuda.get_device_name()
-    return ConfigFile(
+    config_file = ConfigFile(
         device_name=name,
         device_key=gpu_key(name),
         capability=capability(torch.cuda.current_device()),
@@ -266,6 +283,7 @@ def tune(
         },
         kernels=kernel_tables(result.entries),
     )
+    return config_file, result.timings
 
 
 def merge(old: ConfigFile, new: ConfigFile) -> ConfigFile:
@@ -288,19 +306,46 @@ def merge(old: ConfigFile, new: ConfigFile) -> ConfigFile:
     return dataclasses.replace(new, kernels=kernels, provenance=provenance)
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in its folder, then rename it.
+
+    An interrupted write (or a ``--merge`` onto the file being replaced) leaves the old file whole.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(handle, "w") as file:
+            file.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
 def _compare(first: Path, second: Path) -> int:
-    """``--compare``: print :func:`agreement.agreement` of two config files."""
+    """``--compare``: the agreement of two config files, or the regret of two ``--timings`` files."""
     missing = [str(path) for path in (first, second) if not path.is_file()]
     if missing:
         _say(f"--compare: not a file: {', '.join(missing)}")
         return 2
     try:
-        a, b = (ConfigFile.from_json(json.loads(path.read_text()), where=str(path)) for path in (first, second))
+        docs = [json.loads(path.read_text()) for path in (first, second)]
+        kinds = {"timings" in doc for doc in docs}
+        if kinds == {True}:
+            a, b = (timings_from_json(doc, where=str(path)) for doc, path in zip(docs, (first, second), strict=True))
+            regrets = regret(a, b)
+            table = format_regret(regrets) if regrets else ""
+        elif kinds == {False}:
+            x, y = (ConfigFile.from_json(doc, where=str(path)) for doc, path in zip(docs, (first, second), strict=True))
+            agreements = agreement(x, y)
+            table = format_agreement(agreements) if agreements else ""
+        else:
+            _say("--compare: give two config files or two --timings files, not one of each")
+            return 2
     except (LoRAFusionKernelsError, json.JSONDecodeError) as exc:
         _say(f"--compare: {exc}")
         return 2
-    rows = agreement(a, b)
-    _say(format_agreement(rows) if rows else "the two files share no tuned shape")
+    _say(table or "the two files share no tuned shape")
     return 0
 
 
@@ -319,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("."), help="directory for <gpu-key>.json")
     parser.add_argument("--merge", type=Path, default=None, help="an existing file to update instead of replace")
     parser.add_argument(
+        "--timings", type=Path, default=None, help="also write every candidate's time to this JSON file (see --compare)"
+    )
+    parser.add_argument(
         "--compare", nargs=2, type=Path, metavar=("A", "B"), help="only compare two tuned files' winners (no GPU)"
     )
     args = parser.parse_args(argv)
@@ -333,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         _say("--rounds must be at least 1")
         return 2
-    result = tune(
+    result, timings = tune(
         models=args.models,
         ms=args.m,
         ranks=args.r,
@@ -344,11 +392,13 @@ def main(argv: list[str] | None = None) -> int:
         rounds=args.rounds,
         time_limit_s=args.time_limit,
     )
+    if args.timings is not None:
+        write_atomically(args.timings, json.dumps(timings_to_json(timings, result.provenance), indent=1) + "\n")
+        _say(f"wrote {args.timings}")
     if args.merge is not None and args.merge.is_file():
         result = merge(ConfigFile.from_json(json.loads(args.merge.read_text()), where=str(args.merge)), result)
-    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{result.device_key}.json"
-    path.write_text(dumps(result))
+    write_atomically(path, dumps(result))
     for name, table in sorted(result.kernels.items()):
         _say(f"default {name:14s} {json.dumps(table.default.to_dict(), sort_keys=True)}")
     _say(f"wrote {path}")
