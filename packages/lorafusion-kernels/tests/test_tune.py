@@ -31,7 +31,15 @@ from lorafusion_kernels.tuning.launches import (
     multi_adapter_launches,
 )
 from lorafusion_kernels.tuning.search_space import CANDIDATES
-from lorafusion_kernels.tuning.tune import KERNELS, interleaved_times, kernel_tables, main, sweep, write_atomically
+from lorafusion_kernels.tuning.tune import (
+    KERNELS,
+    gpu_timer,
+    interleaved_times,
+    kernel_tables,
+    main,
+    sweep,
+    write_atomically,
+)
 
 TINY_GEMM = [
     KernelConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_stages=1),
@@ -256,3 +264,8 @@ def test_an_interrupted_write_leaves_the_old_file(tmp_path, monkeypatch):
         write_atomically(path, "half")
     assert path.read_text() == "new"
     assert [p.name for p in path.parent.iterdir()] == ["gpu.json"], "no temporary file is left behind"
+
+
+def test_an_unknown_timer_is_refused():
+    with pytest.raises(LoRAFusionKernelsError, match="unknown timer 'wall'"):
+        gpu_timer(10, "wall")

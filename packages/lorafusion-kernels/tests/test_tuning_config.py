@@ -230,3 +230,9 @@ def test_merge_adds_multi_tables_and_keeps_every_sweep_on_record():
     assert merged.kernels["multi_xw_sb"] == new.kernels["multi_xw_sb"]
     assert merged.provenance["sweep"] == "new sweep"
     assert merged.provenance["merged_from"] == "2026-11-22: old sweep kernels=?; older"
+
+
+def test_merge_refuses_another_gpus_file():
+    other = dataclasses.replace(sample_file(), device_name="NVIDIA H200", device_key="nvidia_h200")
+    with pytest.raises(LoRAFusionKernelsError, match="give --merge the file of this GPU"):
+        merge(other, sample_file())
