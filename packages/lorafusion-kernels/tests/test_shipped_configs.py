@@ -7,10 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from lorafusion_kernels.tuning import ConfigFile, clear_caches, gpu_key, lookup_config
 from lorafusion_kernels.tuning.config import dumps
-from lorafusion_kernels.tuning.launches import MULTI_ADAPTER_KERNELS, SINGLE_ADAPTER_KERNELS
+from lorafusion_kernels.tuning.launches import MULTI_ADAPTER_KERNELS, SINGLE_ADAPTER_KERNELS, LayerProblem, config_key
+from lorafusion_kernels.tuning.search_space import MODEL_LAYERS
 
 CONFIG_DIR = Path(str(importlib.resources.files("lorafusion_kernels") / "configs"))
 FILES = sorted(CONFIG_DIR.glob("*.json"))
@@ -51,3 +53,19 @@ def test_every_multi_adapter_kernel_resolves(path, monkeypatch):
             else:
                 assert found == entry.config, "no table of its own: FusedLoRA's config for the shape"
     clear_caches()
+
+
+@pytest.mark.parametrize("path", FILES, ids=[f.stem for f in FILES])
+def test_every_entry_is_a_key_the_op_looks_up(path):
+    """An entry keyed otherwise than :func:`config_key` is never found (the skinny passes' entries were
+    keyed by the layer until 2026-11-25, so the op ran them with the table's default)."""
+    parsed = ConfigFile.from_json(json.loads(path.read_text()), where=str(path))
+    layers = {(n, k) for shapes in MODEL_LAYERS.values() for _, n, k in shapes}
+    for name, table in parsed.kernels.items():
+        for entry in table.entries:
+            key = entry.key
+            problems = [
+                LayerProblem(m=key.m, n=n, k=k, r=key.r, dtype=torch.bfloat16, p=0.1, adapters=4, device="cpu")
+                for n, k in layers
+            ]
+            assert any(config_key(name, problem) == key for problem in problems), (name, key)

@@ -27,6 +27,7 @@ from lorafusion_kernels.tuning.launches import (
     MULTI_ADAPTER_KERNELS,
     SINGLE_ADAPTER_KERNELS,
     LayerProblem,
+    config_key,
     even_segments,
     multi_adapter_launches,
 )
@@ -170,10 +171,10 @@ def test_sweep_over_every_kernel_under_the_interpreter(capsys):
     )
     assert (result.points_done, result.points_total) == (1, 1)
     log = capsys.readouterr().out
-    shape = ShapeKey(m=37, n=48, k=40, r=8, dtype="float32")
+    problem = LayerProblem(m=37, n=48, k=40, r=8, dtype=torch.float32, p=0.25, adapters=2, device="cpu")
     for kernel in KERNELS:
         (entry,) = result.entries[kernel]
-        assert entry.key == shape
+        assert entry.key == config_key(kernel, problem), "keyed as the op looks it up"
         assert entry.config in TINY_CANDIDATES[kernel]
         assert 0 < entry.ms < math.inf
         assert f"  {kernel} " in log, "each winner is printed with its time"
@@ -185,7 +186,7 @@ def test_sweep_over_every_kernel_under_the_interpreter(capsys):
     written = made_up_gpu_file(kernel_tables(result.entries, TINY_CANDIDATES))
     parsed = ConfigFile.from_json(json.loads(dumps(written)))
     for kernel in KERNELS:
-        assert parsed.lookup(kernel, shape) == result.entries[kernel][0].config
+        assert parsed.lookup(kernel, config_key(kernel, problem)) == result.entries[kernel][0].config
 
 
 def test_agreement_counts_same_winners_and_time_moves(capsys, tmp_path):
@@ -269,3 +270,18 @@ def test_an_interrupted_write_leaves_the_old_file(tmp_path, monkeypatch):
 def test_an_unknown_timer_is_refused():
     with pytest.raises(LoRAFusionKernelsError, match="unknown timer 'wall'"):
         gpu_timer(10, "wall")
+
+
+def test_a_key_two_layers_share_is_timed_once(capsys):
+    """The shrink sees only x [m, k] and A: two layers with one k give it one entry."""
+    result = sweep(
+        shapes=[(48, 40), (24, 40)],
+        ms=[16],
+        ranks=[4],
+        kernels=["xa", "xw_sb"],
+        timer=lambda fn: 1.0,
+        candidates=TINY_CANDIDATES,
+        device="cpu",
+    )
+    assert [e.key for e in result.entries["xa"]] == [ShapeKey(m=16, n=4, k=40, r=4, dtype="bfloat16")]
+    assert [(e.key.n, e.key.k) for e in result.entries["xw_sb"]] == [(48, 40), (24, 40)]

@@ -510,7 +510,7 @@ def _backward_core(
         "has_dropout": params.has_dropout,
     }
     da_args: dict[str, Any] = {"r_tot": a_cat.shape[0], "out_dtype": a_cat.dtype, "deterministic": deterministic}
-    if need_dx and need_da and len(dys) == 1 and _dx_from_da_pass(weight):
+    if need_dx and need_da and len(dys) == 1 and _dx_from_da_pass(*weight.shape):
         dx = torch.empty_like(x)
         da = multi_lora_dsx(ds, x, batch, lora_dx=(a_cat, dx), **da_args, **dropout)
         return dx.addmm_(dys[0], weight), da, db.to(b_cat.dtype)
@@ -519,8 +519,8 @@ def _backward_core(
     return dx, da, db.to(b_cat.dtype)
 
 
-def _dx_from_da_pass(weight: torch.Tensor) -> bool:
-    """Whether the ``dA`` pass writes dx's LoRA term (``lora_dx``) and cuBLAS adds ``dy W`` in place.
+def _dx_from_da_pass(n: int, k: int) -> bool:
+    """Whether, for a weight ``[n, k]``, the ``dA`` pass writes dx's LoRA term and cuBLAS adds ``dy W`` in place.
 
     That draws the dropout mask once instead of twice (the fused dx GEMM draws it again) and runs the
     big product at cuBLAS's speed; the LoRA term is rounded to dx's dtype once before the sum (the
@@ -529,7 +529,6 @@ def _dx_from_da_pass(weight: torch.Tensor) -> bool:
     2026-11-25: the down projections went from 1.22x to 1.24x the frozen layer on LLaMa-3.1-8B; o,
     qkv and gate_up gained 0-4%).
     """
-    n, k = weight.shape
     return k <= n
 
 

@@ -595,7 +595,8 @@ def multi_lora_dsx(
     """
     T, K = x.shape
     out_dtype = out_dtype or x.dtype
-    cfg = config or launch_config(DA_KERNEL, x, m=T, n=max_rank, k=K, r=max_rank)
+    # Keyed by the width of what the pass writes per token: dx's LoRA term (K) or nothing (the rank).
+    cfg = config or launch_config(DA_KERNEL, x, m=T, n=K if lora_dx is not None else max_rank, k=K, r=max_rank)
     col_tiles = cdiv(K, cfg.block_n)
     runs = batch.segment_runs(_run_tiles(x, cdiv(T, cfg.block_m), col_tiles) * cfg.block_m)
     shape = (runs.num_runs, r_tot, K) if deterministic else (r_tot, K)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lorafusion_kernels.tuning.config import KernelConfig
+from lorafusion_kernels.tuning.config import KernelConfig, ShapeKey, dtype_name
 
 SINGLE_ADAPTER_KERNELS = ("xa", "xw_sb", "dys_dyb", "dsx", "dyw_dsa")
 """FusedLoRA's kernels, in the order a forward and backward run them."""
@@ -47,6 +47,32 @@ class LayerProblem:
     """Adapters sharing the microbatch of the FusedMultiLoRA kernels."""
     device: str
     """``"cuda"``, or ``"cpu"`` under ``TRITON_INTERPRET=1``."""
+
+
+def config_key(kernel: str, problem: LayerProblem) -> ShapeKey:
+    """The shape under which the op looks up ``kernel``'s config when it runs ``problem``'s layer.
+
+    Entries are keyed by the problem each kernel sees, which is not always the layer ``W [n, k]``:
+
+    - the shrink (``xa``) and the ``dA`` pass (``dsx``) read ``x [m, k]`` against a rank-``r``
+      operand: ``(m, r, k)``. The multi-adapter ``dA`` pass that also writes dx's LoRA term
+      ``[m, k]`` (where ``k <= n``, see ``multi_lora._dx_from_da_pass``) is keyed ``(m, k, k)``;
+    - the ``dS``/``dB`` pass reads ``dy [m, n]`` against ``B [n, r]``: ``(m, n, n)``;
+    - the two GEMMs see the layer: ``(m, n, k)``.
+
+    Layers that share a key share its entry, so the tuner times each key once.
+    """
+    from lorafusion_kernels.multi_lora import _dx_from_da_pass
+
+    m, n, k, r = problem.m, problem.n, problem.k, problem.r
+    base = kernel.removeprefix("multi_")
+    if base == "xa" or (base == "dsx" and not (kernel.startswith("multi_") and _dx_from_da_pass(n, k))):
+        n = r
+    elif base == "dsx":
+        n = k
+    elif base == "dys_dyb":
+        k = n
+    return ShapeKey(m=m, n=n, k=k, r=r, dtype=dtype_name(problem.dtype))
 
 
 def even_segments(m: int, adapters: int) -> list[int]:
@@ -127,7 +153,7 @@ def multi_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
     s = _random(problem, m, params.block_r)
     ds = _random(problem, m, params.block_r, dtype=torch.float32)
     dy = _random(problem, m, n)
-    lora_dx = (a_cat, torch.empty(m, k, device=problem.device, dtype=problem.dtype)) if _dx_from_da_pass(w) else None
+    lora_dx = (a_cat, torch.empty(m, k, device=problem.device, dtype=problem.dtype)) if _dx_from_da_pass(n, k) else None
     dropout: dict[str, Any] = {
         "max_rank": r,
         "ranks": tables.ranks,

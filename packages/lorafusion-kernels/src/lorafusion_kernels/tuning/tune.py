@@ -62,6 +62,7 @@ from lorafusion_kernels.tuning.launches import (
     MULTI_ADAPTER_KERNELS,
     SINGLE_ADAPTER_KERNELS,
     LayerProblem,
+    config_key,
     kernel_launches,
 )
 from lorafusion_kernels.tuning.search_space import (
@@ -177,6 +178,9 @@ def sweep(
 ) -> SweepResult:
     """Time every candidate of every kernel at every ``(n, k)`` of ``shapes``, ``m`` and ``r``; keep the winners.
 
+    Entries are keyed by :func:`~lorafusion_kernels.tuning.launches.config_key` (the shape the op looks
+    up, e.g. ``(m, r, k)`` for the shrink), and a key another layer already gave is not timed again.
+
     Args:
         shapes: ``(n, k)`` layer shapes.
         ms: Token counts.
@@ -200,6 +204,7 @@ def sweep(
     points = [(n, k, m, r) for n, k in shapes for m in ms for r in ranks]
     entries: dict[str, list[TunedEntry]] = collections.defaultdict(list)
     timings: list[ShapeTimings] = []
+    timed: set[tuple[str, ShapeKey]] = set()
     started = time.monotonic()
     done = 0
     for n, k, m, r in points:
@@ -209,13 +214,17 @@ def sweep(
             break
         problem = LayerProblem(m=m, n=n, k=k, r=r, dtype=dtype, p=p, adapters=adapters, device=device)
         _say(f"m={m} n={n} k={k} r={r} (at {elapsed:.0f} s): torch x W^T {timer(_frozen_gemm(problem)):.4f} ms")
-        for kernel, launch in kernel_launches(problem, kernels).items():
+        # A kernel whose key another layer shape already gave (e.g. the shrink of every layer with
+        # this k) is not timed again.
+        todo = [kernel for kernel in kernels if (kernel, config_key(kernel, problem)) not in timed]
+        for kernel, launch in kernel_launches(problem, todo).items():
+            key = config_key(kernel, problem)
+            timed.add((kernel, key))
             # The config the kernel launches with today (a multi kernel without entries: FusedLoRA's),
             # timed in the same rounds, last in the list.
-            *timed, current_ms = interleaved_times([*map(launch, candidates[kernel]), launch(None)], timer, rounds)
-            key = ShapeKey(m=m, n=n, k=k, r=r, dtype=dtype_name(dtype))
-            timings.append(ShapeTimings(kernel, key, dict(zip(candidates[kernel], timed, strict=True)), current_ms))
-            best_ms, second_ms = sorted(timed)[:2] if len(timed) > 1 else (timed[0], math.inf)
+            *times, current_ms = interleaved_times([*map(launch, candidates[kernel]), launch(None)], timer, rounds)
+            timings.append(ShapeTimings(kernel, key, dict(zip(candidates[kernel], times, strict=True)), current_ms))
+            best_ms, second_ms = sorted(times)[:2] if len(times) > 1 else (times[0], math.inf)
             if math.isinf(best_ms):
                 _say(f"  {kernel:14s} every candidate failed: no entry")
                 continue
@@ -223,7 +232,7 @@ def sweep(
             entries[kernel].append(TunedEntry(key=key, config=best, ms=best_ms))
             _say(
                 f"  {kernel:14s} {best_ms:.4f} ms (runner-up +{second_ms / best_ms - 1:.1%}, "
-                f"looked-up config {current_ms:.4f} ms)  {best.to_dict()}"
+                f"looked-up config {current_ms:.4f} ms; key n={key.n} k={key.k})  {best.to_dict()}"
             )
         done += 1
         if device == "cuda":
