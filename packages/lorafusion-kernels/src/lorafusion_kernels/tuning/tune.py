@@ -95,8 +95,9 @@ def gpu_timer(rep: int, kind: str = "graph") -> Timer:
 
     ``graph`` (``triton.testing.do_bench_cudagraph``) times GPU work alone, as the benchmarks' CUDA-graph
     columns do. ``events`` (``triton.testing.do_bench``: eager launches, L2 flushed before each) also
-    counts any time the GPU waits for the host, which for kernels of tens of microseconds is part of
-    what it measures (on one H100 it timed a 47 us config at 47 and at 135 us within one sweep).
+    counts the time the GPU waits for the host between the flush and the launch, a large part of a
+    pass of tens of microseconds (H100, 2026-11-25: the multi-adapter shrink's candidates at 8,192 x
+    4,096 took 47-135 us with ``events``, 35-66 us with ``graph``).
 
     Raises:
         LoRAFusionKernelsError: for an unknown ``kind``.
