@@ -66,10 +66,10 @@ def config_key(kernel: str, problem: LayerProblem) -> ShapeKey:
 
     m, n, k, r = problem.m, problem.n, problem.k, problem.r
     base = kernel.removeprefix("multi_")
-    if base == "xa" or (base == "dsx" and not (kernel.startswith("multi_") and _dx_from_da_pass(n, k))):
-        n = r
-    elif base == "dsx":
+    if kernel == "multi_dsx" and _dx_from_da_pass(n, k):
         n = k
+    elif base in ("xa", "dsx"):
+        n = r
     elif base == "dys_dyb":
         k = n
     return ShapeKey(m=m, n=n, k=k, r=r, dtype=dtype_name(problem.dtype))
