@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafusion_kernels import fused_lora_linear, fused_multi_lora_linear
+from lorafusion_kernels import fused_lora_linear, fused_multi_lora_linear, fused_multi_lora_siblings
 from lorafusion_kernels._kernels import _common
 from lorafusion_kernels._kernels._common import interpreting
 from lorafusion_kernels.tuning import ShapeKey
@@ -56,4 +56,34 @@ def test_ops_look_up_the_keys_the_tuner_writes(monkeypatch, n, adapters):
     assert set(calls) == expected
     problem = LayerProblem(m=TOKENS, n=n, k=K, r=RANK, dtype=torch.float32, p=0.25, adapters=adapters, device="cpu")
     for kernel, key in calls.items():
+        assert key == config_key(kernel, problem), kernel
+
+
+def test_sibling_calls_look_up_the_stacked_rank_for_the_x_passes(monkeypatch):
+    """A sibling group of G members runs the shrink and the dA pass on the members' stacked A's
+    (rank G r): to the config files that is a layer of rank G r. The GEMMs and the dy pass see the
+    stacked layer with each member's rank."""
+    if not interpreting():
+        pytest.skip("set TRITON_INTERPRET=1 before starting pytest to run the kernels on CPU")
+    torch.manual_seed(0)
+    widths = [48, 16, 16]
+    x = torch.randn(TOKENS, K, requires_grad=True)
+    weight = torch.randn(sum(widths), K)
+    a = [[torch.randn(RANK, K, requires_grad=True) for _ in widths] for _ in range(2)]
+    b = [[torch.randn(n, RANK, requires_grad=True) for n in widths] for _ in range(2)]
+
+    def run() -> torch.Tensor:
+        outputs = fused_multi_lora_siblings(
+            x, weight, a, b, out_features=widths, segment_lengths=[20, 17], segment_adapters=[0, 1],
+            scaling=2.0, dropout_p=0.25,
+        )  # fmt: skip
+        return torch.cat([y.flatten() for y in outputs])
+
+    calls = looked_up(monkeypatch, run)
+    assert set(calls) == {"multi_xa", "multi_xw_sb", "multi_dys_dyb", "multi_dsx"}
+    for kernel, key in calls.items():
+        rank = RANK * len(widths) if kernel in ("multi_xa", "multi_dsx") else RANK
+        problem = LayerProblem(
+            m=TOKENS, n=sum(widths), k=K, r=rank, dtype=torch.float32, p=0.25, adapters=2, device="cpu"
+        )
         assert key == config_key(kernel, problem), kernel
