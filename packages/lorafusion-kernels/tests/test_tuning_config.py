@@ -236,3 +236,17 @@ def test_merge_refuses_another_gpus_file():
     other = dataclasses.replace(sample_file(), device_name="NVIDIA H200", device_key="nvidia_h200")
     with pytest.raises(LoRAFusionKernelsError, match="give --merge the file of this GPU"):
         merge(other, sample_file())
+
+
+def test_merge_drops_entries_keyed_by_the_layer(capsys):
+    """Before 2026-11-25 the tuner keyed the shrink by the layer's n; no launch looks such an entry up."""
+    config = sample_file().kernels["xw_sb"].default
+    stale = ShapeKey(m=8, n=64, k=32, r=16, dtype="bfloat16")
+    reachable = dataclasses.replace(stale, n=16)
+    entries = tuple(TunedEntry(key=key, config=config, ms=1.0) for key in (stale, reachable))
+    old = dataclasses.replace(
+        sample_file(), kernels={**sample_file().kernels, "xa": KernelTable(default=config, entries=entries)}
+    )
+    merged = merge(old, dataclasses.replace(sample_file(), kernels={}))
+    assert [e.key for e in merged.kernels["xa"].entries] == [reachable]
+    assert "dropped 1 entries" in capsys.readouterr().out

@@ -75,6 +75,21 @@ def config_key(kernel: str, problem: LayerProblem) -> ShapeKey:
     return ShapeKey(m=m, n=n, k=k, r=r, dtype=dtype_name(problem.dtype))
 
 
+def can_be_looked_up(kernel: str, key: ShapeKey) -> bool:
+    """Whether some layer's :func:`config_key` of ``kernel`` can be ``key``.
+
+    Entries the tuner keyed by the layer before 2026-11-25 (e.g. a shrink entry with ``n != r``) never can.
+    """
+    base = kernel.removeprefix("multi_")
+    if kernel == "multi_dsx":
+        return key.n in (key.r, key.k)
+    if base in ("xa", "dsx"):
+        return key.n == key.r
+    if base == "dys_dyb":
+        return key.n == key.k
+    return True
+
+
 def even_segments(m: int, adapters: int) -> list[int]:
     """``m`` tokens in ``adapters`` consecutive segments whose lengths differ by at most one."""
     return [m // adapters + (i < m % adapters) for i in range(adapters)]

@@ -62,6 +62,7 @@ from lorafusion_kernels.tuning.launches import (
     MULTI_ADAPTER_KERNELS,
     SINGLE_ADAPTER_KERNELS,
     LayerProblem,
+    can_be_looked_up,
     config_key,
     kernel_launches,
 )
@@ -322,7 +323,8 @@ def merge(old: ConfigFile, new: ConfigFile) -> ConfigFile:
     """``new`` on top of ``old``: kernels not re-tuned keep their tables; re-tuned ones gain or replace entries.
 
     The provenance is the new run's; ``merged_from`` records the old run (date, sweep, kernels) followed
-    by the old file's own ``merged_from``, so every entry's sweep stays on record.
+    by the old file's own ``merged_from``, so every entry's sweep stays on record. Old entries under a
+    key the op never looks up (:func:`~lorafusion_kernels.tuning.launches.can_be_looked_up`) are dropped.
 
     Raises:
         LoRAFusionKernelsError: if the two files are for different GPUs.
@@ -332,7 +334,15 @@ def merge(old: ConfigFile, new: ConfigFile) -> ConfigFile:
             f"cannot merge configs measured on {new.device_name!r} into a file for {old.device_name!r}: "
             f"give --merge the file of this GPU ({new.device_key}.json) or none"
         )
-    kernels = dict(old.kernels)
+    kernels = {
+        name: dataclasses.replace(table, entries=tuple(e for e in table.entries if can_be_looked_up(name, e.key)))
+        for name, table in old.kernels.items()
+    }
+    dropped = sum(len(table.entries) for table in old.kernels.values()) - sum(
+        len(table.entries) for table in kernels.values()
+    )
+    if dropped:
+        _say(f"--merge: dropped {dropped} entries of the old file that no launch looks up (keyed by the layer)")
     for name, table in new.kernels.items():
         keys = {e.key for e in table.entries}
         kept = tuple(e for e in kernels[name].entries if e.key not in keys) if name in kernels else ()
