@@ -56,9 +56,8 @@ def call_as_linear(
     Outside autocast, as given. Inside, ``x``, ``weight`` and ``bias`` cast to autocast's dtype
     (differentiably: gradients reach them in their own dtypes) and ``op`` run with autocast off.
     """
-    device = x.device.type
-    if not torch.is_autocast_enabled(device):
+    dtype = autocast_dtype(x)
+    if dtype is None:
         return op(x, weight, *args, bias=bias, **kwargs)
-    dtype = torch.get_autocast_dtype(device)
-    with torch.autocast(device, enabled=False):
+    with torch.autocast(x.device.type, enabled=False):
         return op(x.to(dtype), weight.to(dtype), *args, bias=None if bias is None else bias.to(dtype), **kwargs)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from lorafusion_kernels.errors import LoRAFusionKernelsError
@@ -78,15 +78,20 @@ def agreement(a: ConfigFile, b: ConfigFile) -> list[KernelAgreement]:
     return out
 
 
+def _table(measure: str, rows: Iterable[tuple[str, int, int, float, float]]) -> str:
+    """Per kernel: shapes, same winners, then ``measure`` and the largest value, as percentages."""
+    width = len(measure)
+    header = f"{'kernel':14s} {'shapes':>6s} {'same winner':>11s} {measure:>{width}s} {'max':>6s}"
+    lines = [f"{k:14s} {n:6d} {same:11d} {mid:{width}.1%} {top:6.1%}" for k, n, same, mid, top in rows]
+    return "\n".join([header, *lines])
+
+
 def format_agreement(rows: list[KernelAgreement]) -> str:
     """A plain-text table of :func:`agreement`'s rows."""
-    header = f"{'kernel':14s} {'shapes':>6s} {'same winner':>11s} {'same-winner time moved':>22s} {'max':>6s}"
-    lines = [
-        f"{row.kernel:14s} {row.shapes:6d} {row.same_config:11d} "
-        f"{row.same_config_time_spread:22.1%} {row.max_time_spread:6.1%}"
-        for row in rows
-    ]
-    return "\n".join([header, *lines])
+    return _table(
+        "same-winner time moved",
+        ((r.kernel, r.shapes, r.same_config, r.same_config_time_spread, r.max_time_spread) for r in rows),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,9 +215,4 @@ def regret(a: Sequence[ShapeTimings], b: Sequence[ShapeTimings]) -> list[KernelR
 
 def format_regret(rows: list[KernelRegret]) -> str:
     """A plain-text table of :func:`regret`'s rows."""
-    header = f"{'kernel':14s} {'shapes':>6s} {'same winner':>11s} {'median regret':>13s} {'max':>6s}"
-    lines = [
-        f"{row.kernel:14s} {row.shapes:6d} {row.same_winner:11d} {row.median_regret:13.1%} {row.max_regret:6.1%}"
-        for row in rows
-    ]
-    return "\n".join([header, *lines])
+    return _table("median regret", ((r.kernel, r.shapes, r.same_winner, r.median_regret, r.max_regret) for r in rows))

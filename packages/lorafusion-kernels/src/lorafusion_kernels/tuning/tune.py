@@ -218,9 +218,10 @@ def sweep(
         _say(f"m={m} n={n} k={k} r={r} (at {elapsed:.0f} s): torch x W^T {timer(_frozen_gemm(problem)):.4f} ms")
         # A kernel whose key another layer shape already gave (e.g. the shrink of every layer with
         # this k) is not timed again.
-        todo = [kernel for kernel in kernels if (kernel, config_key(kernel, problem)) not in timed]
+        keys = {kernel: config_key(kernel, problem) for kernel in kernels}
+        todo = [kernel for kernel in kernels if (kernel, keys[kernel]) not in timed]
         for kernel, launch in kernel_launches(problem, todo).items():
-            key = config_key(kernel, problem)
+            key = keys[kernel]
             timed.add((kernel, key))
             # The config the kernel launches with today (a multi kernel without entries: FusedLoRA's),
             # timed in the same rounds, last in the list.
@@ -334,13 +335,12 @@ def merge(old: ConfigFile, new: ConfigFile) -> ConfigFile:
             f"cannot merge configs measured on {new.device_name!r} into a file for {old.device_name!r}: "
             f"give --merge the file of this GPU ({new.device_key}.json) or none"
         )
-    kernels = {
-        name: dataclasses.replace(table, entries=tuple(e for e in table.entries if can_be_looked_up(name, e.key)))
-        for name, table in old.kernels.items()
-    }
-    dropped = sum(len(table.entries) for table in old.kernels.values()) - sum(
-        len(table.entries) for table in kernels.values()
-    )
+    kernels = {}
+    dropped = 0
+    for name, table in old.kernels.items():
+        reachable = tuple(e for e in table.entries if can_be_looked_up(name, e.key))
+        dropped += len(table.entries) - len(reachable)
+        kernels[name] = dataclasses.replace(table, entries=reachable)
     if dropped:
         _say(f"--merge: dropped {dropped} entries of the old file that no launch looks up (keyed by the layer)")
     for name, table in new.kernels.items():
