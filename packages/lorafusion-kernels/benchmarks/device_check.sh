@@ -42,7 +42,7 @@ fi
 if [[ " $STAGES " == *" tune "* ]]; then
   key=$(python3 -c "import torch; from lorafusion_kernels.tuning import gpu_key; print(gpu_key(torch.cuda.get_device_name()))")
   shipped="packages/lorafusion-kernels/src/lorafusion_kernels/configs/$key.json"
-  multi="multi_xa multi_xw_sb multi_dys_dyb multi_dsx multi_dyw_dsa"
+  multi="multi_xa multi_xw_sb multi_dys_dyb multi_dsx multi_dsx_dx multi_dyw_dsa"
   started=$SECONDS
   timeout "${TUNE_TIMEOUT:-540}" python3 -m lorafusion_kernels.tuning --out "$OUT/configs" \
     ${TUNE_ARGS:---models llama-3.1-8b --m 4096 8192 --r 16 --kernels $multi --time-limit ${TUNE_LIMIT:-400} --merge $shipped} \

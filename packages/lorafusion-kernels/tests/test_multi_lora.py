@@ -195,7 +195,7 @@ def test_tma_kernels_match_reference(frozen_a: bool) -> None:
 def test_split_reductions_match_reference(split: int) -> None:
     """The backward's reductions shared by several programs (on a GPU the launchers pick the count)."""
     config = KernelConfig(block_m=16, block_n=16, block_k=16, split=split, num_warps=4, num_stages=1)
-    with override_configs({"multi_xa": config, "multi_dys_dyb": config, "multi_dsx": config}):
+    with override_configs({"multi_xa": config, "multi_dys_dyb": config, "multi_dsx": config, "multi_dsx_dx": config}):
         check_against_reference(dataclasses.replace(MIXED, k=40, n=48), torch.float32)
 
 

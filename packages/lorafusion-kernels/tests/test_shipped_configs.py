@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lorafusion_kernels.tuning import ConfigFile, clear_caches, gpu_key, lookup_config
-from lorafusion_kernels.tuning.config import dumps
+from lorafusion_kernels.tuning.config import dumps, fallback_kernel
 from lorafusion_kernels.tuning.launches import MULTI_ADAPTER_KERNELS, SINGLE_ADAPTER_KERNELS, LayerProblem, config_key
 from lorafusion_kernels.tuning.search_space import MODEL_LAYERS
 
@@ -45,7 +45,7 @@ def test_every_multi_adapter_kernel_resolves(path, monkeypatch):
     clear_caches()
     parsed = ConfigFile.from_json(json.loads(path.read_text()), where=str(path))
     for multi in MULTI_ADAPTER_KERNELS:
-        single = multi.removeprefix("multi_")
+        single = fallback_kernel(multi)
         for entry in parsed.kernels[single].entries:
             found = lookup_config(multi, entry.key, device_name=parsed.device_name)
             if multi in parsed.kernels:

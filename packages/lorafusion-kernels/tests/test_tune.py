@@ -22,13 +22,14 @@ from lorafusion_kernels.tuning.agreement import (
     timings_from_json,
     timings_to_json,
 )
-from lorafusion_kernels.tuning.config import dumps
+from lorafusion_kernels.tuning.config import dumps, fallback_kernel
 from lorafusion_kernels.tuning.launches import (
     MULTI_ADAPTER_KERNELS,
     SINGLE_ADAPTER_KERNELS,
     LayerProblem,
     config_key,
     even_segments,
+    kernel_launches,
     multi_adapter_launches,
 )
 from lorafusion_kernels.tuning.search_space import CANDIDATES
@@ -77,10 +78,17 @@ def wall_clock_ms(fn: Callable[[], object]) -> float:
 
 def test_every_kernel_has_candidates_and_a_launch():
     assert set(CANDIDATES) == set(KERNELS) == {*SINGLE_ADAPTER_KERNELS, *MULTI_ADAPTER_KERNELS}
+    import lorafusion_kernels.multi_lora  # noqa: F401  (the multi kernels register their fallbacks)
+
     for multi in MULTI_ADAPTER_KERNELS:
-        assert CANDIDATES[multi] == CANDIDATES[multi.removeprefix("multi_")], "same tiling, same candidates"
-    problem = LayerProblem(m=8, n=16, k=16, r=4, dtype=torch.float32, p=0.0, adapters=2, device="cpu")
-    assert tuple(multi_adapter_launches(problem)) == MULTI_ADAPTER_KERNELS
+        assert CANDIDATES[multi] == CANDIDATES[fallback_kernel(multi)], "same tiling, same candidates"
+    square = LayerProblem(m=8, n=16, k=16, r=4, dtype=torch.float32, p=0.0, adapters=2, device="cpu")
+    assert set(multi_adapter_launches(square)) == set(MULTI_ADAPTER_KERNELS)
+    # The op writes dx's LoRA term from the dA pass only where k <= n: nothing to tune elsewhere.
+    wide_input = dataclasses.replace(square, k=32)
+    assert set(kernel_launches(wide_input, MULTI_ADAPTER_KERNELS)) == set(MULTI_ADAPTER_KERNELS) - {"multi_dsx_dx"}
+    with pytest.raises(KeyError, match="unknown kernels"):
+        kernel_launches(square, ["xw_sb", "nope"])
 
 
 def test_even_segments_split_the_tokens():

@@ -232,6 +232,18 @@ def test_merge_adds_multi_tables_and_keeps_every_sweep_on_record():
     assert merged.provenance["merged_from"] == "2026-11-22: old sweep kernels=?; older"
 
 
+def test_merge_can_keep_the_old_defaults():
+    """A run over other ranks adds entries; with keep_defaults the defaults stay those of the full run."""
+    old = sample_file()
+    other = KernelConfig(block_m=16, block_n=16, block_k=16)
+    new_entry = TunedEntry(key=ShapeKey(m=8, n=48, k=32, r=48, dtype="bfloat16"), config=other, ms=1.0)
+    new = dataclasses.replace(old, kernels={"xw_sb": KernelTable(default=other, entries=(new_entry,))})
+    assert merge(old, new).kernels["xw_sb"].default == other
+    kept = merge(old, new, keep_defaults=True).kernels["xw_sb"]
+    assert kept.default == old.kernels["xw_sb"].default
+    assert kept.entries == (*old.kernels["xw_sb"].entries, new_entry)
+
+
 def test_merge_refuses_another_gpus_file():
     other = dataclasses.replace(sample_file(), device_name="NVIDIA H200", device_key="nvidia_h200")
     with pytest.raises(LoRAFusionKernelsError, match="give --merge the file of this GPU"):

@@ -18,8 +18,9 @@ stacked ``A`` of rank ``G r_a`` and need nothing else.
 
 Only the tiles of adapter ``a`` ever touch ``dA_a``/``dB_a`` (the columns/rows ``roff_a .. roff_a + r_a``
 of the stacked buffers), so nothing leaks between adapters. Configs are looked up as "multi_dys_dyb",
-"multi_dsx" and "multi_dyw_dsa", which fall back to FusedLoRA's "dys_dyb", "dsx" and "dyw_dsa" for
-the same layer shape (same tiling).
+"multi_dsx" (the ``dA`` pass; "multi_dsx_dx" when it also writes dx's LoRA term, whose best tiles
+differ) and "multi_dyw_dsa", which fall back to FusedLoRA's "dys_dyb", "dsx" and "dyw_dsa" for the
+same shape (same tiling).
 """
 
 from __future__ import annotations
@@ -59,9 +60,11 @@ from lorafusion_kernels.tuning.config import KernelConfig, register_fallback
 
 DY_KERNEL = "multi_dys_dyb"
 DA_KERNEL = "multi_dsx"
+DA_DX_KERNEL = "multi_dsx_dx"
 DX_KERNEL = "multi_dyw_dsa"
 register_fallback(DY_KERNEL, lora_dys_dyb.KERNEL)
 register_fallback(DA_KERNEL, lora_dsx.KERNEL)
+register_fallback(DA_DX_KERNEL, lora_dsx.KERNEL)
 register_fallback(DX_KERNEL, lora_dyw_dsa.KERNEL)
 
 
@@ -595,8 +598,9 @@ def multi_lora_dsx(
     """
     T, K = x.shape
     out_dtype = out_dtype or x.dtype
-    # Keyed by the width of what the pass writes per token: dx's LoRA term (K) or nothing (the rank).
-    cfg = config or launch_config(DA_KERNEL, x, m=T, n=K if lora_dx is not None else max_rank, k=K, r=max_rank)
+    # Writing dx's LoRA term ([T, K] more bytes out) changes the best tiles: a kernel name of its own.
+    kernel = DA_KERNEL if lora_dx is None else DA_DX_KERNEL
+    cfg = config or launch_config(kernel, x, m=T, n=max_rank, k=K, r=max_rank)
     col_tiles = cdiv(K, cfg.block_n)
     runs = batch.segment_runs(_run_tiles(x, cdiv(T, cfg.block_m), col_tiles) * cfg.block_m)
     shape = (runs.num_runs, r_tot, K) if deterministic else (r_tot, K)

@@ -307,6 +307,11 @@ def register_fallback(kernel: str, fallback: str) -> None:
     _FALLBACKS[kernel] = fallback
 
 
+def fallback_kernel(kernel: str) -> str | None:
+    """The kernel whose configs ``kernel`` uses where a file has none of its own (:func:`register_fallback`)."""
+    return _FALLBACKS.get(kernel)
+
+
 @contextlib.contextmanager
 def override_configs(configs: Mapping[str, KernelConfig]) -> Iterator[None]:
     """Force the config of some kernels inside the block (tests, the tuner)."""

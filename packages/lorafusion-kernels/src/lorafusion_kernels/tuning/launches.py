@@ -20,8 +20,10 @@ from lorafusion_kernels.tuning.config import KernelConfig, ShapeKey, dtype_name
 
 SINGLE_ADAPTER_KERNELS = ("xa", "xw_sb", "dys_dyb", "dsx", "dyw_dsa")
 """FusedLoRA's kernels, in the order a forward and backward run them."""
-MULTI_ADAPTER_KERNELS = ("multi_xa", "multi_xw_sb", "multi_dys_dyb", "multi_dsx", "multi_dyw_dsa")
-"""FusedMultiLoRA's kernels, likewise; each falls back to the FusedLoRA kernel named without ``multi_``."""
+MULTI_ADAPTER_KERNELS = ("multi_xa", "multi_xw_sb", "multi_dys_dyb", "multi_dsx", "multi_dsx_dx", "multi_dyw_dsa")
+"""FusedMultiLoRA's kernels, likewise (``multi_dsx_dx``: the ``dA`` pass that also writes dx's LoRA term,
+which the op runs instead of ``multi_dsx`` where ``k <= n``); each falls back to a FusedLoRA kernel
+(:func:`~lorafusion_kernels.tuning.config.fallback_kernel`)."""
 
 Launch = Callable[[KernelConfig | None], Callable[[], object]]
 """``config -> zero-argument launch`` of one kernel; ``None`` launches with the looked-up config."""
@@ -54,36 +56,33 @@ def config_key(kernel: str, problem: LayerProblem) -> ShapeKey:
 
     Entries are keyed by the problem each kernel sees, which is not always the layer ``W [n, k]``:
 
-    - the shrink (``xa``) and the ``dA`` pass (``dsx``) read ``x [m, k]`` against a rank-``r``
-      operand: ``(m, r, k)``. The multi-adapter ``dA`` pass that also writes dx's LoRA term
-      ``[m, k]`` (where ``k <= n``, see ``multi_lora._dx_from_da_pass``) is keyed ``(m, k, k)``;
+    - the shrink (``xa``) and the ``dA`` pass (``dsx``, ``multi_dsx_dx``) read ``x [m, k]`` against
+      a rank-``r`` operand: ``(m, r, k)``;
     - the ``dS``/``dB`` pass reads ``dy [m, n]`` against ``B [n, r]``: ``(m, n, n)``;
     - the two GEMMs see the layer: ``(m, n, k)``.
 
     Layers that share a key share its entry, so the tuner times each key once.
     """
-    from lorafusion_kernels.multi_lora import _dx_from_da_pass
-
     m, n, k, r = problem.m, problem.n, problem.k, problem.r
     base = kernel.removeprefix("multi_")
-    if kernel == "multi_dsx" and _dx_from_da_pass(n, k):
-        n = k
-    elif base in ("xa", "dsx"):
+    if base in _X_PASSES:
         n = r
     elif base == "dys_dyb":
         k = n
     return ShapeKey(m=m, n=n, k=k, r=r, dtype=dtype_name(problem.dtype))
 
 
+_X_PASSES = ("xa", "dsx", "dsx_dx")
+"""Kernels (less ``multi_``) keyed ``(m, r, k)``: they read ``x`` against a rank-``r`` operand."""
+
+
 def can_be_looked_up(kernel: str, key: ShapeKey) -> bool:
     """Whether some layer's :func:`config_key` of ``kernel`` can be ``key``.
 
-    Entries the tuner keyed by the layer before 2026-11-25 (e.g. a shrink entry with ``n != r``) never can.
+    Entries the tuner keyed otherwise before 2026-11-25 (e.g. a shrink entry with ``n != r``) never can.
     """
     base = kernel.removeprefix("multi_")
-    if kernel == "multi_dsx":
-        return key.n in (key.r, key.k)
-    if base in ("xa", "dsx"):
+    if base in _X_PASSES:
         return key.n == key.r
     if base == "dys_dyb":
         return key.n == key.k
@@ -98,16 +97,21 @@ def even_segments(m: int, adapters: int) -> list[int]:
 def kernel_launches(problem: LayerProblem, kernels: Iterable[str]) -> dict[str, Launch]:
     """Launch factories of ``kernels`` on ``problem``'s inputs (built only for the kernel families named).
 
+    A kernel the op never runs on this layer (``multi_dsx_dx`` where ``k > n``) is left out.
+
     Raises:
         KeyError: for a name in neither :data:`SINGLE_ADAPTER_KERNELS` nor :data:`MULTI_ADAPTER_KERNELS`.
     """
     kernels = list(kernels)
+    unknown = set(kernels) - {*SINGLE_ADAPTER_KERNELS, *MULTI_ADAPTER_KERNELS}
+    if unknown:
+        raise KeyError(f"unknown kernels {sorted(unknown)}")
     launches: dict[str, Launch] = {}
     if set(kernels) & set(SINGLE_ADAPTER_KERNELS):
         launches.update(single_adapter_launches(problem))
     if set(kernels) & set(MULTI_ADAPTER_KERNELS):
         launches.update(multi_adapter_launches(problem))
-    return {name: launches[name] for name in kernels}
+    return {name: launches[name] for name in kernels if name in launches}
 
 
 def _random(problem: LayerProblem, *shape: int, scale: float = 1.0, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -151,7 +155,11 @@ def single_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
 
 
 def multi_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
-    """The FusedMultiLoRA kernels, named as in the config files (``multi_xa``, ``multi_xw_sb``, ...)."""
+    """The FusedMultiLoRA kernels, named as in the config files (``multi_xa``, ``multi_xw_sb``, ...).
+
+    The ``dA`` pass as the op's backward runs it when x needs a gradient: ``multi_dsx`` alone, and
+    ``multi_dsx_dx`` (writing dx's LoRA term too) only where ``k <= n``, the layers it runs on.
+    """
     from lorafusion_kernels._kernels import multi_lora_bwd, multi_lora_fwd
     from lorafusion_kernels.dropout import seed_tensor
     from lorafusion_kernels.metadata import MultiLoRABatch
@@ -168,7 +176,7 @@ def multi_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
     s = _random(problem, m, params.block_r)
     ds = _random(problem, m, params.block_r, dtype=torch.float32)
     dy = _random(problem, m, n)
-    lora_dx = (a_cat, torch.empty(m, k, device=problem.device, dtype=problem.dtype)) if _dx_from_da_pass(n, k) else None
+    lora_dx = (a_cat, torch.empty(m, k, device=problem.device, dtype=problem.dtype))
     dropout: dict[str, Any] = {
         "max_rank": r,
         "ranks": tables.ranks,
@@ -177,7 +185,7 @@ def multi_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
         "has_dropout": params.has_dropout,
     }
     routing: dict[str, Any] = {"ranks": tables.ranks, "max_rank": r}
-    return {
+    launches: dict[str, Launch] = {
         multi_lora_fwd.SHRINK_KERNEL: lambda c: (
             lambda: multi_lora_fwd.multi_lora_shrink(
                 x, a_cat, batch, block_r=params.block_r, s_scale=tables.s_scale, config=c, **dropout
@@ -190,9 +198,8 @@ def multi_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
             lambda: multi_lora_bwd.multi_lora_dys_dyb(dy, b_cat, s, batch, scaling=tables.scaling, config=c, **routing)
         ),
         multi_lora_bwd.DA_KERNEL: lambda c: (
-            # As the op's backward runs it when x needs a gradient: also writing dx's LoRA term where K <= N.
             lambda: multi_lora_bwd.multi_lora_dsx(
-                ds, x, batch, r_tot=r * count, inv_keep=tables.inv_keep, lora_dx=lora_dx, config=c, **dropout
+                ds, x, batch, r_tot=r * count, inv_keep=tables.inv_keep, config=c, **dropout
             )
         ),
         multi_lora_bwd.DX_KERNEL: lambda c: (
@@ -201,3 +208,10 @@ def multi_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
             )
         ),
     }
+    if _dx_from_da_pass(n, k):
+        launches[multi_lora_bwd.DA_DX_KERNEL] = lambda c: (
+            lambda: multi_lora_bwd.multi_lora_dsx(
+                ds, x, batch, r_tot=r * count, inv_keep=tables.inv_keep, lora_dx=lora_dx, config=c, **dropout
+            )
+        )
+    return launches

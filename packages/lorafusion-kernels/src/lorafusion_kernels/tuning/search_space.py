@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from lorafusion_kernels.tuning.config import KernelConfig
 
-SEARCH_SPACE_ID = "v3"
+SEARCH_SPACE_ID = "v4"
 """Recorded in each file's provenance; bump it when the candidates below change (v2: the multi_* kernels;
-v3: 256-row tiles for the skinny passes)."""
+v3: 256-row tiles for the skinny passes; v4: multi_dsx_dx, the dA pass that writes dx's LoRA term)."""
 
 MODEL_LAYERS: dict[str, list[tuple[str, int, int]]] = {
     # (layer, n = out_features, k = in_features); q/k/v fused into one qkv projection as LoRAFusion does.
@@ -62,6 +62,7 @@ CANDIDATES: dict[str, list[KernelConfig]] = {
     "multi_xw_sb": _GEMM,
     "multi_dys_dyb": _SKINNY,
     "multi_dsx": _SKINNY,
+    "multi_dsx_dx": _SKINNY,
     "multi_dyw_dsa": _GEMM,
 }
 """Candidates per kernel; ``split=0`` lets the launcher size the split to the GPU."""

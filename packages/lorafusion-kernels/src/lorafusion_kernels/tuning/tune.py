@@ -320,8 +320,13 @@ def tune(
     return config_file, result.timings
 
 
-def merge(old: ConfigFile, new: ConfigFile) -> ConfigFile:
+def merge(old: ConfigFile, new: ConfigFile, *, keep_defaults: bool = False) -> ConfigFile:
     """``new`` on top of ``old``: kernels not re-tuned keep their tables; re-tuned ones gain or replace entries.
+
+    A re-tuned kernel takes the new run's default (its most frequent winner), or with
+    ``keep_defaults`` keeps the old one: for a run over a few shapes or other ranks, whose winners
+    say little about the shapes the default serves (on H100 the shrink's best tile at rank 48 is
+    1-12% slower than the rank-16 one at rank 16, and the other way round up to 38%).
 
     The provenance is the new run's; ``merged_from`` records the old run (date, sweep, kernels) followed
     by the old file's own ``merged_from``, so every entry's sweep stays on record. Old entries under a
@@ -346,7 +351,8 @@ def merge(old: ConfigFile, new: ConfigFile) -> ConfigFile:
     for name, table in new.kernels.items():
         keys = {e.key for e in table.entries}
         kept = tuple(e for e in kernels[name].entries if e.key not in keys) if name in kernels else ()
-        kernels[name] = KernelTable(default=table.default, entries=kept + table.entries)
+        default = kernels[name].default if keep_defaults and name in kernels else table.default
+        kernels[name] = KernelTable(default=default, entries=kept + table.entries)
     provenance = dict(new.provenance)
     get = old.provenance.get
     merged = f"{get('date', '?')}: {get('sweep', '?')} kernels={get('kernels', '?')}"
@@ -414,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=None, help="seconds after which no new shape starts")
     parser.add_argument("--out", type=Path, default=Path("."), help="directory for <gpu-key>.json")
     parser.add_argument("--merge", type=Path, default=None, help="an existing file to update instead of replace")
+    parser.add_argument("--keep-defaults", action="store_true", help="with --merge: keep that file's defaults")
     parser.add_argument(
         "--timings", type=Path, default=None, help="also write every candidate's time to this JSON file (see --compare)"
     )
@@ -455,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         write_atomically(args.timings, json.dumps(timings_to_json(timings, result.provenance), indent=1) + "\n")
         _say(f"wrote {args.timings}")
     if merge_into is not None:
-        result = merge(merge_into, result)
+        result = merge(merge_into, result, keep_defaults=args.keep_defaults)
     path = args.out / f"{result.device_key}.json"
     write_atomically(path, dumps(result))
     for name, table in sorted(result.kernels.items()):
