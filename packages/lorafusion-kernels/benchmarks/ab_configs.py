@@ -8,8 +8,9 @@ Run on a GPU (from the repository root)::
 ``lorafusion-tune`` times each kernel alone; a config change is meant to change the op, whose
 timings move by 3-5% between runs of ``bench_multi_lora.py``. Here every variant (a directory
 holding this GPU's ``<gpu-key>.json``, set as ``LORAFUSION_KERNELS_CONFIG_DIR``) and the shipped
-files ("shipped") time the same forward + backward of ``fused_multi_lora_linear`` (4 adapters by
-default, even segments; 1 adapter takes the FusedLoRA path) replayed from a CUDA graph, in rounds
+files ("shipped") time the same forward + backward of ``fused_multi_lora_linear`` (bf16, r = 16,
+p = 0.1 as in ``bench_multi_lora.py``; 4 adapters by default, even segments; 1 adapter takes the
+FusedLoRA path) replayed from a CUDA graph, in rounds
 that alternate their order (shipped first, then last), so a steady drift hits all alike. The frozen
 layer is timed in each round too. Per row and variant: the median over rounds of ``variant /
 shipped`` (below 1: the variant is faster) and the medians of each. Results go to

@@ -176,7 +176,6 @@ def multi_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
     s = _random(problem, m, params.block_r)
     ds = _random(problem, m, params.block_r, dtype=torch.float32)
     dy = _random(problem, m, n)
-    lora_dx = (a_cat, torch.empty(m, k, device=problem.device, dtype=problem.dtype))
     dropout: dict[str, Any] = {
         "max_rank": r,
         "ranks": tables.ranks,
@@ -209,6 +208,7 @@ def multi_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
         ),
     }
     if _dx_from_da_pass(n, k):
+        lora_dx = (a_cat, torch.empty(m, k, device=problem.device, dtype=problem.dtype))
         launches[multi_lora_bwd.DA_DX_KERNEL] = lambda c: (
             lambda: multi_lora_bwd.multi_lora_dsx(
                 ds, x, batch, r_tot=r * count, inv_keep=tables.inv_keep, lora_dx=lora_dx, config=c, **dropout

@@ -325,8 +325,8 @@ def merge(old: ConfigFile, new: ConfigFile, *, keep_defaults: bool = False) -> C
 
     A re-tuned kernel takes the new run's default (its most frequent winner), or with
     ``keep_defaults`` keeps the old one: for a run over a few shapes or other ranks, whose winners
-    say little about the shapes the default serves (on H100 the shrink's best tile at rank 48 is
-    1-12% slower than the rank-16 one at rank 16, and the other way round up to 38%).
+    say little about the shapes the default serves (on H100 the shrink's best tile at rank 48 is up
+    to 12% slower than the rank-16 one at rank 16, and the rank-16 one 25-40% slower at rank 48).
 
     The provenance is the new run's; ``merged_from`` records the old run (date, sweep, kernels) followed
     by the old file's own ``merged_from``, so every entry's sweep stays on record. Old entries under a
