@@ -63,30 +63,26 @@ def config_key(kernel: str, problem: LayerProblem) -> ShapeKey:
 
     Layers that share a key share its entry, so the tuner times each key once.
     """
-    m, n, k, r = problem.m, problem.n, problem.k, problem.r
+    n, k = _keyed_nk(kernel, problem.n, problem.k, problem.r)
+    return ShapeKey(m=problem.m, n=n, k=k, r=problem.r, dtype=dtype_name(problem.dtype))
+
+
+def _keyed_nk(kernel: str, n: int, k: int, r: int) -> tuple[int, int]:
+    """The ``(n, k)`` of :func:`config_key` for a layer ``W [n, k]`` and rank ``r``."""
     base = kernel.removeprefix("multi_")
-    if base in _X_PASSES:
-        n = r
-    elif base == "dys_dyb":
-        k = n
-    return ShapeKey(m=m, n=n, k=k, r=r, dtype=dtype_name(problem.dtype))
-
-
-_X_PASSES = ("xa", "dsx", "dsx_dx")
-"""Kernels (less ``multi_``) keyed ``(m, r, k)``: they read ``x`` against a rank-``r`` operand."""
+    if base in ("xa", "dsx", "dsx_dx"):  # x [m, k] against a rank-r operand
+        return r, k
+    if base == "dys_dyb":  # dy [m, n] against B [n, r]
+        return n, n
+    return n, k
 
 
 def can_be_looked_up(kernel: str, key: ShapeKey) -> bool:
-    """Whether some layer's :func:`config_key` of ``kernel`` can be ``key``.
+    """Whether some layer's :func:`config_key` of ``kernel`` can be ``key``: the key rule leaves it as it is.
 
     Entries the tuner keyed otherwise before 2026-11-25 (e.g. a shrink entry with ``n != r``) never can.
     """
-    base = kernel.removeprefix("multi_")
-    if base in _X_PASSES:
-        return key.n == key.r
-    if base == "dys_dyb":
-        return key.n == key.k
-    return True
+    return _keyed_nk(kernel, key.n, key.k, key.r) == (key.n, key.k)
 
 
 def even_segments(m: int, adapters: int) -> list[int]:
@@ -184,6 +180,14 @@ def multi_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
         "has_dropout": params.has_dropout,
     }
     routing: dict[str, Any] = {"ranks": tables.ranks, "max_rank": r}
+
+    def da_launch(lora_dx: tuple[torch.Tensor, torch.Tensor] | None) -> Launch:
+        return lambda c: (
+            lambda: multi_lora_bwd.multi_lora_dsx(
+                ds, x, batch, r_tot=r * count, inv_keep=tables.inv_keep, lora_dx=lora_dx, config=c, **dropout
+            )
+        )
+
     launches: dict[str, Launch] = {
         multi_lora_fwd.SHRINK_KERNEL: lambda c: (
             lambda: multi_lora_fwd.multi_lora_shrink(
@@ -196,11 +200,7 @@ def multi_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
         multi_lora_bwd.DY_KERNEL: lambda c: (
             lambda: multi_lora_bwd.multi_lora_dys_dyb(dy, b_cat, s, batch, scaling=tables.scaling, config=c, **routing)
         ),
-        multi_lora_bwd.DA_KERNEL: lambda c: (
-            lambda: multi_lora_bwd.multi_lora_dsx(
-                ds, x, batch, r_tot=r * count, inv_keep=tables.inv_keep, config=c, **dropout
-            )
-        ),
+        multi_lora_bwd.DA_KERNEL: da_launch(None),
         multi_lora_bwd.DX_KERNEL: lambda c: (
             lambda: multi_lora_bwd.multi_lora_dyw_dsa(
                 dy, w, ds, a_cat, batch, inv_keep=tables.inv_keep, config=c, **dropout
@@ -208,10 +208,5 @@ def multi_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
         ),
     }
     if _dx_from_da_pass(n, k):
-        lora_dx = (a_cat, torch.empty(m, k, device=problem.device, dtype=problem.dtype))
-        launches[multi_lora_bwd.DA_DX_KERNEL] = lambda c: (
-            lambda: multi_lora_bwd.multi_lora_dsx(
-                ds, x, batch, r_tot=r * count, inv_keep=tables.inv_keep, lora_dx=lora_dx, config=c, **dropout
-            )
-        )
+        launches[multi_lora_bwd.DA_DX_KERNEL] = da_launch((a_cat, torch.empty_like(x)))
     return launches
