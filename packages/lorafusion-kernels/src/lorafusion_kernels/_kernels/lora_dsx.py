@@ -3,6 +3,10 @@
 Shapes: ``dS [M, R]``, ``x [M, K]``, ``dA [R, K]``. Program ``(j, s)`` owns columns
 ``[j * BLOCK_N, ...)`` of dA and the ``s``-th slice of the rows; slices are summed in a fixed
 order (an fp32 workspace ``[split, R, K]`` reduced by torch), so the result is deterministic.
+
+The program accumulates ``dA^T [BLOCK_N, BLOCK_R] += x_hat^T dS``, transposed: with ``BLOCK_N``
+(>= 64) as the dot's M extent Hopper runs a warpgroup MMA (``wgmma``), where ``dS^T x_hat`` (M
+extent: the rank) can only use ``mma.sync`` and moves ``x_hat`` through one more register layout.
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ def _lora_dsx_kernel(
     m_begin = pid_s * m_per_split
     m_end = tl.minimum(m_begin + m_per_split, M)
     seed_lo, seed_hi = dropout_key(seed_ptr, HAS_DROPOUT)
-    acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
     for m in range(m_begin, m_end, BLOCK_M):
         offs_m = m + tl.arange(0, BLOCK_M)
         mask_m = offs_m < m_end
@@ -78,14 +82,14 @@ def _lora_dsx_kernel(
             seed_lo, seed_hi, offs_m, pid_k * BLOCK_N, keep_threshold, HAS_DROPOUT, BLOCK_N,
             mask=mask_m[:, None] & mask_c[None, :],
         )  # fmt: skip
-        acc = tl.dot(tl.trans(ds.to(x.dtype)), x, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(tl.trans(x), ds.to(x.dtype), acc, input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
         acc = acc * inv_keep
-    out_ptrs = out_ptr + pid_s * stride_os + offs_r[:, None] * stride_or + offs_c[None, :] * stride_ok
+    out_ptrs = out_ptr + pid_s * stride_os + offs_r[None, :] * stride_or + offs_c[:, None] * stride_ok
     if ATOMIC_OUT:
-        tl.atomic_add(out_ptrs, acc, mask=mask_r[:, None] & mask_c[None, :])
+        tl.atomic_add(out_ptrs, acc, mask=mask_r[None, :] & mask_c[:, None])
     else:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_c[None, :])
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_r[None, :] & mask_c[:, None])
 
 
 register_heuristic(KERNEL, SKINNY_HEURISTIC)

@@ -220,6 +220,10 @@ def _multi_lora_da_kernel(
 
     ``LORA_DX``: also write ``dx``'s LoRA term ``keep * (dS A_a) / (1 - p_a)`` for the same rows and
     columns (``dx`` in x's dtype), from the same mask draw; ``dy W`` is added onto it afterwards.
+
+    The sum is accumulated transposed, ``dA^T [BLOCK_K, BLOCK_R] += x_hat^T dS``: the dot's M extent
+    is then ``BLOCK_K``, not the rank, and Hopper runs it as a warpgroup MMA (``wgmma``, at least 64
+    rows) instead of ``mma.sync``: 11-14% less time on H100 at 8,192 tokens (2026-11-26).
     """
     pid_k = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -243,7 +247,7 @@ def _multi_lora_da_kernel(
             other=0.0,
         ).to(x_ptr.dtype.element_ty)
         dx_ptrs = dx_ptr + offs_m.to(tl.int64)[:, None] * stride_dxm + offs_k[None, :]
-    acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_K, BLOCK_R), dtype=tl.float32)
     for _ in range(tl.cdiv(row1 - row0, BLOCK_M)):
         mk_mask = (offs_m < row1)[:, None] & k_mask[None, :]
         dst = tl.load(ds_ptrs, mask=(offs_m < row1)[:, None] & r_mask[None, :], other=0.0).to(x_ptr.dtype.element_ty)
@@ -258,14 +262,14 @@ def _multi_lora_da_kernel(
         if LORA_DX:
             tl.store(dx_ptrs, lora.to(dx_ptr.dtype.element_ty), mask=mk_mask)
             dx_ptrs += BLOCK_M * stride_dxm
-        acc = tl.dot(tl.trans(dst), xt, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(tl.trans(xt), dst, acc, input_precision=DOT_PRECISION)
         offs_m += BLOCK_M
         ds_ptrs += BLOCK_M * stride_dsm
         x_ptrs += BLOCK_M * stride_xm
     if HAS_DROPOUT:
         acc = acc * inv_keep
-    out_ptrs = out_ptr + pid_c * stride_os + (roff + offs_r).to(tl.int64)[:, None] * stride_om + offs_k[None, :]
-    out_mask = r_mask[:, None] & k_mask[None, :]
+    out_ptrs = out_ptr + pid_c * stride_os + (roff + offs_r).to(tl.int64)[None, :] * stride_om + offs_k[:, None]
+    out_mask = r_mask[None, :] & k_mask[:, None]
     if ATOMIC_OUT:
         tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
     else:
