@@ -8,8 +8,8 @@ Run on a GPU (from the repository root)::
 ``lorafusion-tune`` times each kernel alone; a config change is meant to change the op, whose
 timings move by 3-5% between runs of ``bench_multi_lora.py``. Here every variant (a directory
 holding this GPU's ``<gpu-key>.json``, set as ``LORAFUSION_KERNELS_CONFIG_DIR``) and the shipped
-files ("shipped") time the same forward + backward of ``fused_multi_lora_linear`` (bf16, r = 16,
-p = 0.1 as in ``bench_multi_lora.py``; 4 adapters by default, even segments; 1 adapter takes the
+files ("shipped") time the same forward + backward of ``fused_multi_lora_linear`` (bf16, r = 16 or
+``--r``, p = 0.1 as in ``bench_multi_lora.py``; 4 adapters by default, even segments; 1 adapter takes the
 FusedLoRA path) replayed from a CUDA graph, in rounds
 that alternate their order (shipped first, then last), so a steady drift hits all alike. The frozen
 layer is timed in each round too. Per row and variant: the median over rounds of ``variant /
@@ -43,13 +43,13 @@ def use_configs(directory: str | None) -> None:
 
 
 def time_row(
-    layer: tuple[str, int, int], m: int, adapters: int, variants: dict[str, str | None], rounds: int, rep: int
+    layer: tuple[str, int, int], m: int, r: int, adapters: int, variants: dict[str, str | None], rounds: int, rep: int
 ) -> dict[str, object]:
     """One (layer, m): every variant's and the frozen layer's CUDA-graph times per round, and their ratios."""
     name, n, k = layer
     lengths = segment_lengths(m, adapters, "even")
-    fused = make_provider("fused_multi", m, n, k, 16, 0.1, lengths, torch.bfloat16)["fwd_bwd"]
-    frozen = make_provider("frozen", m, n, k, 16, 0.1, lengths, torch.bfloat16)["fwd_bwd"]
+    fused = make_provider("fused_multi", m, n, k, r, 0.1, lengths, torch.bfloat16)["fwd_bwd"]
+    frozen = make_provider("frozen", m, n, k, r, 0.1, lengths, torch.bfloat16)["fwd_bwd"]
     assert callable(fused)
     assert callable(frozen)
     times: dict[str, list[float]] = {label: [] for label in [*variants, "frozen"]}
@@ -69,14 +69,14 @@ def time_row(
     }
     medians = {label: round(statistics.median(values), 5) for label, values in times.items()}
     print(
-        f"{name:22s} m={m:6d} a={adapters} "
+        f"{name:22s} m={m:6d} r={r} a={adapters} "
         + "  ".join(f"{label} {ms:.4f}" for label, ms in medians.items())
         + "  "
         + "  ".join(f"{label}/shipped {ratio:.4f}" for label, ratio in ratios.items()),
         flush=True,
     )
     return {
-        "layer": name, "m": m, "n": n, "k": k, "adapters": adapters, "segments": lengths,
+        "layer": name, "m": m, "n": n, "k": k, "r": r, "adapters": adapters, "segments": lengths,
         "times_ms": {label: [round(t, 5) for t in values] for label, values in times.items()},
         "median_ms": medians, "ratio_to_shipped": ratios,
     }  # fmt: skip
@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="a config directory to compare with the shipped files (repeatable)")  # fmt: skip
     parser.add_argument("--layers", nargs="*", default=None, help="substrings of layer names to keep")
     parser.add_argument("--m", type=int, nargs="+", default=[8192])
+    parser.add_argument("--r", type=int, default=16, help="LoRA rank of every adapter")
     parser.add_argument("--adapters", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=6, help="timings per variant and row")
     parser.add_argument("--rep", type=int, default=30, help="do_bench_cudagraph repetition budget in ms")
@@ -104,7 +105,9 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--variant {label}: {directory} is not a directory")
         variants[label] = str(Path(directory).resolve())
     layers = [lay for lay in LAYERS if args.layers is None or any(s in lay[0] for s in args.layers)]
-    rows = [time_row(layer, m, args.adapters, variants, args.rounds, args.rep) for layer in layers for m in args.m]
+    rows = [
+        time_row(layer, m, args.r, args.adapters, variants, args.rounds, args.rep) for layer in layers for m in args.m
+    ]
     labels = [label for label in variants if label != SHIPPED]
     summary = {
         label: round(statistics.geometric_mean(float(row["ratio_to_shipped"][label]) for row in rows), 4)  # type: ignore[index]

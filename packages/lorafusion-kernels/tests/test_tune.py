@@ -23,6 +23,7 @@ from lorafusion_kernels.tuning.agreement import (
     timings_to_json,
 )
 from lorafusion_kernels.tuning.config import dumps, fallback_kernel
+from lorafusion_kernels.tuning.holdout import rank_default_check
 from lorafusion_kernels.tuning.launches import (
     MULTI_ADAPTER_KERNELS,
     SINGLE_ADAPTER_KERNELS,
@@ -257,6 +258,39 @@ def test_regret_is_how_much_slower_each_run_timed_the_other_runs_winner(capsys, 
     config_path.write_text(dumps(made_up_gpu_file({})))
     assert main(["--compare", str(config_path), str(paths[0])]) == 2
     assert "not one of each" in capsys.readouterr().out
+
+
+def test_rank_defaults_are_checked_on_widths_the_others_did_not_see(capsys, tmp_path):
+    """Hold out each width, take the rank default of the rest, and time it where the width was tuned."""
+    fast, default = TINY_GEMM
+    slow = KernelConfig(block_m=64, block_n=16, block_k=16)
+
+    def shape(k: int, r: int) -> ShapeKey:
+        return ShapeKey(m=8192, n=r, k=k, r=r, dtype="bfloat16")
+
+    timings = [
+        ShapeTimings("xa", shape(4096, 64), {fast: 1.0, default: 1.3, slow: 2.0}, current_ms=1.3),
+        ShapeTimings("xa", shape(8192, 64), {fast: 2.0, default: 2.8, slow: 4.0}, current_ms=2.8),
+        ShapeTimings("xa", shape(5120, 48), {fast: 1.6, default: 1.6, slow: 1.5}, current_ms=1.6),
+        ShapeTimings("xa", shape(4096, 16), {fast: 1.0, default: 1.0}, current_ms=1.0),
+        ShapeTimings("dsx", shape(4096, 64), {fast: 1.0, default: 1.0}, current_ms=1.0),
+    ]
+    config_file = made_up_gpu_file({"xa": KernelTable(default=default)})
+    (row,) = rank_default_check(timings, config_file)
+    assert (row.kernel, row.rank_tile, row.shapes) == ("xa", 64, 3), "rank 16 has one width; dsx has no table"
+    # Held out: 4096 -> {fast, slow} tie, not the default: the first listed (fast); 8192 likewise;
+    # 5120 -> fast (two wins). Defaults: 1.3, 1.4, 1.6 / 1.5.
+    assert row.held_out_slowdown == pytest.approx((1.0 * 1.0 * 1.6 / 1.5) ** (1 / 3))
+    assert row.default_slowdown == pytest.approx((1.3 * 1.4 * 1.6 / 1.5) ** (1 / 3))
+    assert row.default_worst == pytest.approx(1.4)
+
+    paths = [tmp_path / "timings.json", tmp_path / "config.json"]
+    paths[0].write_text(json.dumps(timings_to_json(timings, {"date": "-"})))
+    paths[1].write_text(dumps(config_file))
+    assert main(["--check-rank-defaults", *map(str, paths)]) == 0
+    assert "held-out" in capsys.readouterr().out
+    assert main(["--check-rank-defaults", str(paths[1]), str(paths[1])]) == 2
+    assert "not a lorafusion-tune --timings file" in capsys.readouterr().out
 
 
 def test_an_interrupted_write_leaves_the_old_file(tmp_path, monkeypatch):

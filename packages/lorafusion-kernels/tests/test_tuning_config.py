@@ -262,3 +262,44 @@ def test_merge_drops_entries_keyed_by_the_layer(capsys):
     merged = merge(old, dataclasses.replace(sample_file(), kernels={}))
     assert [e.key for e in merged.kernels["xa"].entries] == [reachable]
     assert "dropped 1 entries" in capsys.readouterr().out
+
+
+def rank_file(*entries: TunedEntry, default: KernelConfig = GEMM_A) -> ConfigFile:
+    return dataclasses.replace(sample_file(), kernels={"xa": KernelTable(default=default, entries=entries)})
+
+
+def test_an_untuned_shape_takes_the_most_frequent_winner_of_its_rank_tile():
+    """Ranks 33..64 compile to one kernel; the winner most of their entries chose serves their other shapes."""
+    wide = rank_file(
+        TunedEntry(key=key(8192, n=48, k=4096, r=48), config=GEMM_B, ms=0.1),
+        TunedEntry(key=key(8192, n=48, k=8192, r=48), config=GEMM_B, ms=0.2),
+        TunedEntry(key=key(8192, n=64, k=5120, r=64), config=GEMM_C, ms=0.2),
+        TunedEntry(key=key(8192, n=16, k=4096, r=16), config=GEMM_C, ms=0.1),
+    )
+    assert wide.lookup("xa", key(8192, n=48, k=4096, r=48)) == GEMM_B, "an entry of the shape comes first"
+    assert wide.lookup("xa", key(4096, n=64, k=14336, r=64)) == GEMM_B, "two of the three rank-64-tile entries"
+    assert wide.lookup("xa", key(4096, n=40, k=14336, r=40)) == GEMM_B
+    assert wide.lookup("xa", key(4096, n=16, k=14336, r=16)) == GEMM_C, "rank 16's own entries"
+    assert wide.lookup("xa", key(4096, n=32, k=14336, r=32)) == GEMM_A, "no entry of the rank-32 tile: the default"
+    fp16 = ShapeKey(m=4096, n=64, k=14336, r=64, dtype="float16")
+    assert wide.lookup("xa", fp16) == GEMM_A, "entries of another dtype do not count"
+
+
+def test_a_tie_between_winners_goes_to_the_default_if_it_is_one_of_them():
+    entries = (
+        TunedEntry(key=key(8192, n=16, k=4096), config=GEMM_B, ms=0.1),
+        TunedEntry(key=key(8192, n=16, k=8192), config=GEMM_C, ms=0.1),
+    )
+    untuned = key(4096, n=16, k=14336)
+    assert rank_file(*entries, default=GEMM_C).lookup("xa", untuned) == GEMM_C
+    assert rank_file(*entries, default=GEMM_A).lookup("xa", untuned) == GEMM_B, "default not tied: the first listed"
+
+
+def test_a_multi_kernel_prefers_its_fallbacks_entry_to_its_own_rank_default(multi_config_dir):
+    """Order: own entry, the fallback's entry, own rank default, the fallback's rank default, the defaults."""
+
+    def find(k: ShapeKey) -> KernelConfig:
+        return lookup_config("multi_xw_sb", k, device_name="NVIDIA Test GPU")
+
+    assert find(key(4096, n=14336)) == GEMM_C, "FusedLoRA's entry for the shape"
+    assert find(key(4096, n=9999)) == MULTI, "no entry for the shape: its own rank-16 winner"

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from lorafusion_kernels.errors import LoRAFusionKernelsError
-from lorafusion_kernels.tuning.config import Heuristic, KernelConfig, ShapeKey, launch_lookup
+from lorafusion_kernels.tuning.config import Heuristic, KernelConfig, ShapeKey, launch_lookup, rank_tile
 from lorafusion_kernels.tuning.device import capability, num_sms
 
 MAX_RANK = 128
@@ -55,7 +55,7 @@ def rank_block(r: int) -> int:
     """
     if not 1 <= r <= MAX_RANK:
         raise LoRAFusionKernelsError(f"LoRA rank must be in [1, {MAX_RANK}], got {r}")
-    return max(16, 1 << (r - 1).bit_length())
+    return rank_tile(r)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -31,15 +31,20 @@ File ``configs/<gpu-key>.json`` (or under ``LORAFUSION_KERNELS_CONFIG_DIR``)::
     }
 
 Lookup for ``(kernel, m, n, k, r, dtype)``: the exact entry; else the entry with the same
-``(n, k, r, dtype)`` and the nearest ``m`` in log distance; else the kernel's default in the file;
-else the built-in heuristic, with one warning. An unknown GPU never raises.
+``(n, k, r, dtype)`` and the nearest ``m`` in log distance; else the *rank default*: the config
+that won the most of the kernel's entries of this dtype whose rank has the same rank tile
+(``BLOCK_R``, the next power of two >= r, at least 16), ties going to the file's default; else the
+kernel's default in the file; else the built-in heuristic, with one warning. An unknown GPU never
+raises. The rank default exists because the best tile of the skinny passes depends on the rank
+(on H100 the rank-16 shrink tile is 1.33x slower at rank 48), while the file has one default.
 
 A kernel may name a fallback kernel (:func:`register_fallback`): the FusedMultiLoRA kernels
 (``multi_xa``, ``multi_xw_sb``, ...) fall back to the FusedLoRA kernel of the same tiling. For
 such a kernel the order is: its own entry for the shape (exact or nearest ``m``); else the
-fallback's entry for the shape; else its own default; else the fallback's default; else the
-heuristic. A file written before the multi-adapter kernels had tables of their own therefore gives
-them FusedLoRA's configs, as it always did. Tests and the tuner force configs with
+fallback's entry for the shape; else its own rank default; else the fallback's; else its own
+default; else the fallback's default; else the heuristic. A file written before the multi-adapter
+kernels had tables of their own therefore gives them FusedLoRA's configs, as it always did. Tests
+and the tuner force configs with
 :func:`override_configs` (by exact kernel name: forcing ``xw_sb`` does not force ``multi_xw_sb``).
 
 This module does not import torch: configs validate anywhere.
@@ -47,6 +52,7 @@ This module does not import torch: configs validate anywhere.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -245,21 +251,46 @@ class ConfigFile:
         log_m = math.log(max(key.m, 1))
         return min(same, key=lambda e: (abs(math.log(e.key.m) - log_m), e.key.m)).config
 
+    def rank_default(self, kernel: str, key: ShapeKey) -> KernelConfig | None:
+        """The config that won the most of ``kernel``'s entries of ``key``'s dtype and rank tile; None if none.
+
+        The rank tile is :func:`rank_tile` of ``r``: ranks 33 to 64 compile to the same kernel. A tie
+        goes to the table's default if it is among the tied configs, else to the tied config listed first.
+        """
+        table = self.kernels.get(kernel)
+        if table is None:
+            return None
+        tile = rank_tile(key.r)
+        wins = collections.Counter(
+            e.config for e in table.entries if e.key.dtype == key.dtype and rank_tile(e.key.r) == tile
+        )
+        if not wins:
+            return None
+        most = max(wins.values())
+        tied = [config for config, count in wins.items() if count == most]
+        return table.default if table.default in tied else tied[0]
+
     def lookup(self, kernel: str, key: ShapeKey, fallback: str | None = None) -> KernelConfig | None:
-        """The file's config for ``key``: an entry of ``kernel``, then of ``fallback``; then their defaults.
+        """The file's config for ``key``: entries of ``kernel`` then ``fallback``, rank defaults likewise, defaults.
 
         Returns:
             None when the file has a table for neither kernel.
         """
         names = (kernel,) if fallback is None else (kernel, fallback)
-        for name in names:
-            config = self.entry_for(name, key)
-            if config is not None:
-                return config
+        for find in (self.entry_for, self.rank_default):
+            for name in names:
+                config = find(name, key)
+                if config is not None:
+                    return config
         for name in names:
             if name in self.kernels:
                 return self.kernels[name].default
         return None
+
+
+def rank_tile(r: int) -> int:
+    """The rank extent the kernels compile for rank ``r``: the next power of two >= ``r``, at least 16."""
+    return max(16, 1 << (max(r, 1) - 1).bit_length())
 
 
 def dumps(config_file: ConfigFile) -> str:

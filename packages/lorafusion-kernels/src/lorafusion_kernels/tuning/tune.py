@@ -58,6 +58,7 @@ from lorafusion_kernels.tuning.config import (
     dumps,
 )
 from lorafusion_kernels.tuning.device import capability, gpu_key
+from lorafusion_kernels.tuning.holdout import format_rank_default_check, rank_default_check
 from lorafusion_kernels.tuning.launches import (
     MULTI_ADAPTER_KERNELS,
     SINGLE_ADAPTER_KERNELS,
@@ -405,6 +406,23 @@ def _compare(first: Path, second: Path) -> int:
     return 0
 
 
+def _check_rank_defaults(timings_path: Path, config_path: Path) -> int:
+    """``--check-rank-defaults``: held-out widths of a ``--timings`` file against a config file's defaults."""
+    missing = [str(path) for path in (timings_path, config_path) if not path.is_file()]
+    if missing:
+        _say(f"--check-rank-defaults: not a file: {', '.join(missing)}")
+        return 2
+    try:
+        timings = timings_from_json(json.loads(timings_path.read_text()), where=str(timings_path))
+        config_file = ConfigFile.from_json(json.loads(config_path.read_text()), where=str(config_path))
+    except (LoRAFusionKernelsError, json.JSONDecodeError) as exc:
+        _say(f"--check-rank-defaults: {exc}")
+        return 2
+    rows = rank_default_check(timings, config_file)
+    _say(format_rank_default_check(rows) if rows else "no kernel of the config file was timed at two widths or more")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``lorafusion-tune``."""
     parser = argparse.ArgumentParser(prog="lorafusion-tune", description=__doc__.splitlines()[0])
@@ -427,9 +445,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compare", nargs=2, type=Path, metavar=("A", "B"), help="only compare two tuned files' winners (no GPU)"
     )
+    parser.add_argument(
+        "--check-rank-defaults",
+        nargs=2,
+        type=Path,
+        metavar=("TIMINGS", "CONFIG"),
+        help="only check rank defaults on held-out widths of a --timings file against CONFIG's defaults (no GPU)",
+    )
     args = parser.parse_args(argv)
     if args.compare is not None:
         return _compare(*args.compare)
+    if args.check_rank_defaults is not None:
+        return _check_rank_defaults(*args.check_rank_defaults)
     if not torch.cuda.is_available():
         _say("lorafusion-tune needs a CUDA GPU")
         return 2
