@@ -158,8 +158,23 @@ def check_against_reference(
         assert_close_to_reference(name, g, ref_grads[name], eager_grads[name], factor=3.0)
 
 
+# Segments that are whole 32-row tiles (the interpreter's GEMM tile): no tile straddles a boundary,
+# so the GEMMs compile their routing for one segment per tile (ONE_SEGMENT) and draw the dx mask
+# with one threshold per tile. Mixed p and ranks still.
+ALIGNED = Case(
+    name="aligned",
+    lengths=(32, 64, 32),
+    adapters=(1, 0, 2),
+    ranks=(8, 16, 4),
+    scaling=(2.0, 0.5, 1.0),
+    dropout_p=(0.1, 0.3, 0.0),
+)
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")]
-CASES = [pytest.param(MIXED, id="mixed-T43-N45-K37-r8.16.64.4"), pytest.param(NO_DROPOUT, id="p0-T43-N33-K48-r16.8")]
+CASES = [
+    pytest.param(MIXED, id="mixed-T43-N45-K37-r8.16.64.4"),
+    pytest.param(NO_DROPOUT, id="p0-T43-N33-K48-r16.8"),
+    pytest.param(ALIGNED, id="aligned-T128-N45-K37-r8.16.4"),
+]
 
 
 @INTERPRET

@@ -38,7 +38,9 @@ def test_tables_cover_every_row_exactly_once(segments: list[tuple[int, int]], bl
     adapters = [a for _, a in segments]
     batch = MultiLoRABatch.from_segments(lengths, adapters, num_adapters=6)
     assert batch.total_tokens == sum(lengths)
-    assert [tuple(r) for r in batch.row_tiles(block_m).seg_range.tolist()] == expected_row_ranges(lengths, block_m)
+    row_ranges = expected_row_ranges(lengths, block_m)
+    assert [tuple(r) for r in batch.row_tiles(block_m).seg_range.tolist()] == row_ranges
+    assert batch.row_tiles(block_m).max_segments == max(hi - lo for lo, hi in row_ranges)
 
     tiles = batch.segment_tiles(block_m)
     table = tiles.tiles.tolist()

@@ -47,11 +47,13 @@ class RowTiles:
         num_tiles: ``cdiv(T, block_m)``.
         seg_range: int32 ``[num_tiles, 2]`` on the batch's device: the half-open range
             ``[lo, hi)`` of (non-empty) segment indices overlapping each tile.
+        max_segments: The most segments one tile overlaps (1: no tile straddles a segment boundary).
     """
 
     block_m: int
     num_tiles: int
     seg_range: torch.Tensor
+    max_segments: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -283,7 +285,12 @@ class MultiLoRABatch:
                 hi += 1
             ranges.append((lo, hi))
         host = torch.tensor(ranges, dtype=torch.int32).reshape(num_tiles, 2)
-        tiles = RowTiles(block_m=block_m, num_tiles=num_tiles, seg_range=_to_device(host, self.device))
+        tiles = RowTiles(
+            block_m=block_m,
+            num_tiles=num_tiles,
+            seg_range=_to_device(host, self.device),
+            max_segments=max((hi - lo for lo, hi in ranges), default=0),
+        )
         self._row_tiles[block_m] = tiles
         return tiles
 

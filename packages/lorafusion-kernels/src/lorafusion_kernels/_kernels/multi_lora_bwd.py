@@ -277,6 +277,20 @@ def _multi_lora_da_kernel(
 
 
 @triton.jit
+def _segment_dsa(ds_rows, a_ptr, seg_ptr, rank_ptr, segment, offs_m, offs_k, k_mask, stride_am, BLOCK_R: tl.constexpr):
+    """Segment ``segment``'s operands on a tile: ``(adapter, rows_in, dS rows (others zero), A_a columns)``."""
+    offs_r = tl.arange(0, BLOCK_R)
+    adapter, roff, rows_in, r_mask = segment_rows(seg_ptr, rank_ptr, segment, offs_m, offs_r)
+    dst = tl.load(ds_rows, mask=rows_in[:, None] & r_mask[None, :], other=0.0)
+    at = tl.load(
+        a_ptr + (roff + offs_r).to(tl.int64)[:, None] * stride_am + offs_k[None, :],
+        mask=r_mask[:, None] & k_mask[None, :],
+        other=0.0,
+    )
+    return adapter, rows_in, dst, at
+
+
+@triton.jit
 def _routed_dsa(
     ds_ptr,
     a_ptr,
@@ -293,6 +307,7 @@ def _routed_dsa(
     stride_dsm,
     stride_am,
     HAS_DROPOUT: tl.constexpr,
+    ONE_SEGMENT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -305,33 +320,38 @@ def _routed_dsa(
 
     The dropout mask is drawn once for the whole tile with per-row thresholds (rows of different
     segments may have different p). The caller starts its GEMM accumulator from this tile, so only
-    one ``[BLOCK_M, BLOCK_N]`` fp32 tile is ever live (see ``multi_lora_fwd._routed_sb``).
+    one ``[BLOCK_M, BLOCK_N]`` fp32 tile is ever live. As in ``multi_lora_fwd._routed_sb``,
+    ``ONE_SEGMENT`` compiles the loop over segments out (and one threshold serves the whole tile).
     """
     offs_r = tl.arange(0, BLOCK_R)
     offs_k = k_start + tl.arange(0, BLOCK_N)
     k_mask = offs_k < K
     ds_rows = ds_ptr + offs_m.to(tl.int64)[:, None] * stride_dsm + offs_r[None, :]
     seg_lo = tl.load(seg_range_ptr + pid_m * 2)
-    seg_hi = tl.load(seg_range_ptr + pid_m * 2 + 1)
-    lora = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    row_thr = tl.zeros((BLOCK_M,), dtype=tl.int32)
-    row_inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for j in range(seg_lo, seg_hi):
-        adapter, roff, rows_in, r_mask = segment_rows(seg_ptr, rank_ptr, j, offs_m, offs_r)
-        dst = tl.load(ds_rows, mask=rows_in[:, None] & r_mask[None, :], other=0.0)
-        at = tl.load(
-            a_ptr + (roff + offs_r).to(tl.int64)[:, None] * stride_am + offs_k[None, :],
-            mask=r_mask[:, None] & k_mask[None, :],
-            other=0.0,
+    if ONE_SEGMENT:
+        adapter, _, dst, at = _segment_dsa(
+            ds_rows, a_ptr, seg_ptr, rank_ptr, seg_lo, offs_m, offs_k, k_mask, stride_am, BLOCK_R
         )
-        lora = tl.dot(dst.to(DTYPE), at.to(DTYPE), lora, input_precision=DOT_PRECISION)
+        lora = tl.dot(dst.to(DTYPE), at.to(DTYPE), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
+            seed_lo, seed_hi = load_seed(seed_ptr)
+            keep = dropout_keep_tile(seed_lo, seed_hi, offs_m, k_start, tl.load(thr_ptr + adapter), BLOCK_N)
+            lora = tl.where(keep, lora * tl.load(inv_keep_ptr + adapter), 0.0)
+    else:
+        lora = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        row_thr = tl.zeros((BLOCK_M,), dtype=tl.int32)
+        row_inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for j in range(seg_lo, tl.load(seg_range_ptr + pid_m * 2 + 1)):
+            adapter, rows_in, dst, at = _segment_dsa(
+                ds_rows, a_ptr, seg_ptr, rank_ptr, j, offs_m, offs_k, k_mask, stride_am, BLOCK_R
+            )
+            lora = tl.dot(dst.to(DTYPE), at.to(DTYPE), lora, input_precision=DOT_PRECISION)
             row_thr = tl.where(rows_in, tl.load(thr_ptr + adapter), row_thr)
             row_inv = tl.where(rows_in, tl.load(inv_keep_ptr + adapter), row_inv)
-    if HAS_DROPOUT:
-        seed_lo, seed_hi = load_seed(seed_ptr)
-        keep = dropout_keep_tile(seed_lo, seed_hi, offs_m, k_start, row_thr[:, None], BLOCK_N)
-        lora = tl.where(keep, lora * row_inv[:, None], 0.0)
+        if HAS_DROPOUT:
+            seed_lo, seed_hi = load_seed(seed_ptr)
+            keep = dropout_keep_tile(seed_lo, seed_hi, offs_m, k_start, row_thr[:, None], BLOCK_N)
+            lora = tl.where(keep, lora * row_inv[:, None], 0.0)
     return lora
 
 
@@ -375,6 +395,7 @@ def _multi_lora_dx_kernel(
     stride_am,
     stride_dxm,
     HAS_DROPOUT: tl.constexpr,
+    ONE_SEGMENT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -392,8 +413,8 @@ def _multi_lora_dx_kernel(
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + cols[None, :]
     acc = _routed_dsa(
         ds_ptr, a_ptr, seg_ptr, seg_range_ptr, rank_ptr, thr_ptr, inv_keep_ptr, seed_ptr, pid_m, offs_m,
-        pid_k * BLOCK_N, K, stride_dsm, stride_am, HAS_DROPOUT, BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION,
-        dy_ptr.dtype.element_ty,
+        pid_k * BLOCK_N, K, stride_dsm, stride_am, HAS_DROPOUT, ONE_SEGMENT, BLOCK_M, BLOCK_N, BLOCK_R,
+        DOT_PRECISION, dy_ptr.dtype.element_ty,
     )  # fmt: skip
     acc = dot_k_loop(acc, dy_ptrs, w_ptrs, N, 1, stride_wn, BLOCK_K, DOT_PRECISION)
     dx_ptrs = dx_ptr + offs_m.to(tl.int64)[:, None] * stride_dxm + offs_k[None, :]
@@ -423,6 +444,7 @@ def _multi_lora_dx_tma_kernel(
     stride_dsm,
     stride_am,
     HAS_DROPOUT: tl.constexpr,
+    ONE_SEGMENT: tl.constexpr,
     MEMBER_DY: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -442,7 +464,8 @@ def _multi_lora_dx_tma_kernel(
     offs_m = off_m + tl.arange(0, BLOCK_M)
     acc = _routed_dsa(
         ds_ptr, a_ptr, seg_ptr, seg_range_ptr, rank_ptr, thr_ptr, inv_keep_ptr, seed_ptr, pid_m, offs_m,
-        off_k, K, stride_dsm, stride_am, HAS_DROPOUT, BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION, dy_desc.dtype,
+        off_k, K, stride_dsm, stride_am, HAS_DROPOUT, ONE_SEGMENT, BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION,
+        dy_desc.dtype,
     )  # fmt: skip
     if MEMBER_DY > 0:
         acc = _member_dyw_tma(acc, dy_desc, w_desc, 0, bounds_ptr, off_m, off_k, BLOCK_K, DOT_PRECISION)
@@ -720,12 +743,13 @@ def multi_lora_dyw_dsa(
             TensorDescriptor.from_tensor(weight, [cfg.block_k, cfg.block_n]),
             TensorDescriptor.from_tensor(dx, [cfg.block_m, cfg.block_n]),
             ds, a_cat, *routing, bounds if members_apart else ranks, T, N, K, ds.stride(0), a_cat.stride(0),
-            HAS_DROPOUT=has_dropout, MEMBER_DY=len(dys) if members_apart else 0, **meta,
+            HAS_DROPOUT=has_dropout, ONE_SEGMENT=rows.max_segments == 1, MEMBER_DY=len(dys) if members_apart else 0,
+            **meta,
         )  # fmt: skip
         return dx
     _multi_lora_dx_kernel[grid](
         dys[0], weight, ds, a_cat, dx, *routing, T, N, K,
         dys[0].stride(0), weight.stride(0), ds.stride(0), a_cat.stride(0), dx.stride(0),
-        HAS_DROPOUT=has_dropout, **meta,
+        HAS_DROPOUT=has_dropout, ONE_SEGMENT=rows.max_segments == 1, **meta,
     )  # fmt: skip
     return dx

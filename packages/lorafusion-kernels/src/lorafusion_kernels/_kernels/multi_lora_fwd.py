@@ -113,7 +113,6 @@ def _multi_lora_shrink_kernel(
 
 @triton.jit
 def _routed_sb(
-    acc,
     s_ptr,
     b_ptr,
     seg_ptr,
@@ -124,25 +123,38 @@ def _routed_sb(
     cols,
     stride_sm,
     stride_bn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    ONE_SEGMENT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """``acc += S'[rows of a] B_a^T`` for each segment overlapping row tile ``pid_m``.
+    """The fp32 tile the GEMM accumulates onto: ``S'[rows of a] B_a^T`` over the segments of row tile ``pid_m``.
 
-    One small dot per segment (usually exactly one per tile), accumulated in place (no second
-    ``[BLOCK_M, BLOCK_N]`` accumulator: on H100 a separate fp32 tile spilled registers and made the
-    forward 7x slower); rows outside the segment load zeros. ``cols`` are valid (wrapped) columns.
+    One small dot per segment, accumulated onto a zeroed tile in a loop; rows outside a segment load
+    zeros. ``ONE_SEGMENT`` (no tile straddles a segment boundary) compiles the loop out: one dot
+    makes the tile. With the loop the forward GEMM ran up to 19% slower at rank 64 (H100, 2026-11-26).
+    A first dot ahead of the loop (for any batch) was nearly as fast, but its operands took shared
+    memory a second time and the dx GEMM's 4-stage configs ran out of it. Only one
+    ``[BLOCK_M, BLOCK_N]`` fp32 tile is live (a second one spilled registers on H100 and made the
+    forward 7x slower). ``cols`` are valid (wrapped) columns.
     """
     offs_r = tl.arange(0, BLOCK_R)
     s_rows = s_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + offs_r[None, :]
     b_cols = b_ptr + cols.to(tl.int64)[None, :] * stride_bn + offs_r[:, None]
     seg_lo = tl.load(seg_range_ptr + pid_m * 2)
-    seg_hi = tl.load(seg_range_ptr + pid_m * 2 + 1)
-    for j in range(seg_lo, seg_hi):
-        _, roff, rows_in, r_mask = segment_rows(seg_ptr, rank_ptr, j, offs_m, offs_r)
+    if ONE_SEGMENT:
+        _, roff, rows_in, r_mask = segment_rows(seg_ptr, rank_ptr, seg_lo, offs_m, offs_r)
         st = tl.load(s_rows, mask=rows_in[:, None] & r_mask[None, :], other=0.0)
         bt = tl.load(b_cols + roff, mask=r_mask[:, None], other=0.0)
-        acc = tl.dot(st, bt.to(st.dtype), acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(st, bt.to(st.dtype), input_precision=DOT_PRECISION)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for j in range(seg_lo, tl.load(seg_range_ptr + pid_m * 2 + 1)):
+            _, roff, rows_in, r_mask = segment_rows(seg_ptr, rank_ptr, j, offs_m, offs_r)
+            st = tl.load(s_rows, mask=rows_in[:, None] & r_mask[None, :], other=0.0)
+            bt = tl.load(b_cols + roff, mask=r_mask[:, None], other=0.0)
+            acc = tl.dot(st, bt.to(st.dtype), acc, input_precision=DOT_PRECISION)
     return acc
 
 
@@ -214,6 +226,7 @@ def _multi_lora_linear_kernel(
     HAS_BIAS: tl.constexpr,
     SIBLINGS: tl.constexpr,
     UNIFORM_RANK: tl.constexpr,
+    ONE_SEGMENT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -226,11 +239,12 @@ def _multi_lora_linear_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if not SIBLINGS:
+    if SIBLINGS:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
         acc = _routed_sb(
-            acc, s_ptr, b_ptr, seg_ptr, seg_range_ptr, rank_ptr, pid_m, offs_m, cols, stride_sm, stride_bn, BLOCK_R,
-            DOT_PRECISION,
+            s_ptr, b_ptr, seg_ptr, seg_range_ptr, rank_ptr, pid_m, offs_m, cols, stride_sm, stride_bn, BLOCK_M,
+            BLOCK_N, BLOCK_R, ONE_SEGMENT, DOT_PRECISION,
         )  # fmt: skip
     acc = dot_k_loop(acc, x_ptrs, w_ptrs, K, 1, 1, BLOCK_K, DOT_PRECISION)
     if SIBLINGS:
@@ -293,6 +307,7 @@ def _multi_lora_linear_tma_kernel(
     HAS_BIAS: tl.constexpr,
     SIBLINGS: tl.constexpr,
     UNIFORM_RANK: tl.constexpr,
+    ONE_SEGMENT: tl.constexpr,
     MEMBER_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -312,11 +327,12 @@ def _multi_lora_linear_tma_kernel(
     off_n = pid_n * BLOCK_N
     offs_m = off_m + tl.arange(0, BLOCK_M)
     cols = (off_n + tl.arange(0, BLOCK_N)) % N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if not SIBLINGS:
+    if SIBLINGS:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
         acc = _routed_sb(
-            acc, s_ptr, b_ptr, seg_ptr, seg_range_ptr, rank_ptr, pid_m, offs_m, cols, stride_sm, stride_bn, BLOCK_R,
-            DOT_PRECISION,
+            s_ptr, b_ptr, seg_ptr, seg_range_ptr, rank_ptr, pid_m, offs_m, cols, stride_sm, stride_bn, BLOCK_M,
+            BLOCK_N, BLOCK_R, ONE_SEGMENT, DOT_PRECISION,
         )  # fmt: skip
     for k in range(tl.cdiv(K, BLOCK_K)):
         xt = x_desc.load([off_m, k * BLOCK_K])
@@ -516,7 +532,12 @@ def _launch_linear(
     lora = (bias if bias is not None else y, s, b_cat)
     members = (bounds, bounds.numel() - 1) if bounds is not None else (ranks, 1)
     routing = (batch.segments, rows.seg_range, ranks, *members, T, N, K)
-    flags = {"HAS_BIAS": bias is not None, "SIBLINGS": siblings, "UNIFORM_RANK": uniform_rank(ranks_host)}
+    flags = {
+        "HAS_BIAS": bias is not None,
+        "SIBLINGS": siblings,
+        "UNIFORM_RANK": uniform_rank(ranks_host),
+        "ONE_SEGMENT": rows.max_segments == 1,
+    }
     stride_bn = 0 if siblings else b_cat.stride(0)
     if len(outputs) > 1 or (cfg.tma and tma_ok(x, weight, y)):
         from triton.tools.tensor_descriptor import TensorDescriptor
