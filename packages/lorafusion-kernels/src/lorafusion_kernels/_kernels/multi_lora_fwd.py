@@ -536,7 +536,7 @@ def _launch_linear(
         "HAS_BIAS": bias is not None,
         "SIBLINGS": siblings,
         "UNIFORM_RANK": uniform_rank(ranks_host),
-        "ONE_SEGMENT": rows.max_segments == 1,
+        "ONE_SEGMENT": rows.max_segments == 1 and not siblings,  # the sibling routing always loops
     }
     stride_bn = 0 if siblings else b_cat.stride(0)
     if len(outputs) > 1 or (cfg.tma and tma_ok(x, weight, y)):

@@ -44,8 +44,8 @@ such a kernel the order is: its own entry for the shape (exact or nearest ``m``)
 fallback's entry for the shape; else its own rank default; else the fallback's; else its own
 default; else the fallback's default; else the heuristic. A file written before the multi-adapter
 kernels had tables of their own therefore gives them FusedLoRA's configs, as it always did. Tests
-and the tuner force configs with
-:func:`override_configs` (by exact kernel name: forcing ``xw_sb`` does not force ``multi_xw_sb``).
+and the tuner force configs with :func:`override_configs` (by exact kernel name: forcing ``xw_sb``
+does not force ``multi_xw_sb``).
 
 This module does not import torch: configs validate anywhere.
 """

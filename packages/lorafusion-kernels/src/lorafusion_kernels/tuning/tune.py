@@ -379,11 +379,17 @@ def write_atomically(path: Path, text: str) -> None:
         raise
 
 
+def _missing_files(option: str, *paths: Path) -> bool:
+    """Whether any of ``paths`` is not a file (saying which, for ``option``)."""
+    missing = [str(path) for path in paths if not path.is_file()]
+    if missing:
+        _say(f"{option}: not a file: {', '.join(missing)}")
+    return bool(missing)
+
+
 def _compare(first: Path, second: Path) -> int:
     """``--compare``: the agreement of two config files, or the regret of two ``--timings`` files."""
-    missing = [str(path) for path in (first, second) if not path.is_file()]
-    if missing:
-        _say(f"--compare: not a file: {', '.join(missing)}")
+    if _missing_files("--compare", first, second):
         return 2
     try:
         docs = [json.loads(path.read_text()) for path in (first, second)]
@@ -408,9 +414,7 @@ def _compare(first: Path, second: Path) -> int:
 
 def _check_rank_defaults(timings_path: Path, config_path: Path) -> int:
     """``--check-rank-defaults``: held-out widths of a ``--timings`` file against a config file's defaults."""
-    missing = [str(path) for path in (timings_path, config_path) if not path.is_file()]
-    if missing:
-        _say(f"--check-rank-defaults: not a file: {', '.join(missing)}")
+    if _missing_files("--check-rank-defaults", timings_path, config_path):
         return 2
     try:
         timings = timings_from_json(json.loads(timings_path.read_text()), where=str(timings_path))
