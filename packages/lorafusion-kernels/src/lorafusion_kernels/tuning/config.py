@@ -155,6 +155,22 @@ class KernelTable:
     default: KernelConfig
     entries: tuple[TunedEntry, ...] = ()
 
+    def rank_default(self, key: ShapeKey) -> KernelConfig | None:
+        """The config that won the most entries of ``key``'s dtype and rank tile; None if there are none.
+
+        The rank tile is :func:`rank_tile` of ``r``: ranks 33 to 64 compile to the same kernel. A tie
+        goes to the default if it is among the tied configs, else to the tied config listed first.
+        """
+        tile = rank_tile(key.r)
+        wins = collections.Counter(
+            e.config for e in self.entries if e.key.dtype == key.dtype and rank_tile(e.key.r) == tile
+        )
+        if not wins:
+            return None
+        most = max(wins.values())
+        tied = [config for config, count in wins.items() if count == most]
+        return self.default if self.default in tied else tied[0]
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ConfigFile:
@@ -252,23 +268,9 @@ class ConfigFile:
         return min(same, key=lambda e: (abs(math.log(e.key.m) - log_m), e.key.m)).config
 
     def rank_default(self, kernel: str, key: ShapeKey) -> KernelConfig | None:
-        """The config that won the most of ``kernel``'s entries of ``key``'s dtype and rank tile; None if none.
-
-        The rank tile is :func:`rank_tile` of ``r``: ranks 33 to 64 compile to the same kernel. A tie
-        goes to the table's default if it is among the tied configs, else to the tied config listed first.
-        """
+        """``kernel``'s :meth:`KernelTable.rank_default` for ``key``; None if the file has no table for it."""
         table = self.kernels.get(kernel)
-        if table is None:
-            return None
-        tile = rank_tile(key.r)
-        wins = collections.Counter(
-            e.config for e in table.entries if e.key.dtype == key.dtype and rank_tile(e.key.r) == tile
-        )
-        if not wins:
-            return None
-        most = max(wins.values())
-        tied = [config for config, count in wins.items() if count == most]
-        return table.default if table.default in tied else tied[0]
+        return table.rank_default(key) if table is not None else None
 
     def lookup(self, kernel: str, key: ShapeKey, fallback: str | None = None) -> KernelConfig | None:
         """The file's config for ``key``: entries of ``kernel`` then ``fallback``, rank defaults likewise, defaults.

@@ -3,7 +3,7 @@
 ``lorafusion-tune --check-rank-defaults TIMINGS.json CONFIG.json`` takes a sweep's timings
 (``--timings``: every candidate's time at every shape) and a config file (for each kernel's
 ``default``). For each shape it hides every shape of the same width ``(n, k)``, takes the rank default
-the remaining winners give (:meth:`~lorafusion_kernels.tuning.config.ConfigFile.rank_default`, the
+the remaining winners give (:meth:`~lorafusion_kernels.tuning.config.KernelTable.rank_default`, the
 lookup's own rule) and reads that config's time at the hidden shape. Per kernel and rank tile it
 prints how much slower than the shape's winner that config is, next to the file's ``default``: the
 config an untuned width got before rank defaults existed. Needs no GPU.
@@ -70,10 +70,7 @@ def rank_default_check(timings: Sequence[ShapeTimings], config_file: ConfigFile)
             )
             if not others:
                 continue
-            hidden = dataclasses.replace(
-                config_file, kernels={kernel: KernelTable(default=table.default, entries=others)}
-            )
-            guess = hidden.rank_default(kernel, row.key)
+            guess = KernelTable(default=table.default, entries=others).rank_default(row.key)
             best = row.times[row.winner]
             times = (row.times.get(table.default, math.inf), row.times.get(guess, math.inf) if guess else math.inf)
             if all(math.isfinite(t) for t in (best, *times)):
