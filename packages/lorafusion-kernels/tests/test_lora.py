@@ -13,6 +13,7 @@ import torch
 import lorafusion_kernels.lora as lora_module
 from lorafusion_kernels import FusedLoRALinear, LoRAFusionKernelsError, fused_lora_linear
 from lorafusion_kernels._kernels._common import interpreting
+from lorafusion_kernels._kernels.lora_dys_dyb import lora_dys_dyb
 from lorafusion_kernels.reference import lora_linear_reference_seeded
 from lorafusion_kernels.testing import assert_close_to_reference, case_id, make_lora_inputs
 from lorafusion_kernels.tuning import KernelConfig, override_configs
@@ -294,3 +295,20 @@ def test_module_under_autocast_computes_as_nn_linear_would():
     y.float().square().sum().backward()
     assert x.grad is not None
     assert x.grad.dtype == layer.lora_a.grad.dtype == torch.float32
+
+
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize(
+    ("block_n", "split"),
+    [(64, 1), (64, 3), (16, 1), (16, 4)],
+    ids=["one-block", "one-block-3-groups", "blocks", "blocks-4-groups"],
+)
+def test_dys_dyb_column_blocks_and_row_groups(block_n: int, split: int) -> None:
+    """dS stored (one column block covers N) or summed by atomics (several); dB from one row group or several."""
+    m, n, r = 53, 40, 8
+    gen = torch.Generator().manual_seed(4)
+    dy, b, s = (torch.randn(shape, generator=gen) for shape in ((m, n), (n, r), (m, r)))
+    config = KernelConfig(block_m=16, block_n=block_n, block_k=16, split=split, num_stages=1)
+    ds, db = lora_dys_dyb(dy, b, s, scaling=0.5, config=config)
+    torch.testing.assert_close(ds.double(), 0.5 * dy.double() @ b.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(db.double(), dy.double().T @ s.double(), rtol=1e-5, atol=1e-5)

@@ -215,6 +215,16 @@ def test_split_reductions_match_reference(split: int) -> None:
 
 
 @INTERPRET
+@pytest.mark.usefixtures("interpreter", "nan_poison")
+@pytest.mark.parametrize("split", [1, 3])
+def test_dy_pass_with_one_column_block_matches_reference(split: int) -> None:
+    """dS stored, not added by atomics, where one column block covers N; runs of one row group or several."""
+    config = KernelConfig(block_m=16, block_n=64, block_k=16, split=split, num_warps=4, num_stages=1)
+    with override_configs({"multi_dys_dyb": config}):
+        check_against_reference(dataclasses.replace(MIXED, k=40, n=48), torch.float32)
+
+
+@INTERPRET
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
 def test_kernels_match_reference_both_reductions(deterministic: bool) -> None:

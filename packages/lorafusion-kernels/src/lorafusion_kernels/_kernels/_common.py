@@ -228,7 +228,7 @@ SKINNY_HEURISTIC = capability_heuristic(
     interpreter=KernelConfig(block_m=32, block_n=32, block_k=16, split=1, num_warps=4, num_stages=1),
     gpu=KernelConfig(block_m=64, block_n=128, block_k=16, split=0, num_warps=4, num_stages=3),
 )
-"""The built-in configs of the two backward passes over ``[M, N]`` or ``[M, K]`` (``dys_dyb``, ``dsx``)."""
+"""The built-in configs of the ``dA`` pass (``dsx``), which reads ``x [M, K]``."""
 
 
 def sm_count(t: torch.Tensor) -> int:

@@ -3,11 +3,18 @@
 Shapes: ``dy [M, N]``, ``B [N, R]``, ``S' [M, R]`` (the saved, scaled activation), ``dS [M, R]``,
 ``dB [N, R]``. ``dS`` is the gradient with respect to the unscaled ``S = x_hat A^T``.
 
-Default mode: program ``(i, s)`` owns row block i and every ``split``-th column tile of dy; it sums
-``dS`` for its rows in registers and adds each tile's ``dy^T S'`` into an fp32 ``dB`` with atomics
-(and ``dS`` too when ``split > 1``). Deterministic mode (no atomics, fixed summation order): one
-launch for ``dS`` (``split = 1``) and a second launch of the same kernel on ``dy^T`` for ``dB``;
-dy is then read twice.
+Default mode: program ``(g, j)`` owns row group ``g`` (consecutive row blocks) and column block ``j``
+of dy. It loads ``B``'s rows of block ``j`` once, sums the block's ``dB`` rows ``[BLOCK_N, R]`` in
+registers over the group and adds them to an fp32 ``dB`` once; each row block's share of ``dS``
+goes to an fp32 ``dS`` by atomics (a plain store when one column block covers ``N``). That is
+``groups * N * R + (N / BLOCK_N) * M * R`` atomics. The earlier loop order (one program per row
+block walking the columns) added a ``dB`` partial per row block, ``(M / BLOCK_M) * N * R``
+atomics: 8.4M at ``M = 8192, N = 4096, r = 16``, and the pass took 51 us against 29 us now (H100,
+2026-11-26; 133 against 41 us at ``r = 64``), its bytes floor being 20 us.
+
+Deterministic mode (no atomics, fixed summation order): one program per row block walks every column
+block and stores its ``dS`` rows once; a second launch of that kernel on ``dy^T`` with ``S'`` as the
+right operand gives ``dB``; dy is then read twice.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import triton
 import triton.language as tl
 
 from lorafusion_kernels._kernels._common import (
-    SKINNY_HEURISTIC,
+    capability_heuristic,
     cdiv,
     dot_precision,
     launch_config,
@@ -30,7 +37,7 @@ from lorafusion_kernels.tuning.config import KernelConfig, register_heuristic
 KERNEL = "dys_dyb"
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "rows_per_group"])
 def _lora_dys_dyb_kernel(
     dy_ptr,
     b_ptr,
@@ -40,116 +47,128 @@ def _lora_dys_dyb_kernel(
     M,
     N,
     R,
+    rows_per_group,
     stride_dym,
-    stride_dyn,
     stride_bn,
-    stride_br,
     stride_sm,
-    stride_sr,
     stride_dsm,
-    stride_dsr,
     stride_dbn,
-    stride_dbr,
     ds_scale,
-    COMPUTE_DB: tl.constexpr,
     DS_ATOMIC: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """Grid ``(cdiv(M, BLOCK_M), split)``; ``dS`` rows of one block, ``dB`` partials by atomics."""
+    """Grid ``(groups, cdiv(N, BLOCK_N))``; all operands have unit stride along their last dimension."""
+    pid_g = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    nr_mask = mask_n[:, None] & mask_r[None, :]
+    b = tl.load(b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_r[None, :], mask=nr_mask, other=0.0)
+    row0 = pid_g * rows_per_group
+    row1 = tl.minimum(row0 + rows_per_group, M)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    dy_ptrs = dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym + offs_n[None, :]
+    s_ptrs = s_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + offs_r[None, :]
+    ds_ptrs = ds_ptr + offs_m.to(tl.int64)[:, None] * stride_dsm + offs_r[None, :]
+    db_acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+    for _ in range(tl.cdiv(row1 - row0, BLOCK_M)):
+        mask_m = offs_m < row1
+        dy = tl.load(dy_ptrs, mask=mask_m[:, None] & mask_n[None, :], other=0.0)
+        s = tl.load(s_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+        ds = tl.dot(dy, b.to(dy.dtype), input_precision=DOT_PRECISION) * ds_scale
+        if DS_ATOMIC:
+            tl.atomic_add(ds_ptrs, ds, mask=mask_m[:, None] & mask_r[None, :], sem="relaxed")
+        else:
+            tl.store(ds_ptrs, ds, mask=mask_m[:, None] & mask_r[None, :])
+        db_acc = tl.dot(tl.trans(dy), s, db_acc, input_precision=DOT_PRECISION)
+        offs_m += BLOCK_M
+        dy_ptrs += BLOCK_M * stride_dym
+        s_ptrs += BLOCK_M * stride_sm
+        ds_ptrs += BLOCK_M * stride_dsm
+    db_ptrs = db_ptr + offs_n.to(tl.int64)[:, None] * stride_dbn + offs_r[None, :]
+    tl.atomic_add(db_ptrs, db_acc, mask=nr_mask, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["M"])
+def _lora_ds_rows_kernel(
+    dy_ptr,
+    b_ptr,
+    ds_ptr,
+    M,
+    N,
+    R,
+    stride_dym,
+    stride_dyn,
+    stride_bn,
+    stride_br,
+    stride_dsm,
+    stride_dsr,
+    ds_scale,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Grid ``(cdiv(M, BLOCK_M),)``: ``ds_scale * dy B`` for one row block, summed over every column in order."""
     pid_m = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    num_splits = tl.num_programs(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     mask_m = offs_m < M
     mask_r = offs_r < R
-    if COMPUTE_DB:
-        s = tl.load(
-            s_ptr + offs_m[:, None] * stride_sm + offs_r[None, :] * stride_sr,
-            mask=mask_m[:, None] & mask_r[None, :],
-            other=0.0,
-        )
-    ds_acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for t in range(pid_s, tl.cdiv(N, BLOCK_N), num_splits):
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for t in range(tl.cdiv(N, BLOCK_N)):
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         dy = tl.load(
-            dy_ptr + offs_m[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
+            dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym + offs_n.to(tl.int64)[None, :] * stride_dyn,
             mask=mask_m[:, None] & mask_n[None, :],
             other=0.0,
         )
         b = tl.load(
-            b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
+            b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_r[None, :] * stride_br,
             mask=mask_n[:, None] & mask_r[None, :],
             other=0.0,
         )
-        ds_acc = tl.dot(dy, b.to(dy.dtype), ds_acc, input_precision=DOT_PRECISION)
-        if COMPUTE_DB:
-            db = tl.dot(tl.trans(dy), s, input_precision=DOT_PRECISION)
-            tl.atomic_add(
-                db_ptr + offs_n[:, None] * stride_dbn + offs_r[None, :] * stride_dbr,
-                db,
-                mask=mask_n[:, None] & mask_r[None, :],
-            )
-    ds_acc = ds_acc * ds_scale
-    ds_ptrs = ds_ptr + offs_m[:, None] * stride_dsm + offs_r[None, :] * stride_dsr
-    if DS_ATOMIC:
-        tl.atomic_add(ds_ptrs, ds_acc, mask=mask_m[:, None] & mask_r[None, :])
-    else:
-        tl.store(ds_ptrs, ds_acc.to(ds_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_r[None, :])
+        acc = tl.dot(dy, b.to(dy.dtype), acc, input_precision=DOT_PRECISION)
+    ds_ptrs = ds_ptr + offs_m.to(tl.int64)[:, None] * stride_dsm + offs_r[None, :] * stride_dsr
+    tl.store(ds_ptrs, (acc * ds_scale).to(ds_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_r[None, :])
 
 
-register_heuristic(KERNEL, SKINNY_HEURISTIC)
+register_heuristic(
+    KERNEL,
+    capability_heuristic(
+        interpreter=KernelConfig(block_m=32, block_n=32, block_k=16, split=1, num_warps=4, num_stages=1),
+        gpu=KernelConfig(block_m=32, block_n=256, block_k=16, split=0, num_warps=4, num_stages=3),
+    ),
+)
 
 
-def _launch(
-    dy: torch.Tensor,
-    dy_strides: tuple[int, int],
-    rows: int,
-    cols: int,
-    right: torch.Tensor,
-    s: torch.Tensor,
-    out: torch.Tensor,
-    db: torch.Tensor,
-    *,
-    ds_scale: float,
-    compute_db: bool,
-    split: int,
-    cfg: KernelConfig,
-) -> None:
+def rows_per_group(split: int, dy: torch.Tensor, *, rows: int, block_m: int, col_blocks: int) -> int:
+    """Rows per program of the default mode: ``rows`` cut into ``split`` groups of whole row blocks.
+
+    ``split == 0`` sizes the groups for about two programs per SM over the ``col_blocks`` column
+    blocks (:func:`~lorafusion_kernels._kernels._common.resolve_split`).
+    """
+    row_blocks = cdiv(rows, block_m)
+    groups = resolve_split(split, dy, tiles=col_blocks, steps=row_blocks)
+    return cdiv(row_blocks, groups) * block_m
+
+
+def _launch_ds_rows(
+    dy: torch.Tensor, dy_strides: tuple[int, int], rows: int, cols: int, right: torch.Tensor, out: torch.Tensor,
+    *, ds_scale: float, cfg: KernelConfig,
+) -> None:  # fmt: skip
     r = right.shape[1]
-    _lora_dys_dyb_kernel[(cdiv(rows, cfg.block_m), split)](
-        dy,
-        right,
-        s,
-        out,
-        db,
-        rows,
-        cols,
-        r,
-        dy_strides[0],
-        dy_strides[1],
-        right.stride(0),
-        right.stride(1),
-        s.stride(0),
-        s.stride(1),
-        out.stride(0),
-        out.stride(1),
-        db.stride(0),
-        db.stride(1),
-        ds_scale,
-        COMPUTE_DB=compute_db,
-        DS_ATOMIC=split > 1,
-        DOT_PRECISION=dot_precision(dy.dtype),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_R=rank_block(r),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    _lora_ds_rows_kernel[(cdiv(rows, cfg.block_m),)](
+        dy, right, out, rows, cols, r, dy_strides[0], dy_strides[1], right.stride(0), right.stride(1),
+        out.stride(0), out.stride(1), ds_scale, DOT_PRECISION=dot_precision(dy.dtype), BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_R=rank_block(r), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
 
 
 def lora_dys_dyb(
@@ -165,15 +184,17 @@ def lora_dys_dyb(
     """``dS = scaling * dy B`` and ``dB = dy^T S'``.
 
     Args:
-        dy: ``[M, N]`` output gradient.
+        dy: ``[M, N]`` output gradient, unit stride along N.
         lora_b: ``[N, R]``.
         s: ``[M, R]`` saved ``S'`` (``dy.dtype``).
         scaling: The LoRA scaling (fp32 runtime scalar).
         deterministic: No atomics: two launches (dy read twice), bitwise reproducible.
-        accumulators: Zeroed fp32 ``(dS [M, R], dB [N, R])`` to add into with atomics (see
-            :func:`~lorafusion_kernels._kernels._common.zeroed_fp32`, which lets the caller share
-            one fill with its other accumulators); None allocates them. Ignored in deterministic mode.
-        config: Launch config; looked up by shape when None.
+        accumulators: Zeroed fp32 ``(dS [M, R], dB [N, R])`` with unit stride along R, to add into
+            with atomics (see :func:`~lorafusion_kernels._kernels._common.zeroed_fp32`, which lets
+            the caller share one fill with its other accumulators); None allocates them. Ignored in
+            deterministic mode.
+        config: Launch config; looked up by shape when None. ``block_m`` rows by ``block_n`` columns
+            per step; ``split`` row groups (0: sized to the GPU).
 
     Returns:
         ``(dS [M, R], dB [N, R])``: in deterministic mode ``dS`` in ``dy.dtype`` and ``dB`` in
@@ -185,17 +206,21 @@ def lora_dys_dyb(
     if deterministic:
         ds = torch.empty((m, r), dtype=dy.dtype, device=dy.device)
         db = torch.empty((n, r), dtype=lora_b.dtype, device=dy.device)
-        _launch(dy, (dy.stride(0), dy.stride(1)), m, n, lora_b, s, ds, ds,
-                ds_scale=scaling, compute_db=False, split=1, cfg=cfg)  # fmt: skip
+        _launch_ds_rows(dy, (dy.stride(0), dy.stride(1)), m, n, lora_b, ds, ds_scale=scaling, cfg=cfg)
         # dB = dy^T S': the same kernel on the transposed view of dy, with S' as the right operand.
-        _launch(dy, (dy.stride(1), dy.stride(0)), n, m, s, s, db, db,
-                ds_scale=1.0, compute_db=False, split=1, cfg=cfg)  # fmt: skip
+        _launch_ds_rows(dy, (dy.stride(1), dy.stride(0)), n, m, s, db, ds_scale=1.0, cfg=cfg)
         return ds, db
-    split = resolve_split(cfg.split, dy, tiles=cdiv(m, cfg.block_m), steps=cdiv(n, cfg.block_n))
+    lora_b, s = lora_b.contiguous(), s.contiguous()
     if accumulators is None:
         _, (ds_out, db32) = zeroed_fp32((m, r), (n, r), device=dy.device)
     else:
         ds_out, db32 = accumulators
-    _launch(dy, (dy.stride(0), dy.stride(1)), m, n, lora_b, s, ds_out, db32,
-            ds_scale=scaling, compute_db=True, split=split, cfg=cfg)  # fmt: skip
+    col_blocks = cdiv(n, cfg.block_n)
+    rows = rows_per_group(cfg.split, dy, rows=m, block_m=cfg.block_m, col_blocks=col_blocks)
+    _lora_dys_dyb_kernel[(cdiv(m, rows), col_blocks)](
+        dy, lora_b, s, ds_out, db32, m, n, r, rows, dy.stride(0), lora_b.stride(0), s.stride(0),
+        ds_out.stride(0), db32.stride(0), scaling, DS_ATOMIC=col_blocks > 1, DOT_PRECISION=dot_precision(dy.dtype),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=rank_block(r), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
     return ds_out, db32

@@ -40,19 +40,19 @@ from lorafusion_kernels._kernels._common import (
     grouped_tile,
     launch_config,
     rank_block,
-    resolve_split,
     sm_count,
     tma_ok,
     wrapped_tile,
+    zeroed_fp32,
 )
 from lorafusion_kernels._kernels.dropout import dropout_keep_tile, load_seed
+from lorafusion_kernels._kernels.lora_dys_dyb import rows_per_group
 from lorafusion_kernels._kernels.multi_lora_fwd import MAX_MEMBER_OUTPUTS
 from lorafusion_kernels._kernels.routing import (
     adapter_dropout,
     adapter_rank,
     member_rank,
     segment_rows,
-    segment_tile,
     uniform_rank,
 )
 from lorafusion_kernels.metadata import MultiLoRABatch
@@ -89,7 +89,7 @@ def _member_dy(member, dy_ptr, dy1_ptr, dy2_ptr, dy3_ptr, stride0, stride1, stri
     return ptr, stride
 
 
-@triton.jit(do_not_specialize=["split_n"])
+@triton.jit
 def _multi_lora_dy_kernel(
     dy_ptr,
     dy1_ptr,
@@ -99,7 +99,7 @@ def _multi_lora_dy_kernel(
     s_ptr,
     ds_ptr,
     db_ptr,
-    tiles_ptr,
+    runs_ptr,
     rank_ptr,
     scaling_ptr,
     bounds_ptr,
@@ -112,7 +112,6 @@ def _multi_lora_dy_kernel(
     stride_sm,
     stride_dsm,
     stride_dbn,
-    split_n,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -122,18 +121,29 @@ def _multi_lora_dy_kernel(
     ATOMIC_DS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid ``(segment tiles, split_n, G)``: program ``(i, s, g)`` reads every ``split_n``-th column block of dy.
+    """Grid ``(runs, column blocks, G)``: program ``(c, j, g)`` reads column block ``j`` of run ``c``'s rows.
 
-    One layer has ``G = 1`` and reads all ``N`` columns. In a sibling call program ``g`` reads only
-    member ``g``'s columns ``bounds[g] .. bounds[g + 1]`` with ``B_{a,g}`` (``B_flat[N roff_a + n r_a + j]``)
-    and ``S'[:, g r_a + j]``, and writes ``dS[:, g r_a + j]``: the work and the tiles of one layer of
-    rank ``r_a`` (``BLOCK_R`` covers ``r_a``, not ``G r_a``), with no loop over members inside.
-    With ``MEMBER_DY > 0`` each member's ``dy`` is its own ``[T, N_g]`` tensor (``dy_ptr``, ``dy1_ptr``, ...).
+    A run is consecutive rows of one adapter (:meth:`MultiLoRABatch.segment_runs`). The program
+    loads ``B_a``'s rows of its column block once, sums ``dB_a``'s rows ``[BLOCK_N, r_a]`` in
+    registers over the run and adds them to the fp32 ``dB`` once; each row block's share of ``dS``
+    goes to the fp32 ``dS`` by atomics (``ATOMIC_DS``; a plain store when one column block covers
+    the columns). FusedLoRA's ``lora_dys_dyb`` says why this loop order.
+
+    One layer has ``G = 1`` and column blocks over all ``N`` columns. In a sibling call program ``g``
+    covers only member ``g``'s columns ``bounds[g] .. bounds[g + 1]`` (blocks past them do nothing), with
+    ``B_{a,g}`` (``B_flat[N roff_a + n r_a + j]``) and ``S'[:, g r_a + j]``, and writes
+    ``dS[:, g r_a + j]``: the work and the tiles of one layer of rank ``r_a`` (``BLOCK_R`` covers
+    ``r_a``, not ``G r_a``). With ``MEMBER_DY > 0`` each member's ``dy`` is its own ``[T, N_g]``
+    tensor (``dy_ptr``, ``dy1_ptr``, ...).
     """
-    pid = tl.program_id(0)
-    pid_split = tl.program_id(1)
-    adapter, roff, offs_m, m_mask, offs_r, r_mask = segment_tile(tiles_ptr, rank_ptr, pid, BLOCK_M, BLOCK_R)
-    scale = tl.load(scaling_ptr + adapter)
+    pid_c = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    row0 = tl.load(runs_ptr + pid_c * 3)
+    row1 = tl.load(runs_ptr + pid_c * 3 + 1)
+    adapter = tl.load(runs_ptr + pid_c * 3 + 2)
+    r, roff = adapter_rank(rank_ptr, adapter)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < r  # the adapter's own rank: a rank-0 adapter masks every column
     if SIBLINGS:
         member = tl.program_id(2)
         r = member_rank(rank_ptr, adapter, UNIFORM_RANK)
@@ -141,47 +151,53 @@ def _multi_lora_dy_kernel(
         n_hi = tl.load(bounds_ptr + member + 1)
         s_col = member * r
         # B_{a,g} and dB_{a,g}: row n of adapter a's [N, r_a] block at N roff_a + n r_a.
-        b_cols = b_ptr + roff.to(tl.int64) * N + offs_r[None, :]
-        db_cols = db_ptr + roff.to(tl.int64) * N + offs_r[None, :]
+        b_cols = b_ptr + roff.to(tl.int64) * N
+        db_cols = db_ptr + roff.to(tl.int64) * N
         stride_bn = r
         stride_dbn = r
     else:
         n_lo = 0
         n_hi = N
         s_col = 0
-        b_cols = b_ptr + (roff + offs_r)[None, :]
-        db_cols = db_ptr + (roff + offs_r)[None, :]
-    st = tl.load(
-        s_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + (s_col + offs_r)[None, :],
-        mask=m_mask[:, None] & r_mask[None, :],
-        other=0.0,
-    )
+        b_cols = b_ptr + roff
+        db_cols = db_ptr + roff
+    offs_n = n_lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nr_mask = (offs_n < n_hi)[:, None] & r_mask[None, :]
+    bt = tl.load(b_cols + offs_n.to(tl.int64)[:, None] * stride_bn + offs_r[None, :], mask=nr_mask, other=0.0)
+    scale = tl.load(scaling_ptr + adapter)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
     if MEMBER_DY > 0:
         # Stacked column n of member g is column n - n_lo of its own gradient.
         dy_g, stride_g = _member_dy(
             member, dy_ptr, dy1_ptr, dy2_ptr, dy3_ptr, stride_dym, stride_dy1m, stride_dy2m, stride_dy3m, MEMBER_DY
         )
-        dy_rows = dy_g + (offs_m.to(tl.int64)[:, None] * stride_g - n_lo)
+        dy_ptrs = dy_g + offs_m.to(tl.int64)[:, None] * stride_g + (offs_n - n_lo)[None, :]
+        stride_rows = stride_g
     else:
-        dy_rows = dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym
-    ds_acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for n0 in range(n_lo + pid_split * BLOCK_N, n_hi, split_n * BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < n_hi
-        dyt = tl.load(dy_rows + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0)
-        bt = tl.load(
-            b_cols + offs_n.to(tl.int64)[:, None] * stride_bn, mask=n_mask[:, None] & r_mask[None, :], other=0.0
-        )
-        ds_acc = tl.dot(dyt, bt.to(dyt.dtype), ds_acc, input_precision=DOT_PRECISION)
-        db = tl.dot(tl.trans(dyt), st, input_precision=DOT_PRECISION)
-        db_ptrs = db_cols + offs_n.to(tl.int64)[:, None] * stride_dbn
-        tl.atomic_add(db_ptrs, db, mask=n_mask[:, None] & r_mask[None, :], sem="relaxed")
+        dy_ptrs = dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym + offs_n[None, :]
+        stride_rows = stride_dym
+    s_ptrs = s_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + (s_col + offs_r)[None, :]
     ds_ptrs = ds_ptr + offs_m.to(tl.int64)[:, None] * stride_dsm + (s_col + offs_r)[None, :]
-    ds_mask = m_mask[:, None] & r_mask[None, :]
-    if ATOMIC_DS:
-        tl.atomic_add(ds_ptrs, ds_acc * scale, mask=ds_mask, sem="relaxed")
-    else:
-        tl.store(ds_ptrs, ds_acc * scale, mask=ds_mask)
+    db_acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+    # A sibling member narrower than the widest leaves the blocks past its columns no work.
+    steps = tl.where(n_lo + pid_n * BLOCK_N < n_hi, tl.cdiv(row1 - row0, BLOCK_M), 0)
+    for _ in range(steps):
+        m_mask = offs_m < row1
+        mr_mask = m_mask[:, None] & r_mask[None, :]
+        dyt = tl.load(dy_ptrs, mask=m_mask[:, None] & (offs_n < n_hi)[None, :], other=0.0)
+        st = tl.load(s_ptrs, mask=mr_mask, other=0.0)
+        ds = tl.dot(dyt, bt.to(dyt.dtype), input_precision=DOT_PRECISION) * scale
+        if ATOMIC_DS:
+            tl.atomic_add(ds_ptrs, ds, mask=mr_mask, sem="relaxed")
+        else:
+            tl.store(ds_ptrs, ds, mask=mr_mask)
+        db_acc = tl.dot(tl.trans(dyt), st, db_acc, input_precision=DOT_PRECISION)
+        offs_m += BLOCK_M
+        dy_ptrs += BLOCK_M * stride_rows
+        s_ptrs += BLOCK_M * stride_sm
+        ds_ptrs += BLOCK_M * stride_dsm
+    db_ptrs = db_cols + offs_n.to(tl.int64)[:, None] * stride_dbn + offs_r[None, :]
+    tl.atomic_add(db_ptrs, db_acc, mask=nr_mask, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["stride_os"])
@@ -508,10 +524,10 @@ def multi_lora_dys_dyb(
     ranks_host: tuple[int, ...] = (),
     config: KernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dS`` and ``dB_cat`` from one read of ``dy``; each program owns one segment tile (one adapter).
+    """``dS`` and ``dB_cat`` from one read of ``dy``; each program owns a run of one adapter's rows and a column block.
 
-    ``dB_cat`` is summed over row tiles with fp32 atomics (and ``dS`` too when N is split), so the
-    summation order varies from run to run; the public op offers a deterministic alternative.
+    ``dB_cat`` is summed over runs and ``dS`` over column blocks with fp32 atomics, so the summation
+    order varies from run to run; the public op offers a deterministic alternative.
 
     Args:
         dy: ``[T, N]`` upstream gradient, unit stride along N; or a sibling call's members'
@@ -526,7 +542,8 @@ def multi_lora_dys_dyb(
         members: Output features of a sibling call's members; empty for one layer.
         bounds: int32 ``[G + 1]``: the members' column bounds (a sibling call only).
         ranks_host: The adapters' ranks ``r_a`` (a sibling call: equal nonzero ranks compile as a constant).
-        config: Launch config; looked up by shape when None.
+        config: Launch config; looked up by shape when None. ``block_m`` rows by ``block_n`` columns
+            per step; runs sized as FusedLoRA's row groups (``split``, 0: sized to the GPU).
 
     Returns:
         ``(dS fp32 [T, BLOCK_R], dB fp32)``, ``dB`` shaped as ``b_cat``. ``dS`` columns past a token's
@@ -536,23 +553,22 @@ def multi_lora_dys_dyb(
     first = dys[0]
     T, N = first.shape[0], sum(d.shape[1] for d in dys)
     siblings = bool(members)
-    db = torch.zeros(b_cat.shape, dtype=torch.float32, device=first.device)
+    _, (ds, db) = zeroed_fp32((T, s.shape[1]), (1, b_cat.numel()), device=first.device)
+    db = db.view(b_cat.shape)
     cfg = config or launch_config(DY_KERNEL, first, m=T, n=N, k=N, r=max_rank)
-    tiles = batch.segment_tiles(cfg.block_m)
     group = max(1, len(members))
-    widest = max(members) if siblings else N
-    split = resolve_split(cfg.split, first, tiles=tiles.num_tiles * group, steps=cdiv(widest, cfg.block_n))
-    alloc = torch.zeros if split > 1 else torch.empty
-    ds = alloc((T, s.shape[1]), dtype=torch.float32, device=first.device)
+    col_blocks = cdiv(max(members) if siblings else N, cfg.block_n)
+    run_rows = rows_per_group(cfg.split, first, rows=T, block_m=cfg.block_m, col_blocks=col_blocks * group)
+    runs = batch.segment_runs(run_rows)
     grads, grad_strides, member_dy = _grad_operands(dys)
-    if tiles.num_tiles > 0:
-        _multi_lora_dy_kernel[(tiles.num_tiles, split, group)](
+    if runs.num_runs > 0:
+        _multi_lora_dy_kernel[(runs.num_runs, col_blocks, group)](
             *grads,
             b_cat,
             s,
             ds,
             db,
-            tiles.tiles,
+            runs.runs,
             ranks,
             scaling,
             bounds if bounds is not None else ranks,
@@ -562,14 +578,13 @@ def multi_lora_dys_dyb(
             s.stride(0),
             ds.stride(0),
             0 if siblings else db.stride(0),
-            split,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             BLOCK_R=rank_block(max_rank) if siblings else s.shape[1],
             SIBLINGS=siblings,
             UNIFORM_RANK=uniform_rank(ranks_host),
             MEMBER_DY=member_dy,
-            ATOMIC_DS=split > 1,
+            ATOMIC_DS=col_blocks > 1,
             DOT_PRECISION=dot_precision(first.dtype),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,

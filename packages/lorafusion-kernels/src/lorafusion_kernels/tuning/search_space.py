@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from lorafusion_kernels.tuning.config import KernelConfig
 
-SEARCH_SPACE_ID = "v4"
+SEARCH_SPACE_ID = "v5"
 """Recorded in each file's provenance; bump it when the candidates below change (v2: the multi_* kernels;
-v3: 256-row tiles for the skinny passes; v4: multi_dsx_dx, the dA pass that writes dx's LoRA term)."""
+v3: 256-row tiles for the skinny passes; v4: multi_dsx_dx, the dA pass that writes dx's LoRA term; v5:
+the dS/dB pass's own candidates, for its loop over the rows of a column block)."""
 
 MODEL_LAYERS: dict[str, list[tuple[str, int, int]]] = {
     # (layer, n = out_features, k = in_features); q/k/v fused into one qkv projection as LoRAFusion does.
@@ -46,21 +47,27 @@ _SKINNY = [
         for bm in (32, 64, 128)
         for bn in (64, 128, 256)
     ),
-    # Taller tiles: dys_dyb adds one [BLOCK_N, r] partial of dB per row block with fp32 atomics, so
-    # 256 rows issue a quarter of the atomics of 64 (at M = 8192, N = 4096, r = 16: 2.1M against 8.4M).
     *(KernelConfig(block_m=256, block_n=bn, block_k=16, split=0, num_warps=8, num_stages=3) for bn in (32, 64)),
+]
+# The dS/dB pass: a program walks the rows of one column block, so wide blocks and short row steps
+# (the best tiles of a scratch sweep over 64 on H100, 2026-11-26; 128 x 256 ran out of shared memory at r = 64).
+_DY = [
+    KernelConfig(block_m=bm, block_n=bn, block_k=16, split=0, num_warps=warps, num_stages=stages)
+    for bm, bn in ((32, 128), (32, 256), (64, 128), (64, 256), (128, 128))
+    for warps in (4, 8)
+    for stages in (2, 3)
 ]
 
 CANDIDATES: dict[str, list[KernelConfig]] = {
     "xa": _SHRINK,
     "xw_sb": _GEMM,
-    "dys_dyb": _SKINNY,
+    "dys_dyb": _DY,
     "dsx": _SKINNY,
     "dyw_dsa": _GEMM,
     # FusedMultiLoRA's kernels tile as FusedLoRA's (only the rank-r term is routed per segment).
     "multi_xa": _SHRINK,
     "multi_xw_sb": _GEMM,
-    "multi_dys_dyb": _SKINNY,
+    "multi_dys_dyb": _DY,
     "multi_dsx": _SKINNY,
     "multi_dsx_dx": _SKINNY,
     "multi_dyw_dsa": _GEMM,
