@@ -177,6 +177,10 @@ def _multi_lora_dy_kernel(
         dy_ptrs = dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym + offs_n[None, :]
         stride_rows = stride_dym
     s_ptrs = s_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + (s_col + offs_r)[None, :]
+    # S' columns past r_a are zeros (the shrink writes them), so one layer reads whole rows; a masked
+    # rank read at run time left the load unvectorised and out of the pipeline (1.7-1.9x the time, H200).
+    # A sibling member's columns end at r_a, a constant where the ranks are uniform.
+    s_cols = offs_r < r if SIBLINGS else offs_r < BLOCK_R
     ds_ptrs = ds_ptr + offs_m.to(tl.int64)[:, None] * stride_dsm + (s_col + offs_r)[None, :]
     db_acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
     # A sibling member narrower than the widest leaves the blocks past its columns no work.
@@ -185,7 +189,7 @@ def _multi_lora_dy_kernel(
         m_mask = offs_m < row1
         mr_mask = m_mask[:, None] & r_mask[None, :]
         dyt = tl.load(dy_ptrs, mask=m_mask[:, None] & (offs_n < n_hi)[None, :], other=0.0)
-        st = tl.load(s_ptrs, mask=mr_mask, other=0.0)
+        st = tl.load(s_ptrs, mask=m_mask[:, None] & s_cols[None, :], other=0.0)
         ds = tl.dot(dyt, bt.to(dyt.dtype), input_precision=DOT_PRECISION) * scale
         if ATOMIC_DS:
             tl.atomic_add(ds_ptrs, ds, mask=mr_mask, sem="relaxed")
@@ -266,7 +270,8 @@ def _multi_lora_da_kernel(
     acc = tl.zeros((BLOCK_K, BLOCK_R), dtype=tl.float32)
     for _ in range(tl.cdiv(row1 - row0, BLOCK_M)):
         mk_mask = (offs_m < row1)[:, None] & k_mask[None, :]
-        dst = tl.load(ds_ptrs, mask=(offs_m < row1)[:, None] & r_mask[None, :], other=0.0).to(x_ptr.dtype.element_ty)
+        # Whole rows: dS columns past the rank are zeros (no rank mask, which left the load unvectorised).
+        dst = tl.load(ds_ptrs, mask=(offs_m < row1)[:, None], other=0.0).to(x_ptr.dtype.element_ty)
         xt = tl.load(x_ptrs, mask=mk_mask, other=0.0)
         if LORA_DX:
             lora = tl.dot(dst, a_tile, input_precision=DOT_PRECISION)
@@ -297,7 +302,7 @@ def _segment_dsa(ds_rows, a_ptr, seg_ptr, rank_ptr, segment, offs_m, offs_k, k_m
     """Segment ``segment``'s operands on a tile: ``(adapter, rows_in, dS rows (others zero), A_a columns)``."""
     offs_r = tl.arange(0, BLOCK_R)
     adapter, roff, rows_in, r_mask = segment_rows(seg_ptr, rank_ptr, segment, offs_m, offs_r)
-    dst = tl.load(ds_rows, mask=rows_in[:, None] & r_mask[None, :], other=0.0)
+    dst = tl.load(ds_rows, mask=rows_in[:, None], other=0.0)  # dS columns past the rank are zeros
     at = tl.load(
         a_ptr + (roff + offs_r).to(tl.int64)[:, None] * stride_am + offs_k[None, :],
         mask=r_mask[:, None] & k_mask[None, :],
@@ -547,7 +552,7 @@ def multi_lora_dys_dyb(
 
     Returns:
         ``(dS fp32 [T, BLOCK_R], dB fp32)``, ``dB`` shaped as ``b_cat``. ``dS`` columns past a token's
-        (stacked) rank are not written: readers mask them.
+        (stacked) rank are zeros: readers load whole rows.
     """
     dys = member_grads(dy)
     first = dys[0]
