@@ -52,6 +52,7 @@ from lorafusion_kernels._kernels.routing import (
     adapter_dropout,
     adapter_rank,
     member_rank,
+    rank_columns,
     segment_rows,
     uniform_rank,
 )
@@ -143,7 +144,7 @@ def _multi_lora_dy_kernel(
     adapter = tl.load(runs_ptr + pid_c * 3 + 2)
     r, roff = adapter_rank(rank_ptr, adapter)
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < r  # the adapter's own rank: a rank-0 adapter masks every column
+    r_mask = rank_columns(offs_r, r, UNIFORM_RANK)  # the adapter's own rank: a rank-0 adapter masks every column
     if SIBLINGS:
         member = tl.program_id(2)
         r = member_rank(rank_ptr, adapter, UNIFORM_RANK)
@@ -177,10 +178,10 @@ def _multi_lora_dy_kernel(
         dy_ptrs = dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym + offs_n[None, :]
         stride_rows = stride_dym
     s_ptrs = s_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + (s_col + offs_r)[None, :]
-    # S' columns past r_a are zeros (the shrink writes them), so one layer reads whole rows; a masked
-    # rank read at run time left the load unvectorised and out of the pipeline (1.7-1.9x the time, H200).
-    # A sibling member's columns end at r_a, a constant where the ranks are uniform.
-    s_cols = offs_r < r if SIBLINGS else offs_r < BLOCK_R
+    # S' columns past r_a are zeros (the shrink writes them), so one layer reads whole rows even with
+    # mixed ranks; a rank read at run time in the mask left this load unvectorised and out of the
+    # pipeline (1.7-1.9x the time, H200). A sibling member's columns end at r_a.
+    s_cols = r_mask if SIBLINGS else offs_r < BLOCK_R
     ds_ptrs = ds_ptr + offs_m.to(tl.int64)[:, None] * stride_dsm + (s_col + offs_r)[None, :]
     db_acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
     # A sibling member narrower than the widest leaves the blocks past its columns no work.
@@ -546,7 +547,7 @@ def multi_lora_dys_dyb(
         max_rank: Largest ``r_a`` (the config lookup key).
         members: Output features of a sibling call's members; empty for one layer.
         bounds: int32 ``[G + 1]``: the members' column bounds (a sibling call only).
-        ranks_host: The adapters' ranks ``r_a`` (a sibling call: equal nonzero ranks compile as a constant).
+        ranks_host: The adapters' ranks ``r_a`` (equal nonzero ranks compile as a constant: :func:`rank_columns`).
         config: Launch config; looked up by shape when None. ``block_m`` rows by ``block_n`` columns
             per step; runs sized as FusedLoRA's row groups (``split``, 0: sized to the GPU).
 

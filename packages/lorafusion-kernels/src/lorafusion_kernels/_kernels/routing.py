@@ -64,7 +64,8 @@ def uniform_rank(ranks: tuple[int, ...]) -> int:
 
     Passed as a constexpr, it makes a sibling call's ``B_flat`` row stride ``r_a`` a compile-time
     constant: the loads and atomics of ``B``/``dB`` rows vectorize (with ``r_a`` read at run time
-    they did not, and the dy pass ran 1.5-2x slower).
+    they did not, and the dy pass ran 1.5-2x slower). The dy pass's rank masks use it too
+    (:func:`rank_columns`).
     """
     nonzero = {r for r in ranks if r > 0}
     return nonzero.pop() if len(nonzero) == 1 else 0
@@ -78,6 +79,17 @@ def member_rank(rank_ptr, adapter, UNIFORM_RANK: tl.constexpr):
     else:
         r, _ = adapter_rank(rank_ptr, adapter)
     return r
+
+
+@triton.jit
+def rank_columns(offs_r, r, UNIFORM_RANK: tl.constexpr):
+    """``offs_r < r``: the rank columns of an adapter of rank ``r``.
+
+    With ``UNIFORM_RANK`` (:func:`uniform_rank`) the bound is ``UNIFORM_RANK`` or 0 (a rank-0
+    adapter), so the compiler sees the mask constant along the columns and keeps the loads and
+    atomics along them vectorised; a bound read at run time makes them one element each.
+    """
+    return offs_r < (tl.where(r > 0, UNIFORM_RANK, 0) if UNIFORM_RANK > 0 else r)
 
 
 @triton.jit

@@ -198,7 +198,9 @@ def multi_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
             lambda: multi_lora_fwd.multi_lora_linear(x, w, None, s, b_cat, batch, config=c, **routing)
         ),
         multi_lora_bwd.DY_KERNEL: lambda c: (
-            lambda: multi_lora_bwd.multi_lora_dys_dyb(dy, b_cat, s, batch, scaling=tables.scaling, config=c, **routing)
+            lambda: multi_lora_bwd.multi_lora_dys_dyb(
+                dy, b_cat, s, batch, scaling=tables.scaling, ranks_host=params.ranks, config=c, **routing
+            )
         ),
         multi_lora_bwd.DA_KERNEL: da_launch(None),
         multi_lora_bwd.DX_KERNEL: lambda c: (
