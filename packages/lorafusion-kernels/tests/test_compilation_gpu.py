@@ -67,8 +67,10 @@ def _multi(lengths: list[int], bias: bool) -> None:
 # Pairs of sizes with the same number of tiles for every block size from 16 to 256 (so the same
 # launch decisions, e.g. how a reduction is split, which legitimately selects another variant);
 # the second of each pair is divisible by 16 (or is 1), the specialisations Triton makes by default.
+# The last multi-adapter pair flips the GEMMs' layout constexpr (ONE_SEGMENT): every row tile of the
+# first straddles a segment boundary, none of the second does.
 SINGLE = [(3, 1), (15, 16), (1007, 1008), (3999, 4000)]
-MULTI = [([3, 5], [3, 13]), ([500, 507], [500, 508]), ([2000, 1999], [2000, 2000])]
+MULTI = [([3, 5], [3, 13]), ([500, 507], [500, 508]), ([2000, 1999], [2000, 2000]), ([255, 129], [256, 128])]
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 
+import lorafusion_kernels._kernels._common as common
 from lorafusion_kernels._kernels._common import (
     GEMM_HEURISTIC,
     capability_heuristic,
+    launch_warming_layout_variant,
     partial_stride,
     reduce_split_output,
     split_output,
@@ -46,3 +51,33 @@ def test_capability_heuristic_picks_by_device():
     assert heuristic(KEY, (9, 0)) == hopper
     assert capability_heuristic(interpreter=small, gpu=gpu)(KEY, (9, 0)) == gpu
     assert GEMM_HEURISTIC(KEY, (9, 0)).block_n == 256
+
+
+class _RecordingKernel:
+    """Stands in for a Triton kernel: records launches and warm-ups (compilations without a launch)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bool]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        return lambda *args, **kwargs: self.calls.append(("launch", kwargs["ONE_SEGMENT"]))
+
+    def warmup(self, *args: Any, grid: tuple[int, ...], **kwargs: Any) -> None:
+        self.calls.append(("warmup", kwargs["ONE_SEGMENT"]))
+
+
+def test_layout_variant_is_compiled_once_next_to_the_first_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A microbatch that flips ONE_SEGMENT later finds its variant compiled (on 4 H200s it stalled every stage)."""
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setattr(common, "_WARMED_LAYOUT_VARIANTS", set())
+    kernel = _RecordingKernel()
+    for one_segment, key in [(True, "layer a"), (False, "layer a"), (False, "layer b"), (True, None)]:
+        launch_warming_layout_variant(kernel, (1,), (), {"ONE_SEGMENT": one_segment}, flag="ONE_SEGMENT", key=key)
+    assert kernel.calls == [
+        ("launch", True),
+        ("warmup", False),
+        ("launch", False),
+        ("launch", False),
+        ("warmup", True),
+        ("launch", True),
+    ]

@@ -39,6 +39,7 @@ from lorafusion_kernels._kernels._common import (
     gemm_meta,
     grouped_tile,
     launch_config,
+    launch_warming_layout_variant,
     rank_block,
     sm_count,
     tma_ok,
@@ -750,6 +751,9 @@ def multi_lora_dyw_dsa(
     grid = (rows.num_tiles * cdiv(K, cfg.block_n),)
     meta = gemm_meta(cfg, block_r=block_r, dtype=first.dtype)
     routing = (batch.segments, rows.seg_range, ranks, thresholds, inv_keep, seed)
+    flags = {"HAS_DROPOUT": has_dropout, "ONE_SEGMENT": rows.max_segments == 1}
+    # Everything the compiled variant depends on besides ONE_SEGMENT (and T, which is not specialised).
+    key = (cfg, first.dtype, ds.dtype, a_cat.dtype, N, K, has_dropout)
     # Members' gradients are reduced where they are by the TMA kernel only (one reduction loop per
     # member: in the pointer kernel that ran 3x slower, measured on H100); else side by side.
     members_apart = len(dys) > 1 and tma_ok(*dys, weight, dx)
@@ -759,18 +763,23 @@ def multi_lora_dyw_dsa(
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         descs = [TensorDescriptor.from_tensor(d, [cfg.block_m, cfg.block_k]) for d in dys]
-        _multi_lora_dx_tma_kernel[grid](
+        tma_args = (
             *descs, *[None] * (MAX_MEMBER_OUTPUTS - len(descs)),
             TensorDescriptor.from_tensor(weight, [cfg.block_k, cfg.block_n]),
             TensorDescriptor.from_tensor(dx, [cfg.block_m, cfg.block_n]),
             ds, a_cat, *routing, bounds if members_apart else ranks, T, N, K, ds.stride(0), a_cat.stride(0),
-            HAS_DROPOUT=has_dropout, ONE_SEGMENT=rows.max_segments == 1, MEMBER_DY=len(dys) if members_apart else 0,
-            **meta,
+        )  # fmt: skip
+        member_dy = len(dys) if members_apart else 0
+        launch_warming_layout_variant(
+            _multi_lora_dx_tma_kernel, grid, tma_args, {**flags, "MEMBER_DY": member_dy, **meta},
+            flag="ONE_SEGMENT", key=("dx_tma", member_dy, *key),
         )  # fmt: skip
         return dx
-    _multi_lora_dx_kernel[grid](
+    args = (
         dys[0], weight, ds, a_cat, dx, *routing, T, N, K,
         dys[0].stride(0), weight.stride(0), ds.stride(0), a_cat.stride(0), dx.stride(0),
-        HAS_DROPOUT=has_dropout, ONE_SEGMENT=rows.max_segments == 1, **meta,
     )  # fmt: skip
+    launch_warming_layout_variant(
+        _multi_lora_dx_kernel, grid, args, {**flags, **meta}, flag="ONE_SEGMENT", key=("dx", *key)
+    )
     return dx

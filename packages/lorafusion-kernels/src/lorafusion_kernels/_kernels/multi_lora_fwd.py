@@ -36,6 +36,7 @@ from lorafusion_kernels._kernels._common import (
     gemm_meta,
     grouped_tile,
     launch_config,
+    launch_warming_layout_variant,
     partial_stride,
     rank_block,
     reduce_split_output,
@@ -539,19 +540,25 @@ def _launch_linear(
         "ONE_SEGMENT": rows.max_segments == 1 and not siblings,  # the sibling routing always loops
     }
     stride_bn = 0 if siblings else b_cat.stride(0)
+    # What the compiled variant depends on besides ONE_SEGMENT (T is not specialised); siblings never flip it.
+    key = None if siblings else (cfg, x.dtype, s.dtype, b_cat.dtype, N, K, bias is not None, flags["UNIFORM_RANK"])
     if len(outputs) > 1 or (cfg.tma and tma_ok(x, weight, y)):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         descs = [TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n]) for out in outputs]
         spare = [None] * (MAX_MEMBER_OUTPUTS - len(descs))
-        _multi_lora_linear_tma_kernel[grid](
+        tma_args = (
             TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]),
             TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]),
             *descs, *spare, *lora, *routing, s.stride(0), stride_bn,
-            MEMBER_OUT=len(outputs) if len(outputs) > 1 else 0, **flags, **meta,
         )  # fmt: skip
+        tma_kwargs = {"MEMBER_OUT": len(outputs) if len(outputs) > 1 else 0, **flags, **meta}
+        tma_key = key and ("linear_tma", *key)
+        launch_warming_layout_variant(
+            _multi_lora_linear_tma_kernel, grid, tma_args, tma_kwargs, flag="ONE_SEGMENT", key=tma_key
+        )
         return
-    _multi_lora_linear_kernel[grid](
-        x, weight, *lora, y, *routing, x.stride(0), weight.stride(0), s.stride(0), stride_bn, y.stride(0),
-        **flags, **meta,
-    )  # fmt: skip
+    args = (x, weight, *lora, y, *routing, x.stride(0), weight.stride(0), s.stride(0), stride_bn, y.stride(0))
+    launch_warming_layout_variant(
+        _multi_lora_linear_kernel, grid, args, {**flags, **meta}, flag="ONE_SEGMENT", key=key and ("linear", *key)
+    )
