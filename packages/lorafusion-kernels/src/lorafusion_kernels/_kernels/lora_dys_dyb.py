@@ -37,6 +37,21 @@ from lorafusion_kernels.tuning.config import KernelConfig, register_heuristic
 KERNEL = "dys_dyb"
 
 
+@triton.jit
+def dys_dyb_step(dy, b, s, ds_ptrs, ds_mask, ds_scale, db_acc, DS_ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One row block of the default mode: add its ``ds_scale * dy B`` to ``dS``; return ``db_acc + dy^T S'``.
+
+    ``dy [BLOCK_M, BLOCK_N]``, ``b [BLOCK_N, BLOCK_R]`` (any float dtype), ``s [BLOCK_M, BLOCK_R]``;
+    ``DS_ATOMIC``: other programs add to the same ``dS`` rows (several column blocks), else a store.
+    """
+    ds = tl.dot(dy, b.to(dy.dtype), input_precision=DOT_PRECISION) * ds_scale
+    if DS_ATOMIC:
+        tl.atomic_add(ds_ptrs, ds, mask=ds_mask, sem="relaxed")
+    else:
+        tl.store(ds_ptrs, ds, mask=ds_mask)
+    return tl.dot(tl.trans(dy), s, db_acc, input_precision=DOT_PRECISION)
+
+
 @triton.jit(do_not_specialize=["M", "rows_per_group"])
 def _lora_dys_dyb_kernel(
     dy_ptr,
@@ -80,12 +95,9 @@ def _lora_dys_dyb_kernel(
         mask_m = offs_m < row1
         dy = tl.load(dy_ptrs, mask=mask_m[:, None] & mask_n[None, :], other=0.0)
         s = tl.load(s_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-        ds = tl.dot(dy, b.to(dy.dtype), input_precision=DOT_PRECISION) * ds_scale
-        if DS_ATOMIC:
-            tl.atomic_add(ds_ptrs, ds, mask=mask_m[:, None] & mask_r[None, :], sem="relaxed")
-        else:
-            tl.store(ds_ptrs, ds, mask=mask_m[:, None] & mask_r[None, :])
-        db_acc = tl.dot(tl.trans(dy), s, db_acc, input_precision=DOT_PRECISION)
+        db_acc = dys_dyb_step(
+            dy, b, s, ds_ptrs, mask_m[:, None] & mask_r[None, :], ds_scale, db_acc, DS_ATOMIC, DOT_PRECISION
+        )
         offs_m += BLOCK_M
         dy_ptrs += BLOCK_M * stride_dym
         s_ptrs += BLOCK_M * stride_sm

@@ -47,7 +47,7 @@ from lorafusion_kernels._kernels._common import (
     zeroed_fp32,
 )
 from lorafusion_kernels._kernels.dropout import dropout_keep_tile, load_seed
-from lorafusion_kernels._kernels.lora_dys_dyb import rows_per_group
+from lorafusion_kernels._kernels.lora_dys_dyb import dys_dyb_step, rows_per_group
 from lorafusion_kernels._kernels.multi_lora_fwd import MAX_MEMBER_OUTPUTS
 from lorafusion_kernels._kernels.routing import (
     adapter_dropout,
@@ -55,6 +55,7 @@ from lorafusion_kernels._kernels.routing import (
     member_rank,
     rank_columns,
     segment_rows,
+    segment_run,
     uniform_rank,
 )
 from lorafusion_kernels.metadata import MultiLoRABatch
@@ -140,9 +141,7 @@ def _multi_lora_dy_kernel(
     """
     pid_c = tl.program_id(0)
     pid_n = tl.program_id(1)
-    row0 = tl.load(runs_ptr + pid_c * 3)
-    row1 = tl.load(runs_ptr + pid_c * 3 + 1)
-    adapter = tl.load(runs_ptr + pid_c * 3 + 2)
+    row0, row1, adapter = segment_run(runs_ptr, pid_c)
     r, roff = adapter_rank(rank_ptr, adapter)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = rank_columns(offs_r, r, UNIFORM_RANK)  # the adapter's own rank: a rank-0 adapter masks every column
@@ -192,12 +191,7 @@ def _multi_lora_dy_kernel(
         mr_mask = m_mask[:, None] & r_mask[None, :]
         dyt = tl.load(dy_ptrs, mask=m_mask[:, None] & (offs_n < n_hi)[None, :], other=0.0)
         st = tl.load(s_ptrs, mask=m_mask[:, None] & s_cols[None, :], other=0.0)
-        ds = tl.dot(dyt, bt.to(dyt.dtype), input_precision=DOT_PRECISION) * scale
-        if ATOMIC_DS:
-            tl.atomic_add(ds_ptrs, ds, mask=mr_mask, sem="relaxed")
-        else:
-            tl.store(ds_ptrs, ds, mask=mr_mask)
-        db_acc = tl.dot(tl.trans(dyt), st, db_acc, input_precision=DOT_PRECISION)
+        db_acc = dys_dyb_step(dyt, bt, st, ds_ptrs, mr_mask, scale, db_acc, ATOMIC_DS, DOT_PRECISION)
         offs_m += BLOCK_M
         dy_ptrs += BLOCK_M * stride_rows
         s_ptrs += BLOCK_M * stride_sm
@@ -249,9 +243,7 @@ def _multi_lora_da_kernel(
     """
     pid_k = tl.program_id(0)
     pid_c = tl.program_id(1)
-    row0 = tl.load(runs_ptr + pid_c * 3)
-    row1 = tl.load(runs_ptr + pid_c * 3 + 1)
-    adapter = tl.load(runs_ptr + pid_c * 3 + 2)
+    row0, row1, adapter = segment_run(runs_ptr, pid_c)
     r, roff = adapter_rank(rank_ptr, adapter)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < r

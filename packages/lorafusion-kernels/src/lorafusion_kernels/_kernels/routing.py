@@ -1,11 +1,12 @@
 """Reading a multi-adapter microbatch's routing tables inside the FusedMultiLoRA kernels.
 
 The tables (:class:`lorafusion_kernels.metadata.MultiLoRABatch`, and the per-call adapter tables of
-:mod:`lorafusion_kernels.multi_lora`) are int32 rows: a segment tile is ``(row0, row1, adapter)``,
-a segment ``(start, length, adapter)``, an adapter's rank entry ``(r_a, roff_a)``: its rank and its
-first row in the stacked ``A_cat`` (first column in ``B_cat``). Sibling calls (several layers that
-read one input, e.g. q/k/v, as one call) add the members' column bounds ``[G + 1]``: member ``g``
-owns output columns ``bounds[g] .. bounds[g + 1]``. The helpers inline into the kernels.
+:mod:`lorafusion_kernels.multi_lora`) are int32 rows: a segment tile or a run of one adapter's rows
+is ``(row0, row1, adapter)``, a segment ``(start, length, adapter)``, an adapter's rank entry
+``(r_a, roff_a)``: its rank and its first row in the stacked ``A_cat`` (first column in ``B_cat``).
+Sibling calls (several layers that read one input, e.g. q/k/v, as one call) add the members'
+column bounds ``[G + 1]``: member ``g`` owns output columns ``bounds[g] .. bounds[g + 1]``. The
+helpers inline into the kernels.
 """
 
 from __future__ import annotations
@@ -41,6 +42,15 @@ def segment_tile(tiles_ptr, rank_ptr, tile, BLOCK_M: tl.constexpr, BLOCK_R: tl.c
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < r
     return adapter, roff, offs_m, m_mask, offs_r, r_mask
+
+
+@triton.jit
+def segment_run(runs_ptr, run):
+    """Run ``run`` of a :class:`~lorafusion_kernels.metadata.SegmentRuns` table: ``(row0, row1, adapter)``."""
+    row0 = tl.load(runs_ptr + run * 3)
+    row1 = tl.load(runs_ptr + run * 3 + 1)
+    adapter = tl.load(runs_ptr + run * 3 + 2)
+    return row0, row1, adapter
 
 
 @triton.jit
