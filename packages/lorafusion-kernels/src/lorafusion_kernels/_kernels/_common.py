@@ -40,7 +40,7 @@ def runs_triton(t: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
 
 
 _WARMED_LAYOUT_VARIANTS: set[Hashable] = set()
-"""Keys of the launches whose other layout variant :func:`launch_warming_layout_variant` has compiled."""
+"""``(kernel, key)`` of the launches whose other layout variant :func:`launch_warming_layout_variant` compiled."""
 
 
 def launch_warming_layout_variant(
@@ -63,9 +63,9 @@ def launch_warming_layout_variant(
     The interpreter compiles nothing.
     """
     kernel[grid](*args, **kwargs)
-    if key is None or key in _WARMED_LAYOUT_VARIANTS or interpreting():
+    if key is None or (kernel, key) in _WARMED_LAYOUT_VARIANTS or interpreting():
         return
-    _WARMED_LAYOUT_VARIANTS.add(key)
+    _WARMED_LAYOUT_VARIANTS.add((kernel, key))
     kernel.warmup(*args, grid=grid, **{**kwargs, flag: not kwargs[flag]})
 
 

@@ -180,7 +180,7 @@ def _multi_lora_dy_kernel(
     s_ptrs = s_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + (s_col + offs_r)[None, :]
     # S' columns past r_a are zeros (the shrink writes them), so one layer reads whole rows even with
     # mixed ranks; a rank read at run time in the mask left this load unvectorised and out of the
-    # pipeline (1.7-1.9x the time, H200). A sibling member's columns end at r_a.
+    # pipeline (1.5-2.3x the time, H200). A sibling member's columns end at r_a.
     s_cols = r_mask if SIBLINGS else offs_r < BLOCK_R
     ds_ptrs = ds_ptr + offs_m.to(tl.int64)[:, None] * stride_dsm + (s_col + offs_r)[None, :]
     db_acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
@@ -764,14 +764,12 @@ def multi_lora_dyw_dsa(
         member_dy = len(dys) if members_apart else 0
         launch_warming_layout_variant(
             _multi_lora_dx_tma_kernel, grid, tma_args, {**flags, "MEMBER_DY": member_dy, **meta},
-            flag="ONE_SEGMENT", key=("dx_tma", member_dy, *key),
+            flag="ONE_SEGMENT", key=(*key, member_dy),
         )  # fmt: skip
         return dx
     args = (
         dys[0], weight, ds, a_cat, dx, *routing, T, N, K,
         dys[0].stride(0), weight.stride(0), ds.stride(0), a_cat.stride(0), dx.stride(0),
     )  # fmt: skip
-    launch_warming_layout_variant(
-        _multi_lora_dx_kernel, grid, args, {**flags, **meta}, flag="ONE_SEGMENT", key=("dx", *key)
-    )
+    launch_warming_layout_variant(_multi_lora_dx_kernel, grid, args, {**flags, **meta}, flag="ONE_SEGMENT", key=key)
     return dx

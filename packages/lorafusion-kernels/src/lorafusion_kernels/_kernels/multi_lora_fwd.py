@@ -553,12 +553,9 @@ def _launch_linear(
             *descs, *spare, *lora, *routing, s.stride(0), stride_bn,
         )  # fmt: skip
         tma_kwargs = {"MEMBER_OUT": len(outputs) if len(outputs) > 1 else 0, **flags, **meta}
-        tma_key = key and ("linear_tma", *key)
         launch_warming_layout_variant(
-            _multi_lora_linear_tma_kernel, grid, tma_args, tma_kwargs, flag="ONE_SEGMENT", key=tma_key
+            _multi_lora_linear_tma_kernel, grid, tma_args, tma_kwargs, flag="ONE_SEGMENT", key=key
         )
         return
     args = (x, weight, *lora, y, *routing, x.stride(0), weight.stride(0), s.stride(0), stride_bn, y.stride(0))
-    launch_warming_layout_variant(
-        _multi_lora_linear_kernel, grid, args, {**flags, **meta}, flag="ONE_SEGMENT", key=key and ("linear", *key)
-    )
+    launch_warming_layout_variant(_multi_lora_linear_kernel, grid, args, {**flags, **meta}, flag="ONE_SEGMENT", key=key)
