@@ -216,6 +216,39 @@ def test_split_reductions_match_reference(split: int) -> None:
 
 @INTERPRET
 @pytest.mark.usefixtures("interpreter", "nan_poison")
+def test_dy_pass_leaves_zeros_past_each_rank() -> None:
+    """dS columns past a token's rank are zeros: the dA pass and the dx GEMM read whole dS rows."""
+    from lorafusion_kernels._kernels.multi_lora_bwd import multi_lora_dys_dyb
+
+    lengths, adapters, ranks, n = [9, 20, 3, 14], [1, 0, 2, 1], [4, 16, 8], 40
+    gen = torch.Generator().manual_seed(11)
+    batch = MultiLoRABatch.from_segments(lengths, adapters, device="cpu")
+    offsets = [sum(ranks[:a]) for a in range(len(ranks))]
+    b_cat = torch.randn(n, sum(ranks), generator=gen)
+    s = torch.zeros(sum(lengths), 16)  # S' as the shrink writes it: zeros past each token's rank
+    rows = torch.repeat_interleave(torch.tensor(adapters), torch.tensor(lengths))
+    for t, a in enumerate(rows.tolist()):
+        s[t, : ranks[a]] = torch.randn(ranks[a], generator=gen)
+    dy = torch.randn(sum(lengths), n, generator=gen)
+    rank_table = torch.tensor([[r, o] for r, o in zip(ranks, offsets, strict=True)], dtype=torch.int32)
+    scaling = torch.tensor([0.5, 2.0, 1.5])
+    config = KernelConfig(block_m=16, block_n=16, block_k=16, split=2, num_warps=4, num_stages=1)
+    ds, db = multi_lora_dys_dyb(
+        dy, b_cat, s, batch, ranks=rank_table, scaling=scaling, max_rank=16, ranks_host=tuple(ranks), config=config
+    )
+    for t, a in enumerate(rows.tolist()):
+        r, o = ranks[a], offsets[a]
+        expected = scaling[a].double() * dy[t].double() @ b_cat[:, o : o + r].double()
+        torch.testing.assert_close(ds[t, :r].double(), expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(ds[t, r:], torch.zeros(16 - r)), (t, a)
+    for a, (r, o) in enumerate(zip(ranks, offsets, strict=True)):
+        mine = rows == a
+        expected = dy[mine].double().T @ s[mine, :r].double()
+        torch.testing.assert_close(db[:, o : o + r].double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@INTERPRET
+@pytest.mark.usefixtures("interpreter", "nan_poison")
 @pytest.mark.parametrize("split", [1, 3])
 def test_dy_pass_with_one_column_block_matches_reference(split: int) -> None:
     """dS stored, not added by atomics, where one column block covers N; runs of one row group or several."""
