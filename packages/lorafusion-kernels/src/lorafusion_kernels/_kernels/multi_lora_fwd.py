@@ -145,18 +145,23 @@ def _routed_sb(
     b_cols = b_ptr + cols.to(tl.int64)[None, :] * stride_bn + offs_r[:, None]
     seg_lo = tl.load(seg_range_ptr + pid_m * 2)
     if ONE_SEGMENT:
-        _, roff, rows_in, r_mask = segment_rows(seg_ptr, rank_ptr, seg_lo, offs_m, offs_r)
-        st = tl.load(s_rows, mask=rows_in[:, None] & r_mask[None, :], other=0.0)
-        bt = tl.load(b_cols + roff, mask=r_mask[:, None], other=0.0)
-        acc = tl.dot(st, bt.to(st.dtype), input_precision=DOT_PRECISION)
+        st, bt = _segment_sb(s_rows, b_cols, seg_ptr, rank_ptr, seg_lo, offs_m, offs_r)
+        acc = tl.dot(st, bt, input_precision=DOT_PRECISION)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for j in range(seg_lo, tl.load(seg_range_ptr + pid_m * 2 + 1)):
-            _, roff, rows_in, r_mask = segment_rows(seg_ptr, rank_ptr, j, offs_m, offs_r)
-            st = tl.load(s_rows, mask=rows_in[:, None] & r_mask[None, :], other=0.0)
-            bt = tl.load(b_cols + roff, mask=r_mask[:, None], other=0.0)
-            acc = tl.dot(st, bt.to(st.dtype), acc, input_precision=DOT_PRECISION)
+            st, bt = _segment_sb(s_rows, b_cols, seg_ptr, rank_ptr, j, offs_m, offs_r)
+            acc = tl.dot(st, bt, acc, input_precision=DOT_PRECISION)
     return acc
+
+
+@triton.jit
+def _segment_sb(s_rows, b_cols, seg_ptr, rank_ptr, segment, offs_m, offs_r):
+    """Segment ``segment``'s operands on a tile: ``(S' rows (others zero), B_a^T columns in S''s dtype)``."""
+    _, roff, rows_in, r_mask = segment_rows(seg_ptr, rank_ptr, segment, offs_m, offs_r)
+    st = tl.load(s_rows, mask=rows_in[:, None] & r_mask[None, :], other=0.0)
+    bt = tl.load(b_cols + roff, mask=r_mask[:, None], other=0.0)
+    return st, bt.to(st.dtype)
 
 
 @triton.jit
