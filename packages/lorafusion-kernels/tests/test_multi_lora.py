@@ -609,6 +609,19 @@ GPU_CASES = [
         ),
         id="T8192-N6144-K4096-r16x3-bf16",
     ),
+    pytest.param(
+        Case(
+            name="llama8b-down",
+            lengths=(1000, 1048, 2048),
+            adapters=(1, 0, 2),
+            ranks=(16, 16, 16),
+            scaling=(2.0, 2.0, 2.0),
+            dropout_p=(0.1, 0.1, 0.1),
+            n=4096,
+            k=14336,
+        ),
+        id="T4096-N4096-K14336-r16x3-bf16",  # k > n: dx from the fused GEMM
+    ),
 ]
 
 
