@@ -35,7 +35,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from lorafusion_kernels._kernels._common import MAX_RANK, SUPPORTED_DTYPES, runs_triton, zeroed_fp32
+from lorafusion_kernels._kernels._common import MAX_RANK, SUPPORTED_DTYPES, parameter_grads, runs_triton, zeroed_fp32
 from lorafusion_kernels._kernels.lora_dsx import lora_dsx
 from lorafusion_kernels._kernels.lora_dys_dyb import lora_dys_dyb
 from lorafusion_kernels._kernels.lora_dyw_dsa import lora_dyw_dsa
@@ -183,24 +183,8 @@ def _backward_impl(
     else:
         dx = dy.new_empty(0)
     if not deterministic:
-        da, db = _parameter_grads(buffer, db, da, lora_a.dtype, lora_b.dtype)
+        da, db = parameter_grads(buffer, db, da, lora_a.dtype, lora_b.dtype)
     return dx, da, db
-
-
-def _parameter_grads(
-    buffer: torch.Tensor, db32: torch.Tensor, da32: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dA, dB)`` in the parameters' dtypes from the fp32 accumulators at the start of ``buffer`` (dB, then dA).
-
-    fp32 parameters take the accumulators as they are; parameters of one lower dtype take one
-    conversion kernel for both (the two results are views of its output).
-    """
-    if a_dtype == b_dtype == torch.float32:
-        return da32, db32
-    if a_dtype != b_dtype:
-        return da32.to(a_dtype), db32.to(b_dtype)
-    converted = buffer[: db32.numel() + da32.numel()].to(a_dtype)
-    return converted[db32.numel() :].view(da32.shape), converted[: db32.numel()].view(db32.shape)
 
 
 _forward_op = torch.library.custom_op(

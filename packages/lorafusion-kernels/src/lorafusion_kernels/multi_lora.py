@@ -32,7 +32,7 @@ from typing import Any, cast
 import torch
 from torch.nn import functional
 
-from lorafusion_kernels._kernels._common import rank_block, runs_triton
+from lorafusion_kernels._kernels._common import parameter_grads, rank_block, runs_triton, zeroed_fp32
 from lorafusion_kernels._kernels.multi_lora_bwd import (
     member_grads,
     multi_lora_dsx,
@@ -494,12 +494,19 @@ def _backward_core(
     x, a_cat, b_cat = x.contiguous(), a_cat.contiguous(), b_cat.contiguous()
     dev = _device_params(params, x.device)
     dys = tuple(d.contiguous() for d in member_grads(dy))
+    buffer = da_out = None
     if deterministic:
         ds, db = _dys_dyb_by_segment(_side_by_side(dys), b_cat, s, batch, params)
     else:
-        ds, db = multi_lora_dys_dyb(
+        # One zeroed fp32 buffer [dB | dA | dS] takes every atomic sum: one fill, and for adapters of
+        # one dtype one conversion of the [dB | dA] span (none for fp32 adapters).
+        da_rows = a_cat.shape[0] if need_da else 0
+        shapes = ((1, b_cat.numel()), (da_rows, x.shape[1]), (x.shape[0], s.shape[1]))
+        buffer, (db, da_out, ds) = zeroed_fp32(*shapes, device=x.device)
+        db = db.view(b_cat.shape)
+        multi_lora_dys_dyb(
             dys, b_cat, s, batch, ranks=dev.ranks, scaling=dev.scaling, max_rank=params.max_rank,
-            members=params.members, bounds=dev.bounds, ranks_host=params.ranks,
+            members=params.members, bounds=dev.bounds, ranks_host=params.ranks, accumulators=(ds, db),
         )  # fmt: skip
     dropout: dict[str, Any] = {
         "max_rank": params.stacked_rank,
@@ -509,14 +516,24 @@ def _backward_core(
         "seed": seed,
         "has_dropout": params.has_dropout,
     }
-    da_args: dict[str, Any] = {"r_tot": a_cat.shape[0], "out_dtype": a_cat.dtype, "deterministic": deterministic}
+    da_args: dict[str, Any] = {
+        "r_tot": a_cat.shape[0], "out_dtype": a_cat.dtype, "deterministic": deterministic, "out": da_out,
+    }  # fmt: skip
     if need_dx and need_da and len(dys) == 1 and _dx_from_da_pass(*weight.shape):
         dx = torch.empty_like(x)
         da = multi_lora_dsx(ds, x, batch, lora_dx=(a_cat, dx), **da_args, **dropout)
-        return dx.addmm_(dys[0], weight), da, db.to(b_cat.dtype)
-    dx = multi_lora_dyw_dsa(dys, weight, ds, a_cat, batch, bounds=dev.bounds, **dropout) if need_dx else x.new_empty(0)
-    da = multi_lora_dsx(ds, x, batch, **da_args, **dropout) if need_da else x.new_empty(0)
-    return dx, da, db.to(b_cat.dtype)
+        dx.addmm_(dys[0], weight)
+    else:
+        dx = (
+            multi_lora_dyw_dsa(dys, weight, ds, a_cat, batch, bounds=dev.bounds, **dropout)
+            if need_dx
+            else x.new_empty(0)
+        )
+        da = multi_lora_dsx(ds, x, batch, **da_args, **dropout) if need_da else x.new_empty(0)
+    if buffer is None or da_out is None:  # deterministic: dA is in A's dtype already
+        return dx, da, db.to(b_cat.dtype)
+    da_cast, db = parameter_grads(buffer, db, da_out, a_cat.dtype, b_cat.dtype)
+    return dx, (da_cast if need_da else da), db
 
 
 def _dx_from_da_pass(n: int, k: int) -> bool:
@@ -599,10 +616,15 @@ def _op_backward(
     need_da: bool,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``lorafusion::fused_multi_lora_backward``: :func:`_backward_core` with the batch given as its segment lists."""
+    """``lorafusion::fused_multi_lora_backward``: :func:`_backward_core` with the batch given as its segment lists.
+
+    A custom op's outputs may not share storage: where dA and dB are views of one buffer, dA is copied
+    out (one tiny kernel under compile; eager calls keep the views).
+    """
     batch = _batch_of(tuple(segment_lengths), tuple(segment_adapters), num_adapters, x.device)
     params = _AdapterParams(tuple(ranks), tuple(scaling), tuple(dropout_p), tuple(members))
-    return _backward_core(dy, x, weight, a_cat, b_cat, s, seed, batch, params, need_dx, need_da, deterministic)
+    dx, da, db = _backward_core(dy, x, weight, a_cat, b_cat, s, seed, batch, params, need_dx, need_da, deterministic)
+    return dx, (da.clone() if da.untyped_storage().data_ptr() == db.untyped_storage().data_ptr() else da), db
 
 
 _SEGMENTS_SCHEMA = (

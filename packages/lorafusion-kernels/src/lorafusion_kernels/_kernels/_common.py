@@ -222,6 +222,23 @@ def zeroed_fp32(*shapes: tuple[int, int], device: torch.device) -> tuple[torch.T
     return buffer, views
 
 
+def parameter_grads(
+    buffer: torch.Tensor, db32: torch.Tensor, da32: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dA, dB)`` in the parameters' dtypes from fp32 accumulators at the start of ``buffer`` (dB, then dA).
+
+    ``buffer`` is :func:`zeroed_fp32`'s, with ``db32`` and ``da32`` its first two views. fp32
+    parameters take the accumulators as they are; parameters of one lower dtype take one conversion
+    kernel for both (the two results are views of its output).
+    """
+    if a_dtype == b_dtype == torch.float32:
+        return da32, db32
+    if a_dtype != b_dtype:
+        return da32.to(a_dtype), db32.to(b_dtype)
+    converted = buffer[: db32.numel() + da32.numel()].to(a_dtype)
+    return converted[db32.numel() :].view(da32.shape), converted[: db32.numel()].view(db32.shape)
+
+
 def reduce_split_output(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The result in ``dtype`` from :func:`split_output`'s buffer."""
     return out if out.dim() == 2 else out.sum(dim=0).to(dtype)

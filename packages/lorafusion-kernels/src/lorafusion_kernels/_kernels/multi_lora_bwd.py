@@ -58,6 +58,7 @@ from lorafusion_kernels._kernels.routing import (
     segment_run,
     uniform_rank,
 )
+from lorafusion_kernels.errors import LoRAFusionKernelsError
 from lorafusion_kernels.metadata import MultiLoRABatch
 from lorafusion_kernels.tuning.config import KernelConfig, register_fallback
 
@@ -521,6 +522,7 @@ def multi_lora_dys_dyb(
     members: tuple[int, ...] = (),
     bounds: torch.Tensor | None = None,
     ranks_host: tuple[int, ...] = (),
+    accumulators: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: KernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dS`` and ``dB_cat`` from one read of ``dy``; each program owns a run of one adapter's rows and a column block.
@@ -541,6 +543,9 @@ def multi_lora_dys_dyb(
         members: Output features of a sibling call's members; empty for one layer.
         bounds: int32 ``[G + 1]``: the members' column bounds (a sibling call only).
         ranks_host: The adapters' ranks ``r_a`` (equal nonzero ranks compile as a constant: :func:`rank_columns`).
+        accumulators: Zeroed fp32 ``(dS [T, BLOCK_R], dB)`` (``dB`` shaped as ``b_cat``), contiguous,
+            to add into (see :func:`~lorafusion_kernels._kernels._common.zeroed_fp32`, which lets the
+            caller share one fill with its other accumulators); None allocates them.
         config: Launch config; looked up by shape when None. ``block_m`` rows by ``block_n`` columns
             per step; runs sized as FusedLoRA's row groups (``split``, 0: sized to the GPU).
 
@@ -552,8 +557,11 @@ def multi_lora_dys_dyb(
     first = dys[0]
     T, N = first.shape[0], sum(d.shape[1] for d in dys)
     siblings = bool(members)
-    _, (ds, db) = zeroed_fp32((T, s.shape[1]), (1, b_cat.numel()), device=first.device)
-    db = db.view(b_cat.shape)
+    if accumulators is None:
+        _, (ds, db) = zeroed_fp32((T, s.shape[1]), (1, b_cat.numel()), device=first.device)
+        db = db.view(b_cat.shape)
+    else:
+        ds, db = accumulators
     cfg = config or launch_config(DY_KERNEL, first, m=T, n=N, k=N, r=max_rank)
     group = max(1, len(members))
     col_blocks = cdiv(max(members) if siblings else N, cfg.block_n)
@@ -606,6 +614,7 @@ def multi_lora_dsx(
     out_dtype: torch.dtype | None = None,
     deterministic: bool = False,
     lora_dx: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """``dA_cat [R_tot, K]``: adapter ``a``'s rows summed over its own tokens only.
@@ -632,10 +641,12 @@ def multi_lora_dsx(
         lora_dx: ``(A_cat, dx)``: also write ``dx [T, K]`` (x's dtype, unit stride along K) with the
             LoRA term of the input gradient, ``keep_a * (dS A_a) / (1 - p_a)``, every element, from
             the mask this pass draws anyway; ``dx.addmm_(dy, W)`` then completes the gradient.
+        out: A zeroed, contiguous fp32 ``[R_tot, K]`` to add ``dA_cat`` into (not deterministic; then
+            ``out_dtype`` is ignored and ``out`` is returned); None allocates one.
         config: Launch config; looked up by shape when None.
 
     Returns:
-        ``dA_cat`` in ``out_dtype``; an adapter without tokens gets zeros.
+        ``dA_cat`` in ``out_dtype``, or ``out``; an adapter without tokens gets zeros.
     """
     T, K = x.shape
     out_dtype = out_dtype or x.dtype
@@ -644,8 +655,12 @@ def multi_lora_dsx(
     cfg = config or launch_config(kernel, x, m=T, n=max_rank, k=K, r=max_rank)
     col_tiles = cdiv(K, cfg.block_n)
     runs = batch.segment_runs(_run_tiles(x, cdiv(T, cfg.block_m), col_tiles) * cfg.block_m)
-    shape = (runs.num_runs, r_tot, K) if deterministic else (r_tot, K)
-    out = torch.zeros(shape, dtype=torch.float32, device=x.device)
+    if deterministic and out is not None:
+        raise LoRAFusionKernelsError("multi_lora_dsx: out= takes atomic sums; pass deterministic=False or no out")
+    given = out is not None
+    if out is None:
+        shape = (runs.num_runs, r_tot, K) if deterministic else (r_tot, K)
+        out = torch.zeros(shape, dtype=torch.float32, device=x.device)
     a_cat, dx = lora_dx if lora_dx is not None else (None, None)
     if runs.num_runs > 0 and r_tot > 0:
         _multi_lora_da_kernel[(col_tiles, runs.num_runs)](
@@ -680,7 +695,7 @@ def multi_lora_dsx(
         dx.zero_()
     if deterministic:
         out = out.sum(dim=0)
-    return out if out_dtype == torch.float32 else out.to(out_dtype)
+    return out if given or out_dtype == torch.float32 else out.to(out_dtype)
 
 
 def _run_tiles(t: torch.Tensor, row_tiles: int, col_tiles: int) -> int:
