@@ -35,7 +35,14 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from lorafusion_kernels._kernels._common import MAX_RANK, SUPPORTED_DTYPES, parameter_grads, runs_triton, zeroed_fp32
+from lorafusion_kernels._kernels._common import (
+    MAX_RANK,
+    SUPPORTED_DTYPES,
+    parameter_grads,
+    runs_triton,
+    unaliased,
+    zeroed_fp32,
+)
 from lorafusion_kernels._kernels.lora_dsx import lora_dsx
 from lorafusion_kernels._kernels.lora_dys_dyb import lora_dys_dyb
 from lorafusion_kernels._kernels.lora_dyw_dsa import lora_dyw_dsa
@@ -217,7 +224,7 @@ def _backward_op_impl(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     (Eager calls keep dA and dB as views of one buffer; the copy costs one tiny kernel under compile.)
     """
     dx, da, db = _backward_impl(*args)
-    return dx, (da.clone() if da.untyped_storage().data_ptr() == db.untyped_storage().data_ptr() else da), db
+    return dx, unaliased(da, db), db
 
 
 _backward_op = torch.library.custom_op(

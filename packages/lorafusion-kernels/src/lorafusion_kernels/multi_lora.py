@@ -32,7 +32,7 @@ from typing import Any, cast
 import torch
 from torch.nn import functional
 
-from lorafusion_kernels._kernels._common import parameter_grads, rank_block, runs_triton, zeroed_fp32
+from lorafusion_kernels._kernels._common import parameter_grads, rank_block, runs_triton, unaliased, zeroed_fp32
 from lorafusion_kernels._kernels.multi_lora_bwd import (
     member_grads,
     multi_lora_dsx,
@@ -618,13 +618,12 @@ def _op_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``lorafusion::fused_multi_lora_backward``: :func:`_backward_core` with the batch given as its segment lists.
 
-    A custom op's outputs may not share storage: where dA and dB are views of one buffer, dA is copied
-    out (one tiny kernel under compile; eager calls keep the views).
+    Its outputs may not share storage, so dA comes out :func:`unaliased` from dB.
     """
     batch = _batch_of(tuple(segment_lengths), tuple(segment_adapters), num_adapters, x.device)
     params = _AdapterParams(tuple(ranks), tuple(scaling), tuple(dropout_p), tuple(members))
     dx, da, db = _backward_core(dy, x, weight, a_cat, b_cat, s, seed, batch, params, need_dx, need_da, deterministic)
-    return dx, (da.clone() if da.untyped_storage().data_ptr() == db.untyped_storage().data_ptr() else da), db
+    return dx, unaliased(da, db), db
 
 
 _SEGMENTS_SCHEMA = (

@@ -239,6 +239,15 @@ def parameter_grads(
     return converted[db32.numel() :].view(da32.shape), converted[: db32.numel()].view(db32.shape)
 
 
+def unaliased(grad: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``grad``, or a copy of it where it shares storage with ``other``.
+
+    A custom op's outputs may not alias each other; :func:`parameter_grads` returns views of one
+    buffer, so the ops' registered backwards copy dA out (one tiny kernel under compile only).
+    """
+    return grad.clone() if grad.untyped_storage().data_ptr() == other.untyped_storage().data_ptr() else grad
+
+
 def reduce_split_output(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The result in ``dtype`` from :func:`split_output`'s buffer."""
     return out if out.dim() == 2 else out.sum(dim=0).to(dtype)
