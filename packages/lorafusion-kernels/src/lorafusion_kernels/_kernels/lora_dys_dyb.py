@@ -38,18 +38,69 @@ KERNEL = "dys_dyb"
 
 
 @triton.jit
-def dys_dyb_step(dy, b, s, ds_ptrs, ds_mask, ds_scale, db_acc, DS_ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One row block of the default mode: add its ``ds_scale * dy B`` to ``dS``; return ``db_acc + dy^T S'``.
+def dys_dyb_rows(
+    dy_ptrs,
+    s_ptrs,
+    ds_ptrs,
+    offs_m,
+    row1,
+    steps,
+    n_mask,
+    s_cols,
+    r_mask,
+    b,
+    ds_scale,
+    stride_dy,
+    stride_s,
+    stride_ds,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    DS_ATOMIC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The default mode's row loop over one column block: ``dS += ds_scale * dy B`` per row block; returns ``dy^T S'``.
 
-    ``dy [BLOCK_M, BLOCK_N]``, ``b [BLOCK_N, BLOCK_R]`` (any float dtype), ``s [BLOCK_M, BLOCK_R]``;
-    ``DS_ATOMIC``: other programs add to the same ``dS`` rows (several column blocks), else a store.
+    Args:
+        dy_ptrs: ``[BLOCK_M, BLOCK_N]`` pointers to the first row block of ``dy``'s column block.
+        s_ptrs: ``[BLOCK_M, BLOCK_R]`` pointers to the same rows of ``S'``.
+        ds_ptrs: ``[BLOCK_M, BLOCK_R]`` pointers to the same rows of the fp32 ``dS``.
+        offs_m: ``[BLOCK_M]`` indices of those rows.
+        row1: Rows from here on are masked.
+        steps: Row blocks to walk.
+        n_mask: ``[BLOCK_N]`` columns of ``dy`` (and rows of ``b``) that exist.
+        s_cols: ``[BLOCK_R]`` columns of ``S'`` to load.
+        r_mask: ``[BLOCK_R]`` columns of ``dS`` to write.
+        b: ``[BLOCK_N, BLOCK_R]`` rows of ``B`` (any float dtype).
+        ds_scale: Factor of ``dy B`` (fp32 scalar).
+        stride_dy: Row stride of ``dy``.
+        stride_s: Row stride of ``S'``.
+        stride_ds: Row stride of ``dS``.
+        BLOCK_M: Rows per step.
+        BLOCK_N: Columns of the block.
+        BLOCK_R: Rank tile.
+        DS_ATOMIC: Other programs add to the same ``dS`` rows (several column blocks), else a store.
+        DOT_PRECISION: ``tl.dot`` input precision.
+
+    Returns:
+        ``[BLOCK_N, BLOCK_R]`` fp32: this column block's rows of ``dB``, summed over the rows walked.
     """
-    ds = tl.dot(dy, b.to(dy.dtype), input_precision=DOT_PRECISION) * ds_scale
-    if DS_ATOMIC:
-        tl.atomic_add(ds_ptrs, ds, mask=ds_mask, sem="relaxed")
-    else:
-        tl.store(ds_ptrs, ds, mask=ds_mask)
-    return tl.dot(tl.trans(dy), s, db_acc, input_precision=DOT_PRECISION)
+    db_acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+    for _ in range(steps):
+        m_mask = offs_m < row1
+        dy = tl.load(dy_ptrs, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+        s = tl.load(s_ptrs, mask=m_mask[:, None] & s_cols[None, :], other=0.0)
+        ds = tl.dot(dy, b.to(dy.dtype), input_precision=DOT_PRECISION) * ds_scale
+        if DS_ATOMIC:
+            tl.atomic_add(ds_ptrs, ds, mask=m_mask[:, None] & r_mask[None, :], sem="relaxed")
+        else:
+            tl.store(ds_ptrs, ds, mask=m_mask[:, None] & r_mask[None, :])
+        db_acc = tl.dot(tl.trans(dy), s, db_acc, input_precision=DOT_PRECISION)
+        offs_m += BLOCK_M
+        dy_ptrs += BLOCK_M * stride_dy
+        s_ptrs += BLOCK_M * stride_s
+        ds_ptrs += BLOCK_M * stride_ds
+    return db_acc
 
 
 @triton.jit(do_not_specialize=["M", "rows_per_group"])
@@ -90,18 +141,10 @@ def _lora_dys_dyb_kernel(
     dy_ptrs = dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym + offs_n[None, :]
     s_ptrs = s_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + offs_r[None, :]
     ds_ptrs = ds_ptr + offs_m.to(tl.int64)[:, None] * stride_dsm + offs_r[None, :]
-    db_acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
-    for _ in range(tl.cdiv(row1 - row0, BLOCK_M)):
-        mask_m = offs_m < row1
-        dy = tl.load(dy_ptrs, mask=mask_m[:, None] & mask_n[None, :], other=0.0)
-        s = tl.load(s_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-        db_acc = dys_dyb_step(
-            dy, b, s, ds_ptrs, mask_m[:, None] & mask_r[None, :], ds_scale, db_acc, DS_ATOMIC, DOT_PRECISION
-        )
-        offs_m += BLOCK_M
-        dy_ptrs += BLOCK_M * stride_dym
-        s_ptrs += BLOCK_M * stride_sm
-        ds_ptrs += BLOCK_M * stride_dsm
+    db_acc = dys_dyb_rows(
+        dy_ptrs, s_ptrs, ds_ptrs, offs_m, row1, tl.cdiv(row1 - row0, BLOCK_M), mask_n, mask_r, mask_r, b, ds_scale,
+        stride_dym, stride_sm, stride_dsm, BLOCK_M, BLOCK_N, BLOCK_R, DS_ATOMIC, DOT_PRECISION,
+    )  # fmt: skip
     db_ptrs = db_ptr + offs_n.to(tl.int64)[:, None] * stride_dbn + offs_r[None, :]
     tl.atomic_add(db_ptrs, db_acc, mask=nr_mask, sem="relaxed")
 

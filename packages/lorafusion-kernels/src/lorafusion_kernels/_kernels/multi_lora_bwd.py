@@ -47,7 +47,7 @@ from lorafusion_kernels._kernels._common import (
     zeroed_fp32,
 )
 from lorafusion_kernels._kernels.dropout import dropout_keep_tile, load_seed
-from lorafusion_kernels._kernels.lora_dys_dyb import dys_dyb_step, rows_per_group
+from lorafusion_kernels._kernels.lora_dys_dyb import dys_dyb_rows, rows_per_group
 from lorafusion_kernels._kernels.multi_lora_fwd import MAX_MEMBER_OUTPUTS
 from lorafusion_kernels._kernels.routing import (
     adapter_dropout,
@@ -184,19 +184,12 @@ def _multi_lora_dy_kernel(
     # pipeline (1.5-2.3x the time, H200). A sibling member's columns end at r_a.
     s_cols = r_mask if SIBLINGS else offs_r < BLOCK_R
     ds_ptrs = ds_ptr + offs_m.to(tl.int64)[:, None] * stride_dsm + (s_col + offs_r)[None, :]
-    db_acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
     # A sibling member narrower than the widest leaves the blocks past its columns no work.
     steps = tl.where(n_lo + pid_n * BLOCK_N < n_hi, tl.cdiv(row1 - row0, BLOCK_M), 0)
-    for _ in range(steps):
-        m_mask = offs_m < row1
-        mr_mask = m_mask[:, None] & r_mask[None, :]
-        dyt = tl.load(dy_ptrs, mask=m_mask[:, None] & (offs_n < n_hi)[None, :], other=0.0)
-        st = tl.load(s_ptrs, mask=m_mask[:, None] & s_cols[None, :], other=0.0)
-        db_acc = dys_dyb_step(dyt, bt, st, ds_ptrs, mr_mask, scale, db_acc, ATOMIC_DS, DOT_PRECISION)
-        offs_m += BLOCK_M
-        dy_ptrs += BLOCK_M * stride_rows
-        s_ptrs += BLOCK_M * stride_sm
-        ds_ptrs += BLOCK_M * stride_dsm
+    db_acc = dys_dyb_rows(
+        dy_ptrs, s_ptrs, ds_ptrs, offs_m, row1, steps, offs_n < n_hi, s_cols, r_mask, bt, scale, stride_rows,
+        stride_sm, stride_dsm, BLOCK_M, BLOCK_N, BLOCK_R, ATOMIC_DS, DOT_PRECISION,
+    )  # fmt: skip
     db_ptrs = db_cols + offs_n.to(tl.int64)[:, None] * stride_dbn + offs_r[None, :]
     tl.atomic_add(db_ptrs, db_acc, mask=nr_mask, sem="relaxed")
 
