@@ -29,7 +29,7 @@ def test_split_reduction_covers_the_length_in_whole_blocks():
     assert split_reduction(0, cpu, tiles=4, length=100, block=16) == (1, 112), "automatic: one program off the GPU"
 
 
-def test_split_output_is_the_result_or_fp32_partials():
+def test_split_output_is_the_result_or_fp32_partials(interpreter: None):
     single = split_output(1, (3, 5), torch.float16, torch.device("cpu"))
     assert (single.shape, single.dtype, partial_stride(single)) == ((3, 5), torch.float16, 0)
     assert reduce_split_output(single, torch.float16) is single
@@ -39,6 +39,18 @@ def test_split_output_is_the_result_or_fp32_partials():
     reduced = reduce_split_output(partials, torch.float16)
     assert reduced.dtype == torch.float16
     assert torch.equal(reduced, (partials[0] + partials[1]).half())
+
+
+def test_partials_are_summed_in_order_and_rounded_once(interpreter: None):
+    """More elements than one program covers; the fp32 sum in split order, one rounding to fp16.
+
+    (fp16: the interpreter rounds fp32 to bf16 toward zero, the GPU to nearest.)
+    """
+    partials = split_output(3, (37, 41), torch.float16, torch.device("cpu"))
+    partials.copy_(torch.randn(3, 37, 41, generator=torch.Generator().manual_seed(0)) * 1e3)
+    reduced = reduce_split_output(partials, torch.float16)
+    assert (reduced.shape, reduced.dtype) == ((37, 41), torch.float16)
+    assert torch.equal(reduced, ((partials[0] + partials[1]) + partials[2]).half())
 
 
 def test_capability_heuristic_picks_by_device():

@@ -248,9 +248,37 @@ def unaliased(grad: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     return grad.clone() if grad.untyped_storage().data_ptr() == other.untyped_storage().data_ptr() else grad
 
 
+SUM_PARTIALS_BLOCK = 1024
+"""Elements per program of :func:`_sum_partials_kernel`."""
+
+
+@triton.jit(do_not_specialize=["numel", "num_parts"])
+def _sum_partials_kernel(parts_ptr, out_ptr, numel, num_parts, BLOCK: tl.constexpr):
+    """``out[i] = sum_p parts[p, i]`` for contiguous fp32 ``parts [num_parts, numel]``, summed in order, cast once."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    ptrs = parts_ptr + offs
+    for _ in range(num_parts):
+        acc += tl.load(ptrs, mask=mask, other=0.0)
+        ptrs += numel  # a 64-bit address: no int32 product to overflow
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def reduce_split_output(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The result in ``dtype`` from :func:`split_output`'s buffer."""
-    return out if out.dim() == 2 else out.sum(dim=0).to(dtype)
+    """The result in ``dtype`` from :func:`split_output`'s buffer.
+
+    fp32 partials ``[split, rows, cols]`` are summed in split order and rounded to ``dtype`` once, in
+    one kernel (a torch sum and a cast took two launches per call).
+    """
+    if out.dim() == 2:
+        return out
+    result = torch.empty(out.shape[1:], dtype=dtype, device=out.device)
+    numel = result.numel()
+    if numel > 0:
+        grid = (cdiv(numel, SUM_PARTIALS_BLOCK),)
+        _sum_partials_kernel[grid](out, result, numel, out.shape[0], BLOCK=SUM_PARTIALS_BLOCK, num_warps=4)
+    return result
 
 
 def capability_heuristic(
