@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from lorafusion_kernels import fused_multi_lora_linear, fused_multi_lora_siblings
+from lorafusion_kernels._kernels.multi_lora_bwd import member_alignment
 from lorafusion_kernels.errors import LoRAFusionKernelsError
 from lorafusion_kernels.reference import multi_lora_linear_reference
 from lorafusion_kernels.testing import assert_close_to_reference
@@ -208,6 +209,29 @@ def test_tma_linear_writes_members_apart(members: tuple[int, ...], apart: bool, 
         assert all(y.is_contiguous() for y in ys) is apart
         assert len({y.untyped_storage().data_ptr() for y in ys}) == (len(members) if apart else 1)
         check(case, torch.float32, members=members)
+
+
+@pytest.mark.parametrize(
+    ("members", "align"),
+    [
+        ((4096, 1024, 1024), 16),
+        ((14336, 14336), 16),
+        ((32, 16, 16), 16),
+        ((24, 8, 16), 1),
+        ((29, 7, 13), 1),
+        ((33,), 1),
+    ],
+)
+def test_member_bounds_are_declared_aligned_only_when_they_are(members: tuple[int, ...], align: int) -> None:
+    """The dS/dB pass tells the compiler the members' bounds are multiples of 16 only where every width is.
+
+    A wrong claim would let the compiler keep a vector load across a member's last column (masks are
+    then assumed constant over 16 columns) and mix two members' gradients; the interpreter ignores the
+    claim, so this is where it is checked.
+    """
+    assert member_alignment(members) == align
+    bounds = [sum(members[:g]) for g in range(len(members) + 1)]
+    assert all(b % align == 0 for b in bounds)
 
 
 @INTERPRET

@@ -122,6 +122,7 @@ def _multi_lora_dy_kernel(
     SIBLINGS: tl.constexpr,
     UNIFORM_RANK: tl.constexpr,
     MEMBER_DY: tl.constexpr,
+    MEMBER_ALIGN: tl.constexpr,
     ATOMIC_DS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -138,7 +139,9 @@ def _multi_lora_dy_kernel(
     ``B_{a,g}`` (``B_flat[N roff_a + n r_a + j]``) and ``S'[:, g r_a + j]``, and writes
     ``dS[:, g r_a + j]``: the work and the tiles of one layer of rank ``r_a`` (``BLOCK_R`` covers
     ``r_a``, not ``G r_a``). With ``MEMBER_DY > 0`` each member's ``dy`` is its own ``[T, N_g]``
-    tensor (``dy_ptr``, ``dy1_ptr``, ...).
+    tensor (``dy_ptr``, ``dy1_ptr``, ...). ``MEMBER_ALIGN`` divides every member bound (16 where every
+    member's width is a multiple of 16, else 1): with it the compiler sees the mask ``n < n_g+1``
+    constant over 16 columns and keeps the loads of ``dy`` along them vectorised.
     """
     pid_c = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -149,8 +152,8 @@ def _multi_lora_dy_kernel(
     if SIBLINGS:
         member = tl.program_id(2)
         r = member_rank(rank_ptr, adapter, UNIFORM_RANK)
-        n_lo = tl.load(bounds_ptr + member)
-        n_hi = tl.load(bounds_ptr + member + 1)
+        n_lo = tl.multiple_of(tl.load(bounds_ptr + member), MEMBER_ALIGN)
+        n_hi = tl.multiple_of(tl.load(bounds_ptr + member + 1), MEMBER_ALIGN)
         s_col = member * r
         # B_{a,g} and dB_{a,g}: row n of adapter a's [N, r_a] block at N roff_a + n r_a.
         b_cols = b_ptr + roff.to(tl.int64) * N
@@ -163,7 +166,8 @@ def _multi_lora_dy_kernel(
         s_col = 0
         b_cols = b_ptr + roff
         db_cols = db_ptr + roff
-    offs_n = n_lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    member_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of the member's own dy
+    offs_n = n_lo + member_cols
     nr_mask = (offs_n < n_hi)[:, None] & r_mask[None, :]
     bt = tl.load(b_cols + offs_n.to(tl.int64)[:, None] * stride_bn + offs_r[None, :], mask=nr_mask, other=0.0)
     scale = tl.load(scaling_ptr + adapter)
@@ -173,7 +177,7 @@ def _multi_lora_dy_kernel(
         dy_g, stride_g = _member_dy(
             member, dy_ptr, dy1_ptr, dy2_ptr, dy3_ptr, stride_dym, stride_dy1m, stride_dy2m, stride_dy3m, MEMBER_DY
         )
-        dy_ptrs = dy_g + offs_m.to(tl.int64)[:, None] * stride_g + (offs_n - n_lo)[None, :]
+        dy_ptrs = dy_g + offs_m.to(tl.int64)[:, None] * stride_g + member_cols[None, :]
         stride_rows = stride_g
     else:
         dy_ptrs = dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym + offs_n[None, :]
@@ -503,6 +507,11 @@ def _grad_operands(dys: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor | N
     return [*dys, *[None] * spare], [d.stride(0) for d in dys] + [0] * spare, len(dys) if len(dys) > 1 else 0
 
 
+def member_alignment(members: Sequence[int]) -> int:
+    """16 where every sibling member's width is a multiple of 16 (then so is every member bound), else 1."""
+    return 16 if all(n % 16 == 0 for n in members) else 1
+
+
 def multi_lora_dys_dyb(
     dy: torch.Tensor | Sequence[torch.Tensor],
     b_cat: torch.Tensor,
@@ -584,6 +593,7 @@ def multi_lora_dys_dyb(
             SIBLINGS=siblings,
             UNIFORM_RANK=uniform_rank(ranks_host),
             MEMBER_DY=member_dy,
+            MEMBER_ALIGN=member_alignment(members),
             ATOMIC_DS=col_blocks > 1,
             DOT_PRECISION=dot_precision(first.dtype),
             num_warps=cfg.num_warps,
