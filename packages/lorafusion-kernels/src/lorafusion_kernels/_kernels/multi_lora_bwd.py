@@ -140,7 +140,7 @@ def _multi_lora_dy_kernel(
     ``dS[:, g r_a + j]``: the work and the tiles of one layer of rank ``r_a`` (``BLOCK_R`` covers
     ``r_a``, not ``G r_a``). With ``MEMBER_DY > 0`` each member's ``dy`` is its own ``[T, N_g]``
     tensor (``dy_ptr``, ``dy1_ptr``, ...). ``MEMBER_ALIGN`` divides every member bound (16 where every
-    member's width is a multiple of 16, else 1): with it the compiler sees the mask ``n < n_g+1``
+    member's width is a multiple of 16, else 1): with it the compiler sees the mask ``n < bounds[g + 1]``
     constant over 16 columns and keeps the loads of ``dy`` along them vectorised.
     """
     pid_c = tl.program_id(0)
