@@ -6,17 +6,20 @@ from typing import Any
 
 import pytest
 import torch
+from triton.runtime.errors import OutOfResources
 
 import lorafusion_kernels._kernels._common as common
 from lorafusion_kernels._kernels._common import (
     GEMM_HEURISTIC,
     capability_heuristic,
+    launch_fitting,
     launch_warming_layout_variant,
     partial_stride,
     reduce_split_output,
     split_output,
     split_reduction,
 )
+from lorafusion_kernels.errors import LoRAFusionKernelsWarning
 from lorafusion_kernels.tuning import KernelConfig, ShapeKey
 
 KEY = ShapeKey(m=64, n=64, k=64, r=16, dtype="float16")
@@ -93,3 +96,48 @@ def test_layout_variant_is_compiled_once_next_to_the_first_launch(monkeypatch: p
         ("warmup", True),
         ("launch", True),
     ]
+
+
+class _SharedMemoryKernel:
+    """Stands in for a Triton kernel whose config fits in shared memory only from ``fits`` stages down."""
+
+    __name__ = "_stand_in_kernel"
+
+    def __init__(self, fits: int, error: Exception | None = None) -> None:
+        self.fits = fits
+        self.error = error
+        self.tried: list[int] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.tried.append(kwargs["num_stages"])
+            if kwargs["num_stages"] > self.fits:
+                raise self.error or OutOfResources(263168, 232448, "shared memory")
+
+        return launch
+
+
+def test_a_config_that_overflows_shared_memory_runs_with_fewer_stages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sibling dx GEMM at rank tile 128 needed 263,168 of 232,448 bytes on H100 and raised; now it runs."""
+    monkeypatch.setattr(common, "_FITTING_STAGES", {})
+    monkeypatch.setattr(common, "_KERNELS_WITH_FEWER_STAGES", set())
+    kernel = _SharedMemoryKernel(fits=2)
+    with pytest.warns(LoRAFusionKernelsWarning, match="4 pipeline stages need more shared memory.*launched with 2"):
+        ran = launch_fitting(kernel, (1,), "x", BLOCK_R=128, num_stages=4)
+    assert ran == {"BLOCK_R": 128, "num_stages": 2}
+    assert kernel.tried == [4, 3, 2]
+    launch_fitting(kernel, (1,), "x", BLOCK_R=128, num_stages=4)
+    assert kernel.tried[3:] == [2], "the stages that fit are remembered for the same launch"
+    launch_fitting(kernel, (1,), "x", BLOCK_R=16, num_stages=2)
+    assert kernel.tried[4:] == [2], "other launches of the kernel keep their own stages"
+
+
+@pytest.mark.parametrize(
+    ("fits", "error"),
+    [(0, None), (1, OutOfResources(300, 255, "registers")), (1, RuntimeError("not a resource"))],
+    ids=["no-stage-count-fits", "registers", "other-error"],
+)
+def test_launch_failures_other_than_too_few_stages_are_raised(fits: int, error: Exception | None) -> None:
+    kernel = _SharedMemoryKernel(fits=fits, error=error)
+    with pytest.raises(type(error) if error is not None else OutOfResources):
+        launch_fitting(kernel, (1,), num_stages=3)

@@ -23,6 +23,8 @@ REAL_SHAPES = [
     (4133, 6144, 4096, 64, None),
     (2048, 5120, 27648, 16, None),
     (None, 8192, 8192, 32, (2, 1031)),
+    # Rank 128 (the rank tile's largest): tiles tuned at smaller ranks may not fit in shared memory.
+    (8192, 4096, 4096, 128, None),
 ]
 
 

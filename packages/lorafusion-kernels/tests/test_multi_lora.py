@@ -622,6 +622,19 @@ GPU_CASES = [
         ),
         id="T4096-N4096-K14336-r16x3-bf16",  # k > n: dx from the fused GEMM
     ),
+    pytest.param(
+        Case(
+            name="llama8b-o-rank128",
+            lengths=(3000, 4192, 1000),
+            adapters=(0, 1, 2),
+            ranks=(16, 128, 8),
+            scaling=(2.0, 0.5, 1.0),
+            dropout_p=(0.1, 0.1, 0.0),
+            n=4096,
+            k=4096,
+        ),
+        id="T8192-N4096-K4096-r16.128.8-bf16",  # rank tile 128: tuned tiles may not fit in shared memory
+    ),
 ]
 
 

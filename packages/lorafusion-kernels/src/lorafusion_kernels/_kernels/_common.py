@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Hashable
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
-from lorafusion_kernels.errors import LoRAFusionKernelsError
+from lorafusion_kernels.errors import LoRAFusionKernelsError, LoRAFusionKernelsWarning
 from lorafusion_kernels.tuning.config import Heuristic, KernelConfig, ShapeKey, launch_lookup, rank_tile
 from lorafusion_kernels.tuning.device import capability, num_sms
 
@@ -39,6 +41,55 @@ def runs_triton(t: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
     return t.device.type == "cpu" and interpreting()
 
 
+_FITTING_STAGES: dict[Hashable, int] = {}
+"""``(kernel, launch arguments)`` -> the pipeline stages that fit in shared memory, for launches that needed fewer."""
+
+_KERNELS_WITH_FEWER_STAGES: set[Any] = set()
+"""The kernels with an entry in ``_FITTING_STAGES`` (a launch of any other kernel skips the lookup)."""
+
+
+def launch_fitting(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """``kernel[grid](*args, **kwargs)``; where its config does not fit in shared memory, with fewer pipeline stages.
+
+    A config is tuned at one rank tile, and a launch may use it at a wider one (``BLOCK_R`` up to 128:
+    rank 128, or a sibling call's stacked rank). Its LoRA operands then take more shared memory
+    than the GPU has: on H100 (2026-11-26) the sibling dx GEMM of LLaMa-3.1-8B's q/k/v at rank 32
+    (``BLOCK_R = 128``, 8,192 tokens) needed 263,168 of 232,448 bytes. The launch is retried with one
+    stage fewer at a time (down to one stage); the stages that fit are remembered for the same
+    launch arguments, and a warning names the config once. Any other failure is raised as it is.
+
+    Returns:
+        The keyword arguments of the launch that ran (``num_stages`` possibly lowered).
+    """
+    ident = None
+    if kernel in _KERNELS_WITH_FEWER_STAGES:
+        ident = (kernel, tuple(sorted(kwargs.items())))
+        stages = _FITTING_STAGES.get(ident)
+        if stages is not None:
+            kwargs = {**kwargs, "num_stages": stages}
+    first = kwargs.get("num_stages", 3)
+    while True:
+        try:
+            kernel[grid](*args, **kwargs)
+            break
+        except OutOfResources as exc:
+            stages = kwargs.get("num_stages", 3)
+            if exc.name != "shared memory" or stages <= 1:
+                raise
+            kwargs = {**kwargs, "num_stages": stages - 1}
+    if kwargs.get("num_stages", 3) != first:
+        ident = ident or (kernel, tuple(sorted({**kwargs, "num_stages": first}.items())))
+        _FITTING_STAGES[ident] = kwargs["num_stages"]
+        _KERNELS_WITH_FEWER_STAGES.add(kernel)
+        warnings.warn(
+            f"{kernel.__name__}: {first} pipeline stages need more shared memory than this GPU has at "
+            f"BLOCK_R={kwargs.get('BLOCK_R')}; launched with {kwargs['num_stages']} (tune this rank to avoid it)",
+            LoRAFusionKernelsWarning,
+            stacklevel=3,
+        )
+    return kwargs
+
+
 _WARMED_LAYOUT_VARIANTS: set[Hashable] = set()
 """``(kernel, key)`` of the launches whose other layout variant :func:`launch_warming_layout_variant` compiled."""
 
@@ -62,7 +113,7 @@ def launch_warming_layout_variant(
     (the config, dtypes and sizes); None where ``flag`` does not follow the layout (nothing to warm).
     The interpreter compiles nothing.
     """
-    kernel[grid](*args, **kwargs)
+    kwargs = launch_fitting(kernel, grid, *args, **kwargs)
     if key is None or (kernel, key) in _WARMED_LAYOUT_VARIANTS or interpreting():
         return
     _WARMED_LAYOUT_VARIANTS.add((kernel, key))

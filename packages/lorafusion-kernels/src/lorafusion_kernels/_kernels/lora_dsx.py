@@ -20,6 +20,7 @@ from lorafusion_kernels._kernels._common import (
     cdiv,
     dot_precision,
     launch_config,
+    launch_fitting,
     partial_stride,
     rank_block,
     reduce_split_output,
@@ -132,7 +133,9 @@ def lora_dsx(
     atomic = out is not None
     if out is None:
         out = split_output(split, (r, k), out_dtype, x.device)
-    _lora_dsx_kernel[(tiles, split)](
+    launch_fitting(
+        _lora_dsx_kernel,
+        (tiles, split),
         ds,
         x,
         out,

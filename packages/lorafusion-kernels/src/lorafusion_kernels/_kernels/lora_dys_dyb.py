@@ -28,6 +28,7 @@ from lorafusion_kernels._kernels._common import (
     cdiv,
     dot_precision,
     launch_config,
+    launch_fitting,
     rank_block,
     resolve_split,
     zeroed_fp32,
@@ -219,7 +220,8 @@ def _launch_ds_rows(
     *, ds_scale: float, cfg: KernelConfig,
 ) -> None:  # fmt: skip
     r = right.shape[1]
-    _lora_ds_rows_kernel[(cdiv(rows, cfg.block_m),)](
+    launch_fitting(
+        _lora_ds_rows_kernel, (cdiv(rows, cfg.block_m),),
         dy, right, out, rows, cols, r, dy_strides[0], dy_strides[1], right.stride(0), right.stride(1),
         out.stride(0), out.stride(1), ds_scale, DOT_PRECISION=dot_precision(dy.dtype), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_R=rank_block(r), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -272,7 +274,8 @@ def lora_dys_dyb(
         ds_out, db32 = accumulators
     col_blocks = cdiv(n, cfg.block_n)
     rows = rows_per_group(cfg.split, dy, rows=m, block_m=cfg.block_m, col_blocks=col_blocks)
-    _lora_dys_dyb_kernel[(cdiv(m, rows), col_blocks)](
+    launch_fitting(
+        _lora_dys_dyb_kernel, (cdiv(m, rows), col_blocks),
         dy, lora_b, s, ds_out, db32, m, n, r, rows, dy.stride(0), lora_b.stride(0), s.stride(0),
         ds_out.stride(0), db32.stride(0), scaling, DS_ATOMIC=col_blocks > 1, DOT_PRECISION=dot_precision(dy.dtype),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=rank_block(r), num_warps=cfg.num_warps,

@@ -23,6 +23,7 @@ from lorafusion_kernels._kernels._common import (
     gemm_meta,
     grouped_tile,
     launch_config,
+    launch_fitting,
     rank_block,
     tma_ok,
     wrapped_tile,
@@ -193,14 +194,16 @@ def lora_dyw_dsa(
     if cfg.tma and tma_ok(dy, weight, dx):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        _lora_dyw_dsa_tma_kernel[grid](
+        launch_fitting(
+            _lora_dyw_dsa_tma_kernel, grid,
             TensorDescriptor.from_tensor(dy, [cfg.block_m, cfg.block_k]),
             TensorDescriptor.from_tensor(weight, [cfg.block_k, cfg.block_n]),
             TensorDescriptor.from_tensor(dx, [cfg.block_m, cfg.block_n]),
             ds, lora_a, seed, *sizes, *ds.stride(), *lora_a.stride(), *dropout, HAS_DROPOUT=has_dropout, **meta,
         )  # fmt: skip
         return dx
-    _lora_dyw_dsa_kernel[grid](
+    launch_fitting(
+        _lora_dyw_dsa_kernel, grid,
         dy, weight, ds, lora_a, dx, seed, *sizes,
         *dy.stride(), *weight.stride(), *ds.stride(), *lora_a.stride(), *dx.stride(), *dropout,
         HAS_DROPOUT=has_dropout, **meta,

@@ -16,6 +16,7 @@ from lorafusion_kernels._kernels._common import (
     cdiv,
     dot_precision,
     launch_config,
+    launch_fitting,
     partial_stride,
     rank_block,
     reduce_split_output,
@@ -125,7 +126,9 @@ def lora_xa(
     tiles = cdiv(m, cfg.block_m)
     split, k_per_split = split_reduction(cfg.split, x, tiles=tiles, length=k, block=cfg.block_k)
     out = split_output(split, (m, r), x.dtype, x.device)
-    _lora_xa_kernel[(tiles, split)](
+    launch_fitting(
+        _lora_xa_kernel,
+        (tiles, split),
         x,
         lora_a,
         out,

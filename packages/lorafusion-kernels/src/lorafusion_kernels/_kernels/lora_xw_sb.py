@@ -18,6 +18,7 @@ from lorafusion_kernels._kernels._common import (
     gemm_meta,
     grouped_tile,
     launch_config,
+    launch_fitting,
     rank_block,
     tma_ok,
     wrapped_tile,
@@ -169,14 +170,16 @@ def lora_xw_sb(
     if cfg.tma and s.dtype == x.dtype and tma_ok(x, weight, y):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        _lora_xw_sb_tma_kernel[grid](
+        launch_fitting(
+            _lora_xw_sb_tma_kernel, grid,
             TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]),
             TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]),
             TensorDescriptor.from_tensor(y, [cfg.block_m, cfg.block_n]),
             *lora, *sizes, *s.stride(), *lora_b.stride(), HAS_BIAS=bias is not None, **meta,
         )  # fmt: skip
         return y
-    _lora_xw_sb_kernel[grid](
+    launch_fitting(
+        _lora_xw_sb_kernel, grid,
         x, weight, *lora, y, *sizes, *x.stride(), *weight.stride(), *s.stride(), *lora_b.stride(), *y.stride(),
         HAS_BIAS=bias is not None, **meta,
     )  # fmt: skip

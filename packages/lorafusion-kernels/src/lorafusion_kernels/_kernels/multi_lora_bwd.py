@@ -39,6 +39,7 @@ from lorafusion_kernels._kernels._common import (
     gemm_meta,
     grouped_tile,
     launch_config,
+    launch_fitting,
     launch_warming_layout_variant,
     rank_block,
     sm_count,
@@ -571,7 +572,9 @@ def multi_lora_dys_dyb(
     runs = batch.segment_runs(run_rows)
     grads, grad_strides, member_dy = _grad_operands(dys)
     if runs.num_runs > 0:
-        _multi_lora_dy_kernel[(runs.num_runs, col_blocks, group)](
+        launch_fitting(
+            _multi_lora_dy_kernel,
+            (runs.num_runs, col_blocks, group),
             *grads,
             b_cat,
             s,
@@ -666,7 +669,9 @@ def multi_lora_dsx(
         out = torch.zeros(shape, dtype=torch.float32, device=x.device)
     a_cat, dx = lora_dx if lora_dx is not None else (None, None)
     if runs.num_runs > 0 and r_tot > 0:
-        _multi_lora_da_kernel[(col_tiles, runs.num_runs)](
+        launch_fitting(
+            _multi_lora_da_kernel,
+            (col_tiles, runs.num_runs),
             ds,
             x,
             out,

@@ -36,6 +36,7 @@ from lorafusion_kernels._kernels._common import (
     gemm_meta,
     grouped_tile,
     launch_config,
+    launch_fitting,
     launch_warming_layout_variant,
     partial_stride,
     rank_block,
@@ -399,7 +400,9 @@ def multi_lora_shrink(
     split, k_per_split = split_reduction(cfg.split, x, tiles=tiles.num_tiles, length=K, block=cfg.block_k)
     s = split_output(split, (T, block_r), x.dtype, x.device)
     if tiles.num_tiles > 0:
-        _multi_lora_shrink_kernel[(tiles.num_tiles, split)](
+        launch_fitting(
+            _multi_lora_shrink_kernel,
+            (tiles.num_tiles, split),
             x,
             a_cat,
             s,
