@@ -61,33 +61,30 @@ def launch_fitting(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any
     Returns:
         The keyword arguments of the launch that ran (``num_stages`` possibly lowered).
     """
-    ident = None
-    if kernel in _KERNELS_WITH_FEWER_STAGES:
-        ident = (kernel, tuple(sorted(kwargs.items())))
-        stages = _FITTING_STAGES.get(ident)
-        if stages is not None:
-            kwargs = {**kwargs, "num_stages": stages}
-    first = kwargs.get("num_stages", 3)
+    asked = kwargs.get("num_stages", 3)  # Triton's default
+    ident = (kernel, tuple(sorted(kwargs.items()))) if kernel in _KERNELS_WITH_FEWER_STAGES else None
+    stages = _FITTING_STAGES.get(ident, asked) if ident else asked
     while True:
+        launched = kwargs if stages == asked else {**kwargs, "num_stages": stages}
         try:
-            kernel[grid](*args, **kwargs)
+            kernel[grid](*args, **launched)
             break
         except OutOfResources as exc:
-            stages = kwargs.get("num_stages", 3)
             if exc.name != "shared memory" or stages <= 1:
                 raise
-            kwargs = {**kwargs, "num_stages": stages - 1}
-    if kwargs.get("num_stages", 3) != first:
-        ident = ident or (kernel, tuple(sorted({**kwargs, "num_stages": first}.items())))
-        _FITTING_STAGES[ident] = kwargs["num_stages"]
-        _KERNELS_WITH_FEWER_STAGES.add(kernel)
-        warnings.warn(
-            f"{kernel.__name__}: {first} pipeline stages need more shared memory than this GPU has at "
-            f"BLOCK_R={kwargs.get('BLOCK_R')}; launched with {kwargs['num_stages']} (tune this rank to avoid it)",
-            LoRAFusionKernelsWarning,
-            stacklevel=3,
-        )
-    return kwargs
+            stages -= 1
+    if stages != asked:
+        ident = ident or (kernel, tuple(sorted(kwargs.items())))
+        if ident not in _FITTING_STAGES:
+            _FITTING_STAGES[ident] = stages
+            _KERNELS_WITH_FEWER_STAGES.add(kernel)
+            warnings.warn(
+                f"{kernel.__name__}: {asked} pipeline stages need more shared memory than this GPU has at "
+                f"BLOCK_R={kwargs.get('BLOCK_R')}; launched with {stages} (tune this rank to avoid it)",
+                LoRAFusionKernelsWarning,
+                stacklevel=3,
+            )
+    return launched
 
 
 _WARMED_LAYOUT_VARIANTS: set[Hashable] = set()
