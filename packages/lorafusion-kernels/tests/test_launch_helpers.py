@@ -141,3 +141,16 @@ def test_launch_failures_other_than_too_few_stages_are_raised(fits: int, error: 
     kernel = _SharedMemoryKernel(fits=fits, error=error)
     with pytest.raises(type(error) if error is not None else OutOfResources):
         launch_fitting(kernel, (1,), num_stages=3)
+
+
+def test_inside_exact_stages_a_config_that_does_not_fit_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tuner times candidates as given: one that does not fit loses instead of running as another config."""
+    monkeypatch.setattr(common, "_FITTING_STAGES", {})
+    monkeypatch.setattr(common, "_KERNELS_WITH_FEWER_STAGES", set())
+    kernel = _SharedMemoryKernel(fits=2)
+    with pytest.warns(LoRAFusionKernelsWarning):
+        launch_fitting(kernel, (1,), BLOCK_R=128, num_stages=4)
+    with common.exact_stages(), pytest.raises(OutOfResources):
+        launch_fitting(kernel, (1,), BLOCK_R=128, num_stages=4)
+    assert kernel.tried[3:] == [4], "neither retried nor taken from what an earlier launch remembered"
+    assert launch_fitting(kernel, (1,), BLOCK_R=128, num_stages=4) == {"BLOCK_R": 128, "num_stages": 2}

@@ -327,3 +327,28 @@ def test_a_key_two_layers_share_is_timed_once(capsys):
     )
     assert [e.key for e in result.entries["xa"]] == [ShapeKey(m=16, n=4, k=40, r=4, dtype="bfloat16")]
     assert [(e.key.n, e.key.k) for e in result.entries["xw_sb"]] == [(48, 40), (24, 40)]
+
+
+def test_candidates_are_timed_with_exact_stages_and_the_looked_up_config_as_it_runs(monkeypatch):
+    """A candidate that does not fit in shared memory must lose, not be timed with fewer stages under its name."""
+    import lorafusion_kernels._kernels._common as common
+    import lorafusion_kernels.tuning.tune as tune
+
+    exact_when_launched: list[bool] = []
+
+    def record(config: KernelConfig | None) -> Callable[[], object]:
+        return lambda: exact_when_launched.append(common._EXACT_STAGES[0])
+
+    def launches(problem: LayerProblem, kernels: list[str]) -> dict[str, Callable[..., Callable[[], object]]]:
+        return dict.fromkeys(kernels, record)
+
+    def timer(fn: Callable[[], object]) -> float:
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(tune, "kernel_launches", launches)
+    sweep(
+        shapes=[(48, 40)], ms=[16], ranks=[4], kernels=["xa"], timer=timer, candidates=TINY_CANDIDATES,
+        device="cpu", rounds=1,
+    )  # fmt: skip
+    assert exact_when_launched == [True] * len(TINY_CANDIDATES["xa"]) + [False]

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import torch
@@ -47,6 +48,24 @@ _FITTING_STAGES: dict[Hashable, int] = {}
 _KERNELS_WITH_FEWER_STAGES: set[Any] = set()
 """The kernels with an entry in ``_FITTING_STAGES`` (a launch of any other kernel skips the lookup)."""
 
+_EXACT_STAGES = [False]
+"""Whether :func:`launch_fitting` launches the stages asked for or raises (set by :func:`exact_stages`)."""
+
+
+@contextlib.contextmanager
+def exact_stages() -> Iterator[None]:
+    """Inside, a config that does not fit in shared memory raises ``OutOfResources``, not run with fewer stages.
+
+    The tuner times candidates inside it, so a config that does not fit loses rather than being timed
+    as another config and recorded under its own stage count.
+    """
+    before = _EXACT_STAGES[0]
+    _EXACT_STAGES[0] = True
+    try:
+        yield
+    finally:
+        _EXACT_STAGES[0] = before
+
 
 def launch_fitting(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> dict[str, Any]:
     """``kernel[grid](*args, **kwargs)``; where its config does not fit in shared memory, with fewer pipeline stages.
@@ -56,13 +75,15 @@ def launch_fitting(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any
     than the GPU has: on H100 (2026-11-26) the sibling dx GEMM of LLaMa-3.1-8B's q/k/v at rank 32
     (``BLOCK_R = 128``, 8,192 tokens) needed 263,168 of 232,448 bytes. The launch is retried with one
     stage fewer at a time (down to one stage); the stages that fit are remembered for the same
-    launch arguments, and a warning names the config once. Any other failure is raised as it is.
+    launch arguments, and a warning names the config once. Any other failure is raised as it is, and
+    so is this one inside :func:`exact_stages`.
 
     Returns:
         The keyword arguments of the launch that ran (``num_stages`` possibly lowered).
     """
     asked = kwargs.get("num_stages", 3)  # Triton's default
-    ident = (kernel, tuple(sorted(kwargs.items()))) if kernel in _KERNELS_WITH_FEWER_STAGES else None
+    exact = _EXACT_STAGES[0]
+    ident = (kernel, tuple(sorted(kwargs.items()))) if kernel in _KERNELS_WITH_FEWER_STAGES and not exact else None
     stages = _FITTING_STAGES.get(ident, asked) if ident else asked
     while True:
         launched = kwargs if stages == asked else {**kwargs, "num_stages": stages}
@@ -70,7 +91,7 @@ def launch_fitting(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any
             kernel[grid](*args, **launched)
             break
         except OutOfResources as exc:
-            if exc.name != "shared memory" or stages <= 1:
+            if exc.name != "shared memory" or stages <= 1 or exact:
                 raise
             stages -= 1
     if stages != asked:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from lorafusion_kernels.tuning.config import KernelConfig
 
-SEARCH_SPACE_ID = "v5"
+SEARCH_SPACE_ID = "v6"
 """Recorded in each file's provenance; bump it when the candidates below change (v2: the multi_* kernels;
 v3: 256-row tiles for the skinny passes; v4: multi_dsx_dx, the dA pass that writes dx's LoRA term; v5:
-the dS/dB pass's own candidates, for its loop over the rows of a column block)."""
+the dS/dB pass's own candidates, for its loop over the rows of a column block; v6: 2-stage wide GEMM
+tiles, for rank tile 128)."""
 
 MODEL_LAYERS: dict[str, list[tuple[str, int, int]]] = {
     # (layer, n = out_features, k = in_features); q/k/v fused into one qkv projection as LoRAFusion does.
@@ -16,7 +17,7 @@ MODEL_LAYERS: dict[str, list[tuple[str, int, int]]] = {
     "llama-3.1-70b": [("qkv", 10240, 8192), ("o", 8192, 8192), ("gate_up", 28672, 8192), ("down", 8192, 28672)],
 }
 M_VALUES = [1024, 2048, 4096, 8192, 16384]
-RANKS = [16, 32, 64]
+RANKS = [16, 32, 64, 128]
 
 
 def _gemm(bm: int, bn: int, bk: int, warps: int, stages: int, tma: bool) -> KernelConfig:
@@ -33,6 +34,9 @@ _GEMM = [
         (128, 128, 64, 4, 4),
         (128, 128, 64, 8, 5),
         (64, 256, 64, 4, 4),
+        # At rank tile 128 the LoRA operands leave room for two stages of the wide tiles only.
+        (128, 256, 64, 8, 2),
+        (256, 128, 64, 8, 2),
     ]
 ]
 

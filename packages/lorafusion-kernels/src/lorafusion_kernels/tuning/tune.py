@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from lorafusion_kernels.__about__ import __version__
+from lorafusion_kernels._kernels._common import exact_stages
 from lorafusion_kernels.errors import LoRAFusionKernelsError
 from lorafusion_kernels.tuning.agreement import (
     ShapeTimings,
@@ -122,6 +123,16 @@ def gpu_timer(rep: int, kind: str = "graph") -> Timer:
             return math.inf
 
     return timer
+
+
+def _with_exact_stages(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` launching its config's stages as given: one that does not fit in shared memory fails."""
+
+    def run() -> object:
+        with exact_stages():
+            return fn()
+
+    return run
 
 
 def _frozen_gemm(problem: LayerProblem) -> Callable[[], object]:
@@ -225,8 +236,10 @@ def sweep(
             key = keys[kernel]
             timed.add((kernel, key))
             # The config the kernel launches with today (a multi kernel without entries: FusedLoRA's),
-            # timed in the same rounds, last in the list.
-            *times, current_ms = interleaved_times([*map(launch, candidates[kernel]), launch(None)], timer, rounds)
+            # timed in the same rounds, last in the list, as it runs (with fewer stages where it does
+            # not fit); a candidate that does not fit loses.
+            exact = [_with_exact_stages(launch(config)) for config in candidates[kernel]]
+            *times, current_ms = interleaved_times([*exact, launch(None)], timer, rounds)
             timings.append(ShapeTimings(kernel, key, dict(zip(candidates[kernel], times, strict=True)), current_ms))
             best_ms, second_ms = sorted(times)[:2] if len(times) > 1 else (times[0], math.inf)
             if math.isinf(best_ms):
