@@ -150,3 +150,28 @@ def test_peft_training_loss_matches_unpatched():
     assert plain[-1] < plain[0] - 0.1, "the reference run must learn something"
     for step, (a, b) in enumerate(zip(plain, fused, strict=True)):
         assert abs(a - b) <= 2e-2 * abs(a), (step, a, b)
+
+
+def test_rank_128_runs_as_tuned_where_the_file_has_rank_128_entries(monkeypatch):
+    """Where this GPU's file was tuned at rank 128 (H100), no launch at rank 128 needs fewer stages to fit."""
+    import lorafusion_kernels._kernels._common as common
+    from lorafusion_kernels import fused_multi_lora_linear
+    from lorafusion_kernels.tuning import gpu_key
+    from lorafusion_kernels.tuning.config import config_dir, load_config_file
+
+    shipped = load_config_file(config_dir() / f"{gpu_key(torch.cuda.get_device_name())}.json")
+    if shipped is None or not any(e.key.r == 128 for e in shipped.kernels["xw_sb"].entries):
+        pytest.skip("this GPU's file has no rank-128 entries: its launches at rank 128 may run with fewer stages")
+    monkeypatch.setattr(common, "_FITTING_STAGES", {})
+    monkeypatch.setattr(common, "_KERNELS_WITH_FEWER_STAGES", set())
+    m, n, k = 8192, 4096, 4096
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    a = [(torch.randn(r, k, device="cuda", dtype=torch.bfloat16) / k**0.5).requires_grad_() for r in (16, 128)]
+    b = [(torch.randn(n, r, device="cuda", dtype=torch.bfloat16) / r**0.5).requires_grad_() for r in (16, 128)]
+    fused_lora_linear(x, w, a[1], b[1], scaling=2.0, dropout_p=0.1).sum().backward()
+    fused_multi_lora_linear(
+        x, w, a, b, segment_lengths=[4000, 4192], segment_adapters=[0, 1], scaling=2.0, dropout_p=0.1
+    ).sum().backward()
+    torch.cuda.synchronize()
+    assert common._FITTING_STAGES == {}, "launches that needed fewer stages than their rank-128 entry"
