@@ -110,13 +110,19 @@ def make_provider(name: str, m: int, n: int, k: int, r: int, p: float, dtype: to
 COMPILED: dict[str, Callable[..., torch.Tensor]] = {}
 
 
-def graph_time(fn: Callable[[], object], rep: int) -> float:
-    """Median time of ``fn`` replayed from a CUDA graph; NaN if it cannot be captured."""
-    try:
-        return float(do_bench_cudagraph(fn, rep=rep, return_mode="median"))
-    except Exception as exc:  # report and go on: the eager timing of the row still stands
-        print(f"  CUDA graph capture failed: {type(exc).__name__}: {exc}", flush=True)
-        return math.nan
+def graph_time(fn: Callable[[], object], rep: int, attempts: int = 2) -> float:
+    """Median time of ``fn`` replayed from a CUDA graph; NaN if it cannot be captured in ``attempts`` tries.
+
+    A capture can fail once and succeed on the next try in the same process (H100, 2026-11-26: one of
+    48 captures of ``ab_configs.py`` ended with ``cudaErrorStreamCaptureInvalidated``, the row's
+    other rounds captured), so a failure is retried before the row is given up.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            return float(do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+        except Exception as exc:  # report and go on: the eager timing of the row still stands
+            print(f"  CUDA graph capture failed ({attempt} of {attempts}): {type(exc).__name__}: {exc}", flush=True)
+    return math.nan
 
 
 def run(
