@@ -1,4 +1,5 @@
-"""Fixtures shared by the kernel tests: the interpreter or the plain-torch path, NaN-poisoned allocations."""
+"""Fixtures shared by the kernel tests: the interpreter or the plain-torch path, NaN-poisoned allocations,
+an empty memory of lowered launches."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import pytest
 import torch
 
+import lorafusion_kernels._kernels._common as common
 from lorafusion_kernels._kernels._common import interpreting
 
 
@@ -37,3 +39,10 @@ def interpreter() -> None:
 @pytest.fixture
 def torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture
+def fresh_fitting_memo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``launch_fitting`` starts with no launch remembered as needing fewer stages (restored afterwards)."""
+    monkeypatch.setattr(common, "_FITTING_STAGES", {})
+    monkeypatch.setattr(common, "_KERNELS_WITH_FEWER_STAGES", set())

@@ -117,10 +117,9 @@ class _SharedMemoryKernel:
         return launch
 
 
-def test_a_config_that_overflows_shared_memory_runs_with_fewer_stages(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("fresh_fitting_memo")
+def test_a_config_that_overflows_shared_memory_runs_with_fewer_stages() -> None:
     """The sibling dx GEMM at rank tile 128 needed 263,168 of 232,448 bytes on H100 and raised; now it runs."""
-    monkeypatch.setattr(common, "_FITTING_STAGES", {})
-    monkeypatch.setattr(common, "_KERNELS_WITH_FEWER_STAGES", set())
     kernel = _SharedMemoryKernel(fits=2)
     with pytest.warns(LoRAFusionKernelsWarning, match="4 pipeline stages need more shared memory.*launched with 2"):
         ran = launch_fitting(kernel, (1,), "x", BLOCK_R=128, num_stages=4)
@@ -143,10 +142,9 @@ def test_launch_failures_other_than_too_few_stages_are_raised(fits: int, error: 
         launch_fitting(kernel, (1,), num_stages=3)
 
 
-def test_inside_exact_stages_a_config_that_does_not_fit_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("fresh_fitting_memo")
+def test_inside_exact_stages_a_config_that_does_not_fit_raises() -> None:
     """The tuner times candidates as given: one that does not fit loses instead of running as another config."""
-    monkeypatch.setattr(common, "_FITTING_STAGES", {})
-    monkeypatch.setattr(common, "_KERNELS_WITH_FEWER_STAGES", set())
     kernel = _SharedMemoryKernel(fits=2)
     with pytest.warns(LoRAFusionKernelsWarning):
         launch_fitting(kernel, (1,), BLOCK_R=128, num_stages=4)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafusion_kernels import FusedLoRALinear, fused_lora_linear
+import lorafusion_kernels._kernels._common as common
+from lorafusion_kernels import FusedLoRALinear, fused_lora_linear, fused_multi_lora_linear
 from lorafusion_kernels._kernels.dropout import dropout_keep_mask_triton
 from lorafusion_kernels.dropout import dropout_keep_mask, keep_threshold, seed_tensor
 from lorafusion_kernels.reference import lora_linear_reference_seeded
 from lorafusion_kernels.testing import assert_close_to_reference, case_id, make_lora_inputs
+from lorafusion_kernels.tuning import gpu_key
+from lorafusion_kernels.tuning.config import config_dir, load_config_file
 
 pytestmark = [
     pytest.mark.gpu,
@@ -152,18 +155,12 @@ def test_peft_training_loss_matches_unpatched():
         assert abs(a - b) <= 2e-2 * abs(a), (step, a, b)
 
 
-def test_rank_128_runs_as_tuned_where_the_file_has_rank_128_entries(monkeypatch):
+@pytest.mark.usefixtures("fresh_fitting_memo")
+def test_rank_128_runs_as_tuned_where_the_file_has_rank_128_entries():
     """Where this GPU's file was tuned at rank 128 (H100), no launch at rank 128 needs fewer stages to fit."""
-    import lorafusion_kernels._kernels._common as common
-    from lorafusion_kernels import fused_multi_lora_linear
-    from lorafusion_kernels.tuning import gpu_key
-    from lorafusion_kernels.tuning.config import config_dir, load_config_file
-
     shipped = load_config_file(config_dir() / f"{gpu_key(torch.cuda.get_device_name())}.json")
     if shipped is None or not any(e.key.r == 128 for e in shipped.kernels["xw_sb"].entries):
         pytest.skip("this GPU's file has no rank-128 entries: its launches at rank 128 may run with fewer stages")
-    monkeypatch.setattr(common, "_FITTING_STAGES", {})
-    monkeypatch.setattr(common, "_KERNELS_WITH_FEWER_STAGES", set())
     m, n, k = 8192, 4096, 4096
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5

@@ -11,6 +11,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
+import lorafusion_kernels._kernels._common as common
+import lorafusion_kernels.tuning.tune as tune
 from lorafusion_kernels._kernels._common import interpreting
 from lorafusion_kernels.errors import LoRAFusionKernelsError
 from lorafusion_kernels.tuning import ConfigFile, KernelConfig, KernelTable, ShapeKey, TunedEntry
@@ -331,9 +333,6 @@ def test_a_key_two_layers_share_is_timed_once(capsys):
 
 def test_candidates_are_timed_with_exact_stages_and_the_looked_up_config_as_it_runs(monkeypatch):
     """A candidate that does not fit in shared memory must lose, not be timed with fewer stages under its name."""
-    import lorafusion_kernels._kernels._common as common
-    import lorafusion_kernels.tuning.tune as tune
-
     exact_when_launched: list[bool] = []
 
     def record(config: KernelConfig | None) -> Callable[[], object]:
