@@ -41,6 +41,7 @@ from lorafusion_kernels.tuning.tune import (
     gpu_timer,
     interleaved_times,
     kernel_tables,
+    layer_shapes,
     main,
     sweep,
     write_atomically,
@@ -314,6 +315,18 @@ def test_an_interrupted_write_leaves_the_old_file(tmp_path, monkeypatch):
 def test_an_unknown_timer_is_refused():
     with pytest.raises(LoRAFusionKernelsError, match="unknown timer 'wall'"):
         gpu_timer(10, "wall")
+
+
+def test_layers_pick_their_shapes_from_each_model():
+    assert layer_shapes(["qwen2.5-32b", "llama-3.1-70b"], ["gate_up"]) == [(27648, 5120), (28672, 8192)]
+    assert layer_shapes(["llama-3.1-8b"], ["o", "qkv"]) == [(4096, 4096), (6144, 4096)]
+    assert len(layer_shapes(["llama-3.1-8b"])) == 4
+
+
+def test_an_unknown_layer_is_refused_with_the_known_ones():
+    known = r"choose from \['down', 'gate_up', 'o', 'qkv'\]"
+    with pytest.raises(LoRAFusionKernelsError, match=rf"unknown layer 'gate' .* {known}"):
+        layer_shapes(["llama-3.1-8b"], ["gate"])
 
 
 def test_a_key_two_layers_share_is_timed_once(capsys):

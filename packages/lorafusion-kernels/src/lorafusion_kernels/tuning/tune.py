@@ -270,12 +270,31 @@ def kernel_tables(
     return out
 
 
+def layer_shapes(models: Sequence[str], layers: Sequence[str] | None = None) -> list[tuple[int, int]]:
+    """The distinct ``(N, K)`` of the models' layers named in ``layers`` (all of them for ``None``), sorted.
+
+    Raises:
+        LoRAFusionKernelsError: for an unknown model, or a layer name no listed model has.
+    """
+    for model in models:
+        if model not in MODEL_LAYERS:
+            raise LoRAFusionKernelsError(f"unknown model {model!r}; choose from {sorted(MODEL_LAYERS)}")
+    known = sorted({name for model in models for name, _, _ in MODEL_LAYERS[model]})
+    for layer in layers or ():
+        if layer not in known:
+            raise LoRAFusionKernelsError(f"unknown layer {layer!r} for models {list(models)}; choose from {known}")
+    return sorted(
+        {(n, k) for model in models for name, n, k in MODEL_LAYERS[model] if layers is None or name in layers}
+    )
+
+
 def tune(
     *,
     models: list[str],
     ms: list[int],
     ranks: list[int],
     kernels: list[str],
+    layers: list[str] | None = None,
     dtype: torch.dtype = torch.bfloat16,
     p: float = 0.1,
     adapters: int = MULTI_ADAPTERS,
@@ -286,13 +305,12 @@ def tune(
 ) -> tuple[ConfigFile, Sequence[ShapeTimings]]:
     """Sweep on the current GPU; return its config file and every candidate's timings.
 
+    ``layers`` keeps only those layers of the models (e.g. ``["gate_up"]``); ``None`` keeps all.
+
     Raises:
-        LoRAFusionKernelsError: for an unknown model or kernel name.
+        LoRAFusionKernelsError: for an unknown model, layer or kernel name.
     """
-    for model in models:
-        if model not in MODEL_LAYERS:
-            raise LoRAFusionKernelsError(f"unknown model {model!r}; choose from {sorted(MODEL_LAYERS)}")
-    shapes = sorted({(n, k) for model in models for _, n, k in MODEL_LAYERS[model]})
+    shapes = layer_shapes(models, layers)
     result = sweep(
         shapes=shapes,
         ms=ms,
@@ -313,6 +331,8 @@ def tune(
     )
     if set(kernels) & set(MULTI_ADAPTER_KERNELS):
         sweep_text += f" adapters={adapters}"
+    if layers is not None:
+        sweep_text += f" layers={','.join(layers)}"
     if result.points_done < result.points_total:
         sweep_text += f" (time limit: {result.points_done} of {result.points_total} shapes)"
     name = torch.cuda.get_device_name()
@@ -447,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--m", nargs="+", type=int, default=M_VALUES)
     parser.add_argument("--r", nargs="+", type=int, default=RANKS)
     parser.add_argument("--kernels", nargs="+", default=KERNELS, choices=KERNELS)
+    parser.add_argument(
+        "--layers", nargs="+", default=None, help="only these layers of the models (qkv, o, gate_up, down); default all"
+    )
     parser.add_argument("--adapters", type=int, default=MULTI_ADAPTERS, help="adapters in the multi_* kernels' batch")
     parser.add_argument("--p", type=float, default=0.1, help="dropout probability the kernels are timed with")
     parser.add_argument("--rep", type=int, default=30, help="repetition budget per timing, ms")
@@ -495,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         ms=args.m,
         ranks=args.r,
         kernels=args.kernels,
+        layers=args.layers,
         p=args.p,
         adapters=args.adapters,
         rep=args.rep,
