@@ -6,6 +6,7 @@ Usage (on the GPU to tune; the file goes to ``--out``, named after the GPU)::
     lorafusion-tune --models llama-3.1-8b --m 4096 8192 --r 16   # a quick subset
     lorafusion-tune --kernels multi_xa multi_xw_sb --merge configs/nvidia_h100_80gb_hbm3.json --time-limit 400
     lorafusion-tune --kernels xw_sb --timings a.json ...; lorafusion-tune --compare a.json b.json  # reproducible?
+    lorafusion-tune --gpus 4 --r 128 --merge configs/nvidia_h200.json --keep-defaults  # one shape per GPU at a time
 
 The FusedLoRA kernels (``xa``, ``xw_sb``, ``dys_dyb``, ``dsx``, ``dyw_dsa``) are timed with one
 adapter, the FusedMultiLoRA kernels (``multi_xa``, ...) on a microbatch of ``--adapters`` adapters
@@ -29,6 +30,7 @@ import datetime
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -67,6 +69,15 @@ from lorafusion_kernels.tuning.launches import (
     can_be_looked_up,
     config_key,
     kernel_launches,
+)
+from lorafusion_kernels.tuning.parallel import (
+    JobsOutcome,
+    layer_jobs,
+    points_done,
+    read_job_results,
+    run_jobs,
+    subprocess_runner,
+    visible_gpus,
 )
 from lorafusion_kernels.tuning.search_space import (
     CANDIDATES,
@@ -288,70 +299,117 @@ def layer_shapes(models: Sequence[str], layers: Sequence[str] | None = None) -> 
     )
 
 
-def tune(
-    *,
-    models: list[str],
-    ms: list[int],
-    ranks: list[int],
-    kernels: list[str],
-    layers: list[str] | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-    p: float = 0.1,
-    adapters: int = MULTI_ADAPTERS,
-    rep: int = 30,
-    rounds: int = 2,
-    timer: str = "graph",
-    time_limit_s: float | None = None,
-) -> tuple[ConfigFile, Sequence[ShapeTimings]]:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SweepPlan:
+    """What one ``lorafusion-tune`` run sweeps, and how it times it (the CLI's options)."""
+
+    models: list[str]
+    ms: list[int]
+    ranks: list[int]
+    kernels: list[str]
+    layers: list[str] | None = None
+    dtype: torch.dtype = torch.bfloat16
+    p: float = 0.1
+    adapters: int = MULTI_ADAPTERS
+    rep: int = 30
+    rounds: int = 2
+    timer: str = "graph"
+
+    def argv(self) -> list[str]:
+        """The ``lorafusion-tune`` options of everything but the models and layers (bf16 only: the CLI's dtype)."""
+        return [
+            *("--m", *map(str, self.ms)),
+            *("--r", *map(str, self.ranks)),
+            *("--kernels", *self.kernels),
+            *("--adapters", str(self.adapters), "--p", str(self.p), "--rep", str(self.rep)),
+            *("--rounds", str(self.rounds), "--timer", self.timer),
+        ]
+
+
+def tune(plan: SweepPlan, time_limit_s: float | None = None) -> tuple[ConfigFile, Sequence[ShapeTimings]]:
     """Sweep on the current GPU; return its config file and every candidate's timings.
 
-    ``layers`` keeps only those layers of the models (e.g. ``["gate_up"]``); ``None`` keeps all.
+    ``plan.layers`` keeps only those layers of the models (e.g. ``["gate_up"]``); ``None`` keeps all.
 
     Raises:
         LoRAFusionKernelsError: for an unknown model, layer or kernel name.
     """
-    shapes = layer_shapes(models, layers)
     result = sweep(
-        shapes=shapes,
-        ms=ms,
-        ranks=ranks,
-        kernels=kernels,
-        timer=gpu_timer(rep, timer),
-        dtype=dtype,
-        p=p,
-        adapters=adapters,
+        shapes=layer_shapes(plan.models, plan.layers),
+        ms=plan.ms,
+        ranks=plan.ranks,
+        kernels=plan.kernels,
+        timer=gpu_timer(plan.rep, plan.timer),
+        dtype=plan.dtype,
+        p=plan.p,
+        adapters=plan.adapters,
         time_limit_s=time_limit_s,
-        rounds=rounds,
+        rounds=plan.rounds,
     )
-    import triton
-
-    sweep_text = (
-        f"models={','.join(models)} m={','.join(map(str, ms))} r={','.join(map(str, ranks))} "
-        f"dtype={dtype_name(dtype)} p={p} rep={rep} rounds={rounds} timer={timer}"
-    )
-    if set(kernels) & set(MULTI_ADAPTER_KERNELS):
-        sweep_text += f" adapters={adapters}"
-    if layers is not None:
-        sweep_text += f" layers={','.join(layers)}"
-    if result.points_done < result.points_total:
-        sweep_text += f" (time limit: {result.points_done} of {result.points_total} shapes)"
     name = torch.cuda.get_device_name()
     config_file = ConfigFile(
         device_name=name,
         device_key=gpu_key(name),
         capability=capability(torch.cuda.current_device()),
-        provenance={
-            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "lorafusion_kernels": __version__,
-            "search_space": SEARCH_SPACE_ID,
-            "kernels": ",".join(kernels),
-            "sweep": sweep_text,
-        },
+        provenance=_provenance(plan.kernels, sweep_text(plan, done=result.points_done, total=result.points_total)),
         kernels=kernel_tables(result.entries),
     )
     return config_file, result.timings
+
+
+def sweep_text(plan: SweepPlan, *, done: int, total: int, gpus: int = 1) -> str:
+    """The provenance's ``sweep``: what was swept, how, and how much of it (``done`` of ``total`` points)."""
+    text = (
+        f"models={','.join(plan.models)} m={','.join(map(str, plan.ms))} r={','.join(map(str, plan.ranks))} "
+        f"dtype={dtype_name(plan.dtype)} p={plan.p} rep={plan.rep} rounds={plan.rounds} timer={plan.timer}"
+    )
+    if set(plan.kernels) & set(MULTI_ADAPTER_KERNELS):
+        text += f" adapters={plan.adapters}"
+    if plan.layers is not None:
+        text += f" layers={','.join(plan.layers)}"
+    if gpus > 1:
+        text += f" gpus={gpus}"
+    if done < total:
+        text += f" (time limit: {done} of {total} shapes)"
+    return text
+
+
+def _provenance(kernels: Sequence[str], sweep: str) -> dict[str, str]:
+    import triton
+
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "lorafusion_kernels": __version__,
+        "search_space": SEARCH_SPACE_ID,
+        "kernels": ",".join(kernels),
+        "sweep": sweep,
+    }
+
+
+def tune_on_gpus(
+    plan: SweepPlan, gpus: Sequence[str], workdir: Path, time_limit_s: float | None = None
+) -> tuple[ConfigFile, Sequence[ShapeTimings], JobsOutcome]:
+    """:func:`tune` spread over ``gpus`` (``CUDA_VISIBLE_DEVICES`` values), one layer shape per process.
+
+    Each job's files and log stay in ``workdir/<model>-<layer>/``. The file's defaults are recomputed
+    over every job's winners, as one process sweeping all the shapes would.
+
+    Raises:
+        LoRAFusionKernelsError: for an unknown model or layer name, or if no job wrote a file.
+    """
+    layer_shapes(plan.models, plan.layers)
+    jobs = layer_jobs(plan.models, plan.layers)
+    outcome = run_jobs(jobs, gpus, subprocess_runner(plan.argv(), workdir, _say), time_limit_s)
+    results = read_job_results(workdir, outcome.succeeded)
+    per_job = len(plan.ms) * len(plan.ranks)
+    done = sum(points_done(config_file, per_job) for config_file in results.files)
+    text = sweep_text(plan, done=done, total=per_job * len(jobs), gpus=len(gpus))
+    config_file = dataclasses.replace(
+        results.files[0], provenance=_provenance(plan.kernels, text), kernels=kernel_tables(results.entries)
+    )
+    return config_file, results.timings, outcome
 
 
 def merge(old: ConfigFile, new: ConfigFile, *, keep_defaults: bool = False) -> ConfigFile:
@@ -460,8 +518,7 @@ def _check_rank_defaults(timings_path: Path, config_path: Path) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``lorafusion-tune``."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lorafusion-tune", description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=sorted(MODEL_LAYERS), choices=sorted(MODEL_LAYERS))
     parser.add_argument("--m", nargs="+", type=int, default=M_VALUES)
@@ -476,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved timings per candidate (even: drift cancels)")
     parser.add_argument("--timer", default="graph", choices=TIMERS, help="CUDA-graph replays or eager launches")
     parser.add_argument("--time-limit", type=float, default=None, help="seconds after which no new shape starts")
+    parser.add_argument(
+        "--gpus", type=int, default=1, help="spread the shapes over this many GPUs of the host (one process each)"
+    )
     parser.add_argument("--out", type=Path, default=Path("."), help="directory for <gpu-key>.json")
     parser.add_argument("--merge", type=Path, default=None, help="an existing file to update instead of replace")
     parser.add_argument("--keep-defaults", action="store_true", help="with --merge: keep that file's defaults")
@@ -492,7 +552,27 @@ def main(argv: list[str] | None = None) -> int:
         metavar=("TIMINGS", "CONFIG"),
         help="only check rank defaults on held-out widths of a --timings file against CONFIG's defaults (no GPU)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _plan(args: argparse.Namespace) -> SweepPlan:
+    return SweepPlan(
+        models=args.models,
+        ms=args.m,
+        ranks=args.r,
+        kernels=args.kernels,
+        layers=args.layers,
+        p=args.p,
+        adapters=args.adapters,
+        rep=args.rep,
+        rounds=args.rounds,
+        timer=args.timer,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``lorafusion-tune``."""
+    args = _parser().parse_args(argv)
     if args.compare is not None:
         return _compare(*args.compare)
     if args.check_rank_defaults is not None:
@@ -506,6 +586,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         _say("--rounds must be at least 1")
         return 2
+    if not 1 <= args.gpus <= torch.cuda.device_count():
+        _say(f"--gpus must be between 1 and the {torch.cuda.device_count()} GPUs this process sees")
+        return 2
+    try:
+        layer_shapes(args.models, args.layers)
+    except LoRAFusionKernelsError as exc:
+        _say(str(exc))
+        return 2
     merge_into = None
     if args.merge is not None and args.merge.is_file():
         merge_into = ConfigFile.from_json(json.loads(args.merge.read_text()), where=str(args.merge))
@@ -513,19 +601,24 @@ def main(argv: list[str] | None = None) -> int:
         if merge_into.device_key != this_gpu:
             _say(f"--merge {args.merge} holds configs for {merge_into.device_key}, not this GPU ({this_gpu})")
             return 2
-    result, timings = tune(
-        models=args.models,
-        ms=args.m,
-        ranks=args.r,
-        kernels=args.kernels,
-        layers=args.layers,
-        p=args.p,
-        adapters=args.adapters,
-        rep=args.rep,
-        rounds=args.rounds,
-        timer=args.timer,
-        time_limit_s=args.time_limit,
-    )
+    plan = _plan(args)
+    status = 0
+    if args.gpus == 1:
+        result, timings = tune(plan, args.time_limit)
+    else:
+        workdir = Path(tempfile.mkdtemp(prefix="lorafusion-tune-"))
+        try:
+            result, timings, outcome = tune_on_gpus(plan, visible_gpus(args.gpus), workdir, args.time_limit)
+        except LoRAFusionKernelsError as exc:
+            _say(str(exc))
+            return 1
+        if outcome.skipped:
+            _say(f"time limit: not started: {', '.join(job.name for job in outcome.skipped)}")
+        if outcome.failed:
+            _say(f"failed: {', '.join(job.name for job in outcome.failed)}; their logs are kept in {workdir}")
+            status = 1
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
     if args.timings is not None:
         write_atomically(args.timings, json.dumps(timings_to_json(timings, result.provenance), indent=1) + "\n")
         _say(f"wrote {args.timings}")
@@ -536,4 +629,4 @@ def main(argv: list[str] | None = None) -> int:
     for name, table in sorted(result.kernels.items()):
         _say(f"default {name:14s} {json.dumps(table.default.to_dict(), sort_keys=True)}")
     _say(f"wrote {path}")
-    return 0
+    return status
