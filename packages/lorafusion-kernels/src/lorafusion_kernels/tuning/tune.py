@@ -294,9 +294,7 @@ def layer_shapes(models: Sequence[str], layers: Sequence[str] | None = None) -> 
     for layer in layers or ():
         if layer not in known:
             raise LoRAFusionKernelsError(f"unknown layer {layer!r} for models {list(models)}; choose from {known}")
-    return sorted(
-        {(n, k) for model in models for name, n, k in MODEL_LAYERS[model] if layers is None or name in layers}
-    )
+    return sorted((job.n, job.k) for job in layer_jobs(models, layers))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -399,7 +397,7 @@ def tune_on_gpus(
     Raises:
         LoRAFusionKernelsError: for an unknown model or layer name, or if no job wrote a file.
     """
-    layer_shapes(plan.models, plan.layers)
+    layer_shapes(plan.models, plan.layers)  # refuses unknown names
     jobs = layer_jobs(plan.models, plan.layers)
     outcome = run_jobs(jobs, gpus, subprocess_runner(plan.argv(), workdir, _say), time_limit_s)
     results = read_job_results(workdir, outcome.succeeded)
@@ -534,7 +532,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--timer", default="graph", choices=TIMERS, help="CUDA-graph replays or eager launches")
     parser.add_argument("--time-limit", type=float, default=None, help="seconds after which no new shape starts")
     parser.add_argument(
-        "--gpus", type=int, default=1, help="spread the shapes over this many GPUs of the host (one process each)"
+        "--gpus", type=int, default=1, help="spread the sweep over this many GPUs, one process per layer shape"
     )
     parser.add_argument("--out", type=Path, default=Path("."), help="directory for <gpu-key>.json")
     parser.add_argument("--merge", type=Path, default=None, help="an existing file to update instead of replace")
