@@ -151,6 +151,28 @@ def test_a_failing_launch_is_timed_once():
         interleaved_times([lambda: "ok"], timer, rounds=0)
 
 
+def test_every_launch_is_called_once_before_any_timing_and_one_that_raises_loses():
+    events: list[str] = []
+
+    def launch(i: int) -> Callable[[], object]:
+        def run() -> object:
+            events.append(f"call {i}")
+            if i == 1:
+                raise RuntimeError("out of resource: shared memory")
+            return i
+
+        return run
+
+    def timer(fn: Callable[[], object]) -> float:
+        events.append(f"time {fn()}")
+        return 1.0
+
+    assert interleaved_times([launch(0), launch(1), launch(2)], timer, rounds=2) == [1.0, math.inf, 1.0]
+    assert events[:3] == ["call 0", "call 1", "call 2"], "compiled before round 0"
+    assert "time 1" not in events
+    assert events.count("call 1") == 1
+
+
 def test_time_limit_stops_before_the_next_shape():
     result = sweep(
         shapes=[(32, 32)],
@@ -363,4 +385,5 @@ def test_candidates_are_timed_with_exact_stages_and_the_looked_up_config_as_it_r
         shapes=[(48, 40)], ms=[16], ranks=[4], kernels=["xa"], timer=timer, candidates=TINY_CANDIDATES,
         device="cpu", rounds=1,
     )  # fmt: skip
-    assert exact_when_launched == [True] * len(TINY_CANDIDATES["xa"]) + [False]
+    one_pass = [True] * len(TINY_CANDIDATES["xa"]) + [False]
+    assert exact_when_launched == one_pass * 2, "the untimed first calls, then round 0, both as timed"
