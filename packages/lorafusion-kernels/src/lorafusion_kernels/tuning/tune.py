@@ -160,10 +160,12 @@ def _frozen_gemm(problem: LayerProblem) -> Callable[[], object]:
 def interleaved_times(launches: Sequence[Callable[[], object]], timer: Timer, rounds: int) -> list[float]:
     """Mean time of each launch over ``rounds`` rounds, the order reversed every other round.
 
-    Every launch is first called once, untimed, so that its compilation happens before any round.
-    Compiled inside round 0, the candidates left the GPU idle between timings, and those timings
-    came out faster (H100, 2026-11-26, four rounds of large GEMMs: round 0 about 3% below the later
-    rounds, its first timings up to 6%; compiled first, the four rounds agreed within 0.6%).
+    Every launch is first called once, untimed, so that no compilation happens inside a round.
+    Compiled inside round 0 (a cold compile cache, as for the first shape of a run), the candidates
+    left the GPU idle between timings, and round 0 came out about 3% faster than the later rounds
+    (H100, 2026-11-26, four rounds of large GEMMs; its first timings up to 6%). With a warm cache,
+    with or without the first calls, round 0 was 0-1.5% faster: a smaller effect these calls do
+    not remove, which the reversed rounds below spread over all candidates.
     Round 0 then times launches ``0, 1, ..., n-1``, round 1 ``n-1, ..., 0``, and so on, so with an
     even ``rounds`` every launch's mean position in the sequence is the same: a linear drift of the
     timings over the sweep adds the same amount to every mean. A launch that raises on its first
