@@ -164,7 +164,7 @@ def interleaved_times(launches: Sequence[Callable[[], object]], timer: Timer, ro
     Compiled inside round 0 (a cold compile cache, as for the first shape of a run), the candidates
     left the GPU idle between timings, and round 0 came out about 3% faster than the later rounds
     (H100, 2026-11-26, four rounds of large GEMMs; its first timings up to 6%). With a warm cache,
-    with or without the first calls, round 0 was 0-1.5% faster: a smaller effect these calls do
+    with or without the first calls, round 0 was 0-1.2% faster: a smaller effect these calls do
     not remove, which the reversed rounds below spread over all candidates.
     Round 0 then times launches ``0, 1, ..., n-1``, round 1 ``n-1, ..., 0``, and so on, so with an
     even ``rounds`` every launch's mean position in the sequence is the same: a linear drift of the
