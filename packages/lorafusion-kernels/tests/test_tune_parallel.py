@@ -122,13 +122,19 @@ def _write_job(workdir: Path, job: TuneJob, config_file: ConfigFile, timings: li
     (out / "timings.json").write_text(json.dumps(timings_to_json(timings, config_file.provenance)))
 
 
-def test_job_results_keep_the_first_job_of_a_key_and_every_timing(tmp_path):
+def test_job_results_keep_the_first_job_of_a_key_with_its_timings(tmp_path):
     big, small = layer_jobs(["llama-3.1-8b"], ["gate_up", "o"])
     shared = _key(1, 1)
     big_entries = [TunedEntry(key=shared, config=GEMM_A, ms=1), TunedEntry(key=_key(14336, 4096), config=GEMM_A, ms=2)]
     small_entries = [TunedEntry(key=shared, config=GEMM_B, ms=1), TunedEntry(key=_key(4096, 4096), config=GEMM_B, ms=1)]
-    big_timings = [ShapeTimings("xw_sb", _key(14336, 4096), {GEMM_A: 2.0, GEMM_B: 3.0}, 2.5)]
-    small_timings = [ShapeTimings("xw_sb", _key(4096, 4096), {GEMM_A: 1.2, GEMM_B: 1.0}, 1.1)]
+    big_timings = [
+        ShapeTimings("xw_sb", shared, {GEMM_A: 1.0, GEMM_B: 1.1}, 1.0),
+        ShapeTimings("xw_sb", _key(14336, 4096), {GEMM_A: 2.0, GEMM_B: 3.0}, 2.5),
+    ]
+    small_timings = [
+        ShapeTimings("xw_sb", shared, {GEMM_A: 0.95, GEMM_B: 0.9}, 0.9),
+        ShapeTimings("xw_sb", _key(4096, 4096), {GEMM_A: 1.2, GEMM_B: 1.0}, 1.1),
+    ]
     _write_job(tmp_path, big, _job_file(big_entries), big_timings)
     _write_job(tmp_path, small, _job_file(small_entries), small_timings)
     results = read_job_results(tmp_path, [big, small])
@@ -137,7 +143,7 @@ def test_job_results_keep_the_first_job_of_a_key_and_every_timing(tmp_path):
         (_key(14336, 4096), GEMM_A),
         (_key(4096, 4096), GEMM_B),
     ]
-    assert [t.key for t in results.timings] == [_key(14336, 4096), _key(4096, 4096)]
+    assert results.timings == (big_timings[0], big_timings[1], small_timings[1])
 
 
 def test_jobs_on_different_gpus_or_none_written_are_refused(tmp_path):

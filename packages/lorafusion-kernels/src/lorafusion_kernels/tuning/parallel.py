@@ -176,6 +176,9 @@ class JobResults:
 def read_job_results(workdir: Path, jobs: Sequence[TuneJob]) -> JobResults:
     """Read the jobs' outputs; a key two jobs timed (e.g. the shrink of two layers with one ``K``) keeps the first.
 
+    That first job's winner and timings are kept, the later jobs' dropped, as one process times a
+    key once.
+
     Raises:
         LoRAFusionKernelsError: if no job wrote a file, or two were measured on different GPUs.
     """
@@ -183,6 +186,7 @@ def read_job_results(workdir: Path, jobs: Sequence[TuneJob]) -> JobResults:
     timings: list[ShapeTimings] = []
     entries: dict[str, list[TunedEntry]] = {}
     seen: set[tuple[str, ShapeKey]] = set()
+    seen_timings: set[tuple[str, ShapeKey]] = set()
     for job in jobs:
         out = job_dir(workdir, job)
         written = sorted(out.glob("*.json"), key=lambda path: path.name)
@@ -198,7 +202,10 @@ def read_job_results(workdir: Path, jobs: Sequence[TuneJob]) -> JobResults:
         files.append(config_file)
         timings_path = out / "timings.json"
         if timings_path.is_file():
-            timings += timings_from_json(json.loads(timings_path.read_text()), where=str(timings_path))
+            for row in timings_from_json(json.loads(timings_path.read_text()), where=str(timings_path)):
+                if (row.kernel, row.key) not in seen_timings:
+                    seen_timings.add((row.kernel, row.key))
+                    timings.append(row)
         for kernel, table in config_file.kernels.items():
             for entry in table.entries:
                 if (kernel, entry.key) not in seen:
