@@ -213,3 +213,15 @@ def test_a_job_runs_as_its_own_process_on_its_gpu_and_a_failure_shows_its_log(tm
     assert said[0] == "gpu 7: llama-3.1-8b-o (n=4096 k=4096) started"
     assert said[1].startswith("gpu 7: llama-3.1-8b-o failed (exit 2) after")
     assert said[2:] == ["    lorafusion-tune needs a CUDA GPU"]
+
+
+def test_gpus_of_different_models_are_refused_before_any_job(monkeypatch, capsys):
+    names = ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: names[i])
+    monkeypatch.setattr(tune, "tune_on_gpus", lambda *a, **k: pytest.fail("no job may start"))
+    assert tune.main(["--gpus", "2", "--models", "llama-3.1-8b"]) == 2
+    assert "--gpus 2 spans different GPUs (NVIDIA H100 80GB HBM3, NVIDIA H200)" in capsys.readouterr().out
+    assert tune.main(["--gpus", "3"]) == 2
+    assert "--gpus must be between 1 and the 2 GPUs" in capsys.readouterr().out

@@ -603,6 +603,10 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.gpus <= torch.cuda.device_count():
         _say(f"--gpus must be between 1 and the {torch.cuda.device_count()} GPUs this process sees")
         return 2
+    names = sorted({torch.cuda.get_device_name(i) for i in range(args.gpus)})
+    if len(names) > 1:
+        _say(f"--gpus {args.gpus} spans different GPUs ({', '.join(names)}): one file holds one GPU's configs")
+        return 2
     try:
         layer_shapes(args.models, args.layers)
     except LoRAFusionKernelsError as exc:
