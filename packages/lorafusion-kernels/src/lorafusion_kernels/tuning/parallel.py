@@ -48,7 +48,18 @@ class TuneJob:
 
 
 def layer_jobs(models: Sequence[str], layers: Sequence[str] | None = None) -> list[TuneJob]:
-    """One job per distinct ``(N, K)`` of the models' layers (all, or those in ``layers``), largest first."""
+    """One job per distinct ``(N, K)`` of the models' layers (all, or those in ``layers``), largest first.
+
+    Raises:
+        LoRAFusionKernelsError: for an unknown model, or a layer name no listed model has.
+    """
+    for model in models:
+        if model not in MODEL_LAYERS:
+            raise LoRAFusionKernelsError(f"unknown model {model!r}; choose from {sorted(MODEL_LAYERS)}")
+    known = sorted({name for model in models for name, _, _ in MODEL_LAYERS[model]})
+    for layer in layers or ():
+        if layer not in known:
+            raise LoRAFusionKernelsError(f"unknown layer {layer!r} for models {list(models)}; choose from {known}")
     jobs: dict[tuple[int, int], TuneJob] = {}
     for model in models:
         for layer, n, k in MODEL_LAYERS[model]:
@@ -183,10 +194,8 @@ def read_job_results(workdir: Path, jobs: Sequence[TuneJob]) -> JobResults:
         LoRAFusionKernelsError: if no job wrote a file, or two were measured on different GPUs.
     """
     files: list[ConfigFile] = []
-    timings: list[ShapeTimings] = []
-    entries: dict[str, list[TunedEntry]] = {}
-    seen: set[tuple[str, ShapeKey]] = set()
-    seen_timings: set[tuple[str, ShapeKey]] = set()
+    first_timings: dict[tuple[str, ShapeKey], ShapeTimings] = {}
+    first_entries: dict[tuple[str, ShapeKey], TunedEntry] = {}
     for job in jobs:
         out = job_dir(workdir, job)
         written = sorted(out.glob("*.json"), key=lambda path: path.name)
@@ -203,14 +212,13 @@ def read_job_results(workdir: Path, jobs: Sequence[TuneJob]) -> JobResults:
         timings_path = out / "timings.json"
         if timings_path.is_file():
             for row in timings_from_json(json.loads(timings_path.read_text()), where=str(timings_path)):
-                if (row.kernel, row.key) not in seen_timings:
-                    seen_timings.add((row.kernel, row.key))
-                    timings.append(row)
+                first_timings.setdefault((row.kernel, row.key), row)
         for kernel, table in config_file.kernels.items():
             for entry in table.entries:
-                if (kernel, entry.key) not in seen:
-                    seen.add((kernel, entry.key))
-                    entries.setdefault(kernel, []).append(entry)
+                first_entries.setdefault((kernel, entry.key), entry)
+    entries: dict[str, list[TunedEntry]] = {}
+    for (kernel, _), entry in first_entries.items():
+        entries.setdefault(kernel, []).append(entry)
     if not files:
         raise LoRAFusionKernelsError(f"no tuning job wrote a config file (logs in {workdir})")
-    return JobResults(files=tuple(files), timings=tuple(timings), entries=entries)
+    return JobResults(files=tuple(files), timings=tuple(first_timings.values()), entries=entries)
