@@ -173,6 +173,19 @@ class KernelTable:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Resolution:
+    """The config a file gives one lookup, and where in the file it was found."""
+
+    config: KernelConfig
+    kernel: str
+    """The kernel whose table gave it: the one looked up, or its fallback."""
+    source: str
+    """``"entry"`` (of this shape), ``"rank default"`` or ``"default"``."""
+    entry_m: int | None = None
+    """For an entry: its ``m``, which is the nearest tuned one when it differs from the key's."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ConfigFile:
     """A parsed ``configs/<gpu-key>.json``."""
 
@@ -254,7 +267,7 @@ class ConfigFile:
             "kernels": kernels,
         }
 
-    def entry_for(self, kernel: str, key: ShapeKey) -> KernelConfig | None:
+    def nearest_entry(self, kernel: str, key: ShapeKey) -> TunedEntry | None:
         """``kernel``'s exact entry, else its nearest ``m`` (log distance) with the other fields equal, else None."""
         table = self.kernels.get(kernel)
         if table is None:
@@ -265,29 +278,40 @@ class ConfigFile:
         if not same:
             return None
         log_m = math.log(max(key.m, 1))
-        return min(same, key=lambda e: (abs(math.log(e.key.m) - log_m), e.key.m)).config
+        return min(same, key=lambda e: (abs(math.log(e.key.m) - log_m), e.key.m))
 
     def rank_default(self, kernel: str, key: ShapeKey) -> KernelConfig | None:
         """``kernel``'s :meth:`KernelTable.rank_default` for ``key``; None if the file has no table for it."""
         table = self.kernels.get(kernel)
         return table.rank_default(key) if table is not None else None
 
-    def lookup(self, kernel: str, key: ShapeKey, fallback: str | None = None) -> KernelConfig | None:
-        """The file's config for ``key``: entries of ``kernel`` then ``fallback``, rank defaults likewise, defaults.
+    def resolve(self, kernel: str, key: ShapeKey, fallback: str | None = None) -> Resolution | None:
+        """The file's config for ``key`` and where it came from.
+
+        The order: an entry of ``kernel`` (exact ``m``, else the nearest), then of ``fallback``; the
+        rank default of ``kernel``, then of ``fallback``; the default of ``kernel``, then of ``fallback``.
 
         Returns:
             None when the file has a table for neither kernel.
         """
         names = (kernel,) if fallback is None else (kernel, fallback)
-        for find in (self.entry_for, self.rank_default):
-            for name in names:
-                config = find(name, key)
-                if config is not None:
-                    return config
+        for name in names:
+            entry = self.nearest_entry(name, key)
+            if entry is not None:
+                return Resolution(config=entry.config, kernel=name, source="entry", entry_m=entry.key.m)
+        for name in names:
+            config = self.rank_default(name, key)
+            if config is not None:
+                return Resolution(config=config, kernel=name, source="rank default")
         for name in names:
             if name in self.kernels:
-                return self.kernels[name].default
+                return Resolution(config=self.kernels[name].default, kernel=name, source="default")
         return None
+
+    def lookup(self, kernel: str, key: ShapeKey, fallback: str | None = None) -> KernelConfig | None:
+        """The config of :meth:`resolve`; None when the file has a table for neither kernel."""
+        found = self.resolve(kernel, key, fallback)
+        return found.config if found is not None else None
 
 
 def rank_tile(r: int) -> int:

@@ -52,7 +52,12 @@ class LayerProblem:
 
 
 def config_key(kernel: str, problem: LayerProblem) -> ShapeKey:
-    """The shape under which the op looks up ``kernel``'s config when it runs ``problem``'s layer.
+    """The key under which the op looks up ``kernel``'s config when it runs ``problem``'s layer (:func:`shape_key`)."""
+    return shape_key(kernel, m=problem.m, n=problem.n, k=problem.k, r=problem.r, dtype=dtype_name(problem.dtype))
+
+
+def shape_key(kernel: str, *, m: int, n: int, k: int, r: int, dtype: str) -> ShapeKey:
+    """The key of ``kernel``'s config on a layer ``W [n, k]`` at ``m`` tokens and rank ``r``.
 
     Entries are keyed by the problem each kernel sees, which is not always the layer ``W [n, k]``:
 
@@ -63,8 +68,8 @@ def config_key(kernel: str, problem: LayerProblem) -> ShapeKey:
 
     Layers that share a key share its entry, so the tuner times each key once.
     """
-    n, k = _keyed_nk(kernel, problem.n, problem.k, problem.r)
-    return ShapeKey(m=problem.m, n=n, k=k, r=problem.r, dtype=dtype_name(problem.dtype))
+    keyed_n, keyed_k = _keyed_nk(kernel, n, k, r)
+    return ShapeKey(m=m, n=keyed_n, k=keyed_k, r=r, dtype=dtype)
 
 
 def _keyed_nk(kernel: str, n: int, k: int, r: int) -> tuple[int, int]:

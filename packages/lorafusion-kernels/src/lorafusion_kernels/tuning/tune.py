@@ -7,6 +7,7 @@ Usage (on the GPU to tune; the file goes to ``--out``, named after the GPU)::
     lorafusion-tune --kernels multi_xa multi_xw_sb --merge configs/nvidia_h100_80gb_hbm3.json --time-limit 400
     lorafusion-tune --kernels xw_sb --timings a.json ...; lorafusion-tune --compare a.json b.json  # reproducible?
     lorafusion-tune --gpus 4 --r 128 --merge configs/nvidia_h200.json --keep-defaults  # one shape per GPU at a time
+    lorafusion-tune --coverage nvidia_h200 --m 8192 --r 16 128  # which shapes a file has tuned (no GPU)
 
 The FusedLoRA kernels (``xa``, ``xw_sb``, ``dys_dyb``, ``dsx``, ``dyw_dsa``) are timed with one
 adapter, the FusedMultiLoRA kernels (``multi_xa``, ...) on a microbatch of ``--adapters`` adapters
@@ -57,9 +58,12 @@ from lorafusion_kernels.tuning.config import (
     KernelTable,
     ShapeKey,
     TunedEntry,
+    config_dir,
     dtype_name,
     dumps,
+    load_config_file,
 )
+from lorafusion_kernels.tuning.coverage import coverage, format_coverage
 from lorafusion_kernels.tuning.device import capability, gpu_key
 from lorafusion_kernels.tuning.holdout import format_rank_default_check, rank_default_check
 from lorafusion_kernels.tuning.launches import (
@@ -524,6 +528,30 @@ def _check_rank_defaults(timings_path: Path, config_path: Path) -> int:
     return 0
 
 
+def _coverage(gpu: str, args: argparse.Namespace) -> int:
+    """``--coverage``: where each kernel's config comes from on the swept shapes, in one GPU's file."""
+    path = Path(gpu) if gpu.endswith(".json") else config_dir() / f"{gpu_key(gpu)}.json"
+    if gpu.endswith(".json") and _missing_files("--coverage", path):
+        return 2
+    try:
+        layer_jobs(args.models, args.layers)
+        config_file = load_config_file(path)
+    except (LoRAFusionKernelsError, json.JSONDecodeError) as exc:
+        _say(f"--coverage: {exc}")
+        return 2
+    layers = [
+        (f"{model}.{layer}", n, k)
+        for model in args.models
+        for layer, n, k in MODEL_LAYERS[model]
+        if args.layers is None or layer in args.layers
+    ]
+    rows = coverage(config_file, layers=layers, ms=args.m, ranks=args.r, kernels=args.kernels)
+    where = f"{path} ({config_file.device_name})" if config_file is not None else f"no file {path}"
+    _say(f"{where}: where each lookup's config comes from, keys counted per kernel, r and m (bfloat16)")
+    _say(format_coverage(rows))
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lorafusion-tune", description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=sorted(MODEL_LAYERS), choices=sorted(MODEL_LAYERS))
@@ -550,6 +578,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--compare", nargs=2, type=Path, metavar=("A", "B"), help="only compare two tuned files' winners (no GPU)"
+    )
+    parser.add_argument(
+        "--coverage",
+        metavar="GPU",
+        help="only report which swept shapes a GPU's file (a name, a key or a .json path) has tuned (no GPU)",
     )
     parser.add_argument(
         "--check-rank-defaults",
@@ -583,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
         return _compare(*args.compare)
     if args.check_rank_defaults is not None:
         return _check_rank_defaults(*args.check_rank_defaults)
+    if args.coverage is not None:
+        return _coverage(args.coverage, args)
     if not torch.cuda.is_available():
         _say("lorafusion-tune needs a CUDA GPU")
         return 2
