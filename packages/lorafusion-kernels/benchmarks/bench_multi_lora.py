@@ -224,7 +224,10 @@ def run(
 
 
 def summarize(rows: list[dict[str, object]], field: str = "fwd_bwd_ms") -> dict[str, dict[str, float]]:
-    """Per adapter count, geometric means of time ratios: fused_multi/frozen, eager/fused_multi, ..."""
+    """Per adapter count, geometric means of time ratios: fused_multi/frozen, eager/fused_multi, ...
+
+    A ratio whose two providers never ran together is left out (no NaN in the JSON).
+    """
     by_key: dict[tuple[object, ...], dict[str, float]] = {}
     for row in rows:
         value = row[field]
@@ -232,22 +235,24 @@ def summarize(rows: list[dict[str, object]], field: str = "fwd_bwd_ms") -> dict[
         key = (row["adapters"], row["distribution"], row["n"], row["k"], row["m"])
         by_key.setdefault(key, {})[str(row["provider"])] = value
 
-    def geomean(count: int, a: str, b: str) -> float:
+    def geomean(count: int, a: str, b: str) -> float | None:
         ratios = [v[a] / v[b] for key, v in by_key.items() if key[0] == count and a in v and v.get(b, 0.0) > 0.0]
         ratios = [x for x in ratios if math.isfinite(x)]
-        return math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else math.nan
+        return math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
 
-    counts = sorted({int(str(row["adapters"])) for row in rows})
-    return {
-        f"adapters={count}": {
-            "fused_multi_over_frozen": geomean(count, "fused_multi", "frozen"),
-            "eager_over_fused_multi": geomean(count, "eager", "fused_multi"),
-            "fused_single_over_fused_multi": geomean(count, "fused_single", "fused_multi"),
-            "eager_over_frozen": geomean(count, "eager", "frozen"),
-            "fused_multi_tma_over_frozen": geomean(count, "fused_multi_tma", "frozen"),
-        }
-        for count in counts
+    pairs = {
+        "fused_multi_over_frozen": ("fused_multi", "frozen"),
+        "eager_over_fused_multi": ("eager", "fused_multi"),
+        "fused_single_over_fused_multi": ("fused_single", "fused_multi"),
+        "eager_over_frozen": ("eager", "frozen"),
+        "fused_multi_tma_over_frozen": ("fused_multi_tma", "frozen"),
     }
+    counts = sorted({int(str(row["adapters"])) for row in rows})
+    summary: dict[str, dict[str, float]] = {}
+    for count in counts:
+        ratios = {name: geomean(count, a, b) for name, (a, b) in pairs.items()}
+        summary[f"adapters={count}"] = {name: value for name, value in ratios.items() if value is not None}
+    return summary
 
 
 def breakdown(m: int, n: int, k: int, r: int, p: float, adapters: int, rep: int) -> dict[str, float]:
