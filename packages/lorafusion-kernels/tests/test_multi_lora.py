@@ -635,6 +635,19 @@ GPU_CASES = [
         ),
         id="T8192-N4096-K4096-r16.128.8-bf16",  # rank tile 128: tuned tiles may not fit in shared memory
     ),
+    pytest.param(
+        Case(
+            name="llama8b-gate_up-rank32",
+            lengths=(2500, 1596, 2048, 2048),
+            adapters=(3, 1, 0, 2),
+            ranks=(32, 32, 32, 32),
+            scaling=(2.0, 2.0, 1.0, 0.5),
+            dropout_p=(0.1, 0.1, 0.1, 0.0),
+            n=14336,
+            k=4096,
+        ),
+        id="T8192-N14336-K4096-r32x4-bf16",  # the H100 file's rank-32 dS/dB entry of this width
+    ),
 ]
 
 

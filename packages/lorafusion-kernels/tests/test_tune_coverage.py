@@ -1,4 +1,4 @@
-"""``lorafusion-tune --coverage``: where each lookup's config comes from, and the shipped files at rank 16 (CPU)."""
+"""``lorafusion-tune --coverage``: where each lookup's config comes from, and what the shipped files cover (CPU)."""
 
 from __future__ import annotations
 
@@ -103,18 +103,23 @@ def test_the_command_reports_a_file_and_refuses_what_it_cannot_read(tmp_path, ca
 SHIPPED = sorted(Path(str(importlib.resources.files("lorafusion_kernels") / "configs")).glob("*.json"))
 
 
-@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
-def test_every_shipped_file_has_its_own_rank_16_entries_on_every_layer(path):
-    """At rank 16 (the paper's) every kernel has an entry of its own on every layer of the tuner's models."""
+def untuned_keys(path: Path, *, ms: list[int], ranks: list[int], kernels: list[str]) -> list[tuple[object, ...]]:
+    """The keys of every layer of the tuner's models that ``path`` has no entry of the kernel's own for."""
     import lorafusion_kernels.multi_lora  # noqa: F401
 
     layers = [(f"{model}.{layer}", n, k) for model, shapes in MODEL_LAYERS.items() for layer, n, k in shapes]
-    rows = coverage(
-        load_config_file(path),
-        layers=layers,
-        ms=[4096, 8192],
-        ranks=[16],
-        kernels=[*SINGLE_ADAPTER_KERNELS, *MULTI_ADAPTER_KERNELS],
-    )
-    untuned = [(row.kernel, row.key, row.source) for row in rows if not row.source.startswith("entry")]
-    assert untuned == []
+    rows = coverage(load_config_file(path), layers=layers, ms=ms, ranks=ranks, kernels=kernels)
+    return [(row.kernel, row.key, row.source) for row in rows if not row.source.startswith("entry")]
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_every_shipped_file_has_its_own_rank_16_entries_on_every_layer(path):
+    """At rank 16 (the paper's) every kernel has an entry of its own on every layer of the tuner's models."""
+    kernels = [*SINGLE_ADAPTER_KERNELS, *MULTI_ADAPTER_KERNELS]
+    assert untuned_keys(path, ms=[4096, 8192], ranks=[16], kernels=kernels) == []
+
+
+def test_the_h100_file_has_its_own_ds_db_entries_at_ranks_32_to_128():
+    """The ``dS``/``dB`` passes' tile depends on the rank (a rank default costs up to 7% there): H100 has them all."""
+    (path,) = [p for p in SHIPPED if p.stem == "nvidia_h100_80gb_hbm3"]
+    assert untuned_keys(path, ms=[8192], ranks=[32, 64, 128], kernels=["dys_dyb", "multi_dys_dyb"]) == []
