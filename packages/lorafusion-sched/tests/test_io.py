@@ -28,6 +28,8 @@ def test_read_lengths_in_every_format(tmp_path: Path) -> None:
     assert read_lengths(tmp_path / "e.csv") == [11, 12]
     assert read_lengths(tmp_path / "f.csv") == [13, 14]
     assert read_lengths(tmp_path / "g.csv", "size") == [15]
+    (tmp_path / "h.csv").write_text("100\n200\n")
+    assert read_lengths(tmp_path / "h.csv") == [100, 200], "no header row: the first number is a sample"
 
 
 @pytest.mark.parametrize(
@@ -41,6 +43,9 @@ def test_read_lengths_in_every_format(tmp_path: Path) -> None:
         ("x.txt", "5", "unknown suffix '.txt'"),
         ("x.json", "[]", "no lengths found"),
         ("x.json", '["many"]', "'many' is not a token count"),
+        ("x.jsonl", '5\n{"tokens": 6,\n7\n', r"x.jsonl:2: invalid JSON"),
+        ("x.csv", "5,6\n7,8\n", "without a header row must have one column"),
+        ("x.csv", "id,tokens\n1,5\n2\n", r"x.csv:3: 1 cells under a header of 2 columns"),
     ],
 )
 def test_bad_lengths_files_say_where(tmp_path: Path, name: str, text: str, needle: str) -> None:
@@ -77,7 +82,20 @@ def test_load_jobs_yaml_with_a_lengths_file(tmp_path: Path) -> None:
             },
             "options.*capacity = 100 is not a multiple",
         ),
-        ({"adapters": [{"name": "a", "sample_tokens": [5], "global_batch_size": 1}], "extra": 1}, "expected a mapping"),
+        (
+            {"adapters": [{"name": "a", "sample_tokens": [5], "global_batch_size": 1}], "steps": 1},
+            r"unknown top-level keys \['steps'\]",
+        ),
+        (
+            {"adapters": [{"name": "a", "sample_tokens": [5], "global_batch_size": 1}], "options": {}},
+            "capacity: missing",
+        ),
+        ({"adapters": [{"name": "a", "global_batch_size": 1}]}, r"adapters\[0\].sample_tokens: missing"),
+        (
+            {"adapters": [{"name": "a", "sample_tokens": [5], "lengths_file": "a.json", "global_batch_size": 1}]},
+            "has both sample_tokens and lengths_file",
+        ),
+        ({"adapters": [{"name": "a", "sample_tokens": [True, 5], "global_batch_size": 1}]}, "not a boolean"),
         (
             {
                 "adapters": [{"name": "a", "sample_tokens": [5], "global_batch_size": 1}],

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import numpy as np
@@ -7,11 +8,13 @@ import pytest
 
 from lorafusion_sched.packing import highs
 from lorafusion_sched.packing.formulation import min_bins_model, min_smallest_bin_model
-from lorafusion_sched.packing.greedy import greedy_pack
+from lorafusion_sched.packing.greedy import first_fit_decreasing, greedy_pack
+from lorafusion_sched.packing.max_tree import MaxTree, room_for
 from lorafusion_sched.packing.problem import (
     PackingProblem,
     bin_size,
     canonical_order,
+    round_up,
     smallest_bin_bound,
     volume_bound,
 )
@@ -111,3 +114,61 @@ def test_models_can_be_written_with_readable_names(tmp_path: Path) -> None:
     text = path.read_text()
     assert "x_0_0" in text
     assert "z_2" in text
+
+
+def _first_fit_by_scanning(problem: PackingProblem) -> list[list[int]]:
+    """First-fit decreasing the plain way (every open bin tried in order): the reference."""
+    order = sorted(range(problem.num_items), key=lambda i: (-problem.lengths[i], i))
+    bins: list[list[int]] = []
+    for i in order:
+        for items in bins:
+            if bin_size(problem, [*items, i]) <= problem.capacity:
+                items.append(i)
+                break
+        else:
+            bins.append([i])
+    return bins
+
+
+@pytest.mark.parametrize("padding", [1, 8, 64])
+@pytest.mark.parametrize("seed", range(6))
+def test_first_fit_finds_the_bins_a_full_scan_finds(padding: int, seed: int) -> None:
+    rng = random.Random(seed)
+    capacity = padding * rng.choice([16, 50, 64])
+    n = rng.choice([1, 7, 200, 1500])
+    lengths = tuple(rng.randint(1, capacity) for _ in range(n))
+    adapters = tuple(rng.randrange(3) for _ in range(n))
+    problem = PackingProblem(lengths=lengths, adapters=adapters, capacity=capacity, padding=padding)
+    assert [b.items for b in first_fit_decreasing(problem)] == _first_fit_by_scanning(problem)
+
+
+def test_max_tree_finds_the_first_position_with_enough() -> None:
+    rng = random.Random(0)
+    tree, values = MaxTree(), []
+    for _ in range(300):
+        if not values or rng.random() < 0.4:
+            values.append(rng.randint(0, 50))
+            tree.append(values[-1])
+        else:
+            index = rng.randrange(len(values))
+            values[index] = rng.randint(0, 50)
+            tree.set(index, values[index])
+        need, start = rng.randint(0, 55), rng.randint(0, len(values))
+        expected = next((i for i in range(start, len(values)) if values[i] >= need), None)
+        assert tree.first_at_least(need, start) == expected
+
+
+def test_room_for_is_exactly_what_fits() -> None:
+    capacity, padding = 256, 64
+    for old in range(130):
+        for other in (0, 64, 128):
+            size = other + round_up(old, padding)
+            if size > capacity:
+                continue
+            room = room_for(capacity, padding, size, old)
+            fits = [
+                n
+                for n in range(1, capacity + 1)
+                if size - round_up(old, padding) + round_up(old + n, padding) <= capacity
+            ]
+            assert room == max(fits, default=0)

@@ -1,6 +1,7 @@
 """The ``lorafusion-sched`` command: plan, verify, simulate, demo.
 
-Exit codes: 0 success, 1 the plan has violations, 2 bad input (the message says what to change).
+Exit codes: 0 success, 1 the plan has violations, 2 bad input (the message, on standard error, says
+what to change). Output paths are checked before any planning starts, and written atomically.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from pathlib import Path
 
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from lorafusion_sched.__about__ import __version__
 from lorafusion_sched.errors import SchedError
-from lorafusion_sched.io import describe_validation_error, load_jobs, load_plan, save_plan
+from lorafusion_sched.io import check_writable, describe_validation_error, load_jobs, load_plan, save_plan
 from lorafusion_sched.models import AdapterJob, CostModel, Plan, PlanOptions, SimulationResult
 from lorafusion_sched.planner import plan as make_plan
 from lorafusion_sched.simulate import simulate
@@ -82,6 +84,28 @@ def _simulation_table(result: SimulationResult) -> Table:
     return table
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is less than 1")
+    return value
+
+
+def _check_outputs(output: Path | None, png: Path | None) -> None:
+    """Refuse output paths that cannot be written before the work that fills them starts."""
+    if output is not None:
+        check_writable(output)
+    if png is not None:
+        from lorafusion_sched.plot import check_png_path
+
+        check_png_path(png)
+        check_writable(png)
+
+
 def _cost_model(args: argparse.Namespace) -> CostModel:
     factors = None
     if args.stage_factors:
@@ -109,13 +133,17 @@ def _override(options: PlanOptions, args: argparse.Namespace) -> PlanOptions:
 
 
 def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    _check_outputs(args.output, None)
     jobs, options = load_jobs(args.jobs)
     options = _override(options, args)
-    plan = _plan_with_progress(jobs, options, console, args.quiet)
+    try:
+        plan = _plan_with_progress(jobs, options, console, args.quiet)
+    except SchedError as err:
+        raise SchedError(f"{args.jobs}: {err}") from None
     save_plan(plan, args.output)
     if not args.quiet:
         console.print(_plan_table(plan))
-    console.print(f"wrote [bold]{args.output}[/bold] ({plan.stats.num_microbatches:,} microbatches)")
+    console.print(f"wrote [bold]{escape(str(args.output))}[/bold] ({plan.stats.num_microbatches:,} microbatches)")
     return 0
 
 
@@ -123,13 +151,14 @@ def _cmd_verify(args: argparse.Namespace, console: Console) -> int:
     plan = load_plan(args.plan)
     violations = verify(plan)
     if not violations:
-        console.print(f"[green]ok[/green]: {args.plan} verifies clean ({len(plan.microbatches):,} microbatches)")
+        where = escape(str(args.plan))
+        console.print(f"[green]ok[/green]: {where} verifies clean ({len(plan.microbatches):,} microbatches)")
         return 0
     for v in violations[:50]:
-        console.print(f"[red]violation[/red] {v}", highlight=False)
+        console.print(f"[red]violation[/red] {escape(str(v))}", highlight=False)
     if len(violations) > 50:
         console.print(f"... and {len(violations) - 50} more")
-    console.print(f"[red]{len(violations)} violation(s)[/red] in {args.plan}")
+    console.print(f"[red]{len(violations)} violation(s)[/red] in {escape(str(args.plan))}")
     return 1
 
 
@@ -137,12 +166,13 @@ def _draw(plan: Plan, png: Path, cost: CostModel, console: Console) -> None:
     from lorafusion_sched.plot import plot_timeline
 
     plot_timeline(plan, png, cost_model=cost)
-    console.print(f"wrote timeline [bold]{png}[/bold]")
+    console.print(f"wrote timeline [bold]{escape(str(png))}[/bold]")
 
 
 def _cmd_simulate(args: argparse.Namespace, console: Console) -> int:
-    plan = load_plan(args.plan)
+    _check_outputs(None, args.png)
     cost = _cost_model(args)
+    plan = load_plan(args.plan)
     result = simulate(plan, cost, baselines=not args.no_baselines)
     console.print(_simulation_table(result))
     if args.png:
@@ -151,6 +181,10 @@ def _cmd_simulate(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
+    _check_outputs(args.output, args.png)
+    cost = _cost_model(args)
+    if args.samples < args.adapters:
+        raise SchedError(f"--samples {args.samples} < --adapters {args.adapters}: each adapter needs a sample")
     jobs = synthetic_jobs(
         args.workload,
         args.samples,
@@ -159,7 +193,10 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
         seed=args.seed,
     )
     options = _override(
-        PlanOptions(capacity=args.capacity, pipeline_stages=args.stages, padding_multiple=args.padding), args
+        PlanOptions(
+            capacity=args.capacity, pipeline_stages=args.stages, padding_multiple=args.padding, truncate=args.truncate
+        ),
+        args,
     )
     console.rule(f"[bold]lorafusion-sched {__version__} demo")
     console.print(
@@ -180,7 +217,6 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
     console.print(
         "[green]verify: no violations[/green]" if not violations else f"[red]verify: {len(violations)} violations"
     )
-    cost = _cost_model(args)
     result = simulate(plan, cost)
     console.print(_simulation_table(result))
     ours, megatron, mlora = (result.run(n) for n in ("lorafusion", "megatron", "mlora"))
@@ -192,7 +228,7 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
     )
     if args.output:
         save_plan(plan, args.output)
-        console.print(f"wrote [bold]{args.output}[/bold]")
+        console.print(f"wrote [bold]{escape(str(args.output))}[/bold]")
     if args.png:
         _draw(plan, args.png, cost, console)
     return 0 if not violations else 1
@@ -208,7 +244,7 @@ def _add_cost_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_solver_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=None, help="processes for MILP solves (default: CPUs)")
+    parser.add_argument("--workers", type=_positive_int, default=None, help="processes for MILP solves (default: CPUs)")
     parser.add_argument("--time-limit", type=float, default=None, metavar="S", help="seconds per MILP solve")
     parser.add_argument("--no-milp", action="store_true", help="greedy packing only")
 
@@ -237,13 +273,14 @@ def _parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="plan and simulate a synthetic workload in a few seconds")
     d.add_argument("--workload", choices=WORKLOADS, default="het")
-    d.add_argument("--samples", type=int, default=2560)
-    d.add_argument("--adapters", type=int, default=4)
-    d.add_argument("--global-batch-size", type=int, default=32)
-    d.add_argument("--stages", type=int, default=4)
-    d.add_argument("--capacity", type=int, default=4096)
-    d.add_argument("--padding", type=int, default=64)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--samples", type=_positive_int, default=2560, help="samples over all adapters (default: 2560)")
+    d.add_argument("--adapters", type=_positive_int, default=4, help="LoRA jobs (default: 4)")
+    d.add_argument("--global-batch-size", type=_positive_int, default=32, help="samples per step (default: 32)")
+    d.add_argument("--stages", type=_positive_int, default=4, help="pipeline stages (default: 4)")
+    d.add_argument("--capacity", type=_positive_int, default=4096, help="tokens per microbatch (default: 4096)")
+    d.add_argument("--padding", type=_positive_int, default=64, help="segment padding multiple (default: 64)")
+    d.add_argument("--truncate", action="store_true", help="cut samples longer than the capacity to it")
+    d.add_argument("--seed", type=int, default=0, help="synthetic lengths' seed (default: 0)")
     d.add_argument("-o", "--output", type=Path, default=None, help="also write the plan JSON")
     d.add_argument("--png", type=Path, default=None, help="also draw the timelines (needs the plot extra)")
     _add_solver_args(d)
@@ -254,16 +291,18 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = _parser().parse_args(argv)
-    console = Console()
+    console, errors = Console(), Console(stderr=True, soft_wrap=True)  # a path stays whole
     commands = {"plan": _cmd_plan, "verify": _cmd_verify, "simulate": _cmd_simulate, "demo": _cmd_demo}
     try:
         return commands[args.command](args, console)
     except SchedError as err:
-        console.print(f"[bold red]error:[/bold red] {err}", highlight=False)
-        return 2
+        message = str(err)
     except ValidationError as err:  # a command-line value the models refuse
-        console.print(f"[bold red]error:[/bold red] {describe_validation_error(err)}", highlight=False)
-        return 2
+        message = describe_validation_error(err)
+    except OSError as err:  # a file that could not be read or written after the checks
+        message = f"{err.filename or ''}: {err.strerror or err}".lstrip(": ")
+    errors.print(f"[bold red]error:[/bold red] {escape(message)}", highlight=False)
+    return 2
 
 
 if __name__ == "__main__":

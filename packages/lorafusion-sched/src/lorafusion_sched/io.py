@@ -10,8 +10,8 @@ A jobs file::
         "options": {"capacity": 4096, "pipeline_stages": 4, "padding_multiple": 64},
     }
 
-``lengths_file`` (relative to the jobs file) replaces ``sample_tokens``; ``lengths_field`` picks the
-field or column when the file has several.
+An adapter gives either ``sample_tokens`` or ``lengths_file`` (relative to the jobs file), not both;
+``lengths_field`` picks the field or column when the file has several.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,16 @@ from pydantic import ValidationError
 from lorafusion_sched.errors import SchedError
 from lorafusion_sched.models import AdapterJob, Plan, PlanOptions
 
-__all__ = ["LENGTH_FIELDS", "describe_validation_error", "load_jobs", "load_plan", "read_lengths", "save_plan"]
+__all__ = [
+    "LENGTH_FIELDS",
+    "check_writable",
+    "describe_validation_error",
+    "load_jobs",
+    "load_plan",
+    "read_lengths",
+    "save_plan",
+    "write_atomically",
+]
 
 LENGTH_FIELDS = ("tokens", "num_tokens", "length", "len", "n_tokens")
 """Field or column names tried, in order, when a lengths file has objects or several columns."""
@@ -59,12 +69,54 @@ def _as_length(value: Any, where: str) -> int:
     return int(number)
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _csv_lengths(path: Path, text: str, field: str | None) -> list[int]:
+    """A CSV's lengths, from a header row's one column, ``field`` or a :data:`LENGTH_FIELDS` column.
+
+    A CSV whose first row is all numbers has no header row; it must have a single column.
+    """
+    rows = [row for row in csv.reader(text.splitlines()) if row]
+    if not rows:
+        return []
+    if all(_is_number(cell) for cell in rows[0]):
+        if field is not None or len(rows[0]) != 1:
+            raise SchedError(
+                f"{path}:1: a CSV without a header row must have one column; add a header row naming "
+                f"the columns and pass lengths_field"
+            )
+        return [_as_length(row[0], f"{path}:{n}") for n, row in enumerate(rows, start=1)]
+    header, lengths = rows[0], []
+    for n, row in enumerate(rows[1:], start=2):
+        where = f"{path}:{n}"
+        if len(row) != len(header):
+            raise SchedError(f"{where}: {len(row)} cells under a header of {len(header)} columns")
+        record = dict(zip(header, row, strict=True))
+        single = len(header) == 1 and field is None
+        lengths.append(_as_length(row[0] if single else _pick(record, field, where), where))
+    return lengths
+
+
+def _json_item(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise SchedError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
+
+
 def read_lengths(path: str | Path, field: str | None = None) -> list[int]:
     """Token lengths from a file, in file order.
 
     Formats (by suffix): ``.json`` (a list of numbers or of objects), ``.jsonl`` (one number or
-    object per line), ``.csv`` (a header row; a single column or the column ``field``). In objects
-    and CSV headers, ``field`` or else the first of :data:`LENGTH_FIELDS` is used.
+    object per line), ``.csv`` (a header row, then a single column or the column ``field``; or no
+    header row and a single column of numbers). In objects and CSV headers, ``field`` or else the
+    first of :data:`LENGTH_FIELDS` is used.
 
     Raises:
         SchedError: Missing file, unknown suffix, bad JSON, a missing field, or a value that is not
@@ -76,31 +128,23 @@ def read_lengths(path: str | Path, field: str | None = None) -> list[int]:
     suffix = path.suffix.lower()
     text = path.read_text("utf-8")
     lengths: list[int] = []
-    try:
-        if suffix == ".json":
-            data = json.loads(text)
-            if not isinstance(data, list):
-                raise SchedError(f"{path}: expected a JSON list of lengths or of objects")
-            for i, item in enumerate(data):
-                where = f"{path}[{i}]"
-                lengths.append(_as_length(_pick(item, field, where) if isinstance(item, dict) else item, where))
-        elif suffix == ".jsonl":
-            for n, line in enumerate(text.splitlines(), start=1):
-                if line.strip():
-                    item = json.loads(line)
-                    where = f"{path}:{n}"
-                    lengths.append(_as_length(_pick(item, field, where) if isinstance(item, dict) else item, where))
-        elif suffix == ".csv":
-            rows = list(csv.DictReader(text.splitlines()))
-            columns = list(rows[0]) if rows else []
-            single = len(columns) == 1 and field is None
-            for n, row in enumerate(rows, start=2):
+    if suffix == ".json":
+        data = _json_item(text, str(path))
+        if not isinstance(data, list):
+            raise SchedError(f"{path}: expected a JSON list of lengths or of objects")
+        for i, item in enumerate(data):
+            where = f"{path}[{i}]"
+            lengths.append(_as_length(_pick(item, field, where) if isinstance(item, dict) else item, where))
+    elif suffix == ".jsonl":
+        for n, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
                 where = f"{path}:{n}"
-                lengths.append(_as_length(row[columns[0]] if single else _pick(row, field, where), where))
-        else:
-            raise SchedError(f"{path}: unknown suffix {suffix!r}; use .json, .jsonl or .csv")
-    except json.JSONDecodeError as err:
-        raise SchedError(f"{path}: invalid JSON ({err})") from None
+                item = _json_item(line, where)
+                lengths.append(_as_length(_pick(item, field, where) if isinstance(item, dict) else item, where))
+    elif suffix == ".csv":
+        lengths = _csv_lengths(path, text, field)
+    else:
+        raise SchedError(f"{path}: unknown suffix {suffix!r}; use .json, .jsonl or .csv")
     if not lengths:
         raise SchedError(f"{path}: no lengths found")
     return lengths
@@ -121,6 +165,9 @@ def describe_validation_error(err: ValidationError, where: str = "") -> str:
             place = f"{where}{loc}" if loc else where.rstrip(". ")
             parts.append(f"{place}: {ours}" if place else ours)
             continue
+        if e["type"] == "missing":
+            parts.append(f"{where}{loc}: missing; this field is required")
+            continue
         value = e.get("input")
         shown = repr(value) if not isinstance(value, dict | list | tuple) else type(value).__name__
         parts.append(f"{where}{loc or '(top level)'} = {shown}: {message}")
@@ -140,8 +187,11 @@ def load_jobs(path: str | Path) -> tuple[list[AdapterJob], PlanOptions]:
         raw = yaml.safe_load(path.read_text("utf-8"))  # YAML is a superset of JSON
     except yaml.YAMLError as err:
         raise SchedError(f"{path}: cannot parse ({err})") from None
-    if not isinstance(raw, dict) or set(raw) - {"adapters", "options"} or "adapters" not in raw:
+    if not isinstance(raw, dict) or "adapters" not in raw:
         raise SchedError(f"{path}: expected a mapping with 'adapters' (a list) and 'options' (a mapping)")
+    unknown = sorted(set(raw) - {"adapters", "options"})
+    if unknown:
+        raise SchedError(f"{path}: unknown top-level keys {unknown}; a jobs file has only 'adapters' and 'options'")
     adapters = raw["adapters"]
     if not isinstance(adapters, list) or not adapters:
         raise SchedError(f"{path}: adapters must be a non-empty list")
@@ -151,6 +201,8 @@ def load_jobs(path: str | Path) -> tuple[list[AdapterJob], PlanOptions]:
             raise SchedError(f"{path}: adapters[{i}] must be a mapping")
         entry = dict(entry)
         if "lengths_file" in entry:
+            if "sample_tokens" in entry:
+                raise SchedError(f"{path}: adapters[{i}] has both sample_tokens and lengths_file; keep one")
             lengths_file = path.parent / str(entry.pop("lengths_file"))
             entry["sample_tokens"] = read_lengths(lengths_file, entry.pop("lengths_field", None))
         try:
@@ -164,16 +216,42 @@ def load_jobs(path: str | Path) -> tuple[list[AdapterJob], PlanOptions]:
     return jobs, options
 
 
-def save_plan(plan: Plan, path: str | Path) -> None:
-    """Write ``plan`` as indented JSON, atomically: a temporary file in the same folder, then a rename."""
+def check_writable(path: str | Path) -> Path:
+    """``path`` as a file to write: its folder exists and it is not itself a folder.
+
+    Raises:
+        SchedError: Naming the path and what to change.
+    """
     target = Path(path)
-    temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    if not target.parent.is_dir():
+        raise SchedError(f"cannot write {str(target)!r}: the folder {str(target.parent)!r} does not exist")
+    if target.is_dir():
+        raise SchedError(f"cannot write {str(target)!r}: it is a folder; name a file")
+    return target
+
+
+def write_atomically(path: str | Path, write: Callable[[Path], object]) -> Path:
+    """Call ``write(temporary)`` on a temporary path beside ``path``, then rename it onto ``path``.
+
+    A reader never sees a half-written file, and a failed write leaves ``path`` as it was.
+
+    Raises:
+        SchedError: See :func:`check_writable`.
+    """
+    target = check_writable(path)
+    temporary = target.with_name(f".{target.stem}.tmp-{os.getpid()}{target.suffix}")
     try:
-        temporary.write_text(plan.model_dump_json(indent=1) + "\n", "utf-8")
+        write(temporary)
         os.replace(temporary, target)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+    return target
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    """Write ``plan`` as indented JSON, atomically (:func:`write_atomically`)."""
+    write_atomically(path, lambda temporary: temporary.write_text(plan.model_dump_json(indent=1) + "\n", "utf-8"))
 
 
 def load_plan(path: str | Path) -> Plan:

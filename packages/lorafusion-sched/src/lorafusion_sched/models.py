@@ -32,6 +32,16 @@ SCHEMA_VERSION = 1
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
+def _refuse_booleans(value: object, info: ValidationInfo) -> object:
+    """A ``before`` validator for whole-number fields: pydantic would take ``True`` as 1."""
+    items = value if isinstance(value, list | tuple) else None
+    for i, item in enumerate(items if items is not None else (value,)):
+        if isinstance(item, bool):
+            place = f"{info.field_name}[{i}]" if items is not None else info.field_name
+            raise ValueError(f"{place} = {item}: give a whole number, not a boolean")
+    return value
+
+
 class AdapterJob(BaseModel):
     """One LoRA fine-tuning job: its samples' token lengths and its global batch size.
 
@@ -44,6 +54,8 @@ class AdapterJob(BaseModel):
     name: str = Field(min_length=1, description="Unique adapter name; the plan refers to the job by it.")
     sample_tokens: tuple[int, ...] = Field(description="Token count of every sample, in training order.")
     global_batch_size: int = Field(description="Samples per optimizer step of this adapter.")
+
+    _whole_numbers = field_validator("sample_tokens", "global_batch_size", mode="before")(_refuse_booleans)
 
     @field_validator("sample_tokens")
     @classmethod
@@ -92,6 +104,18 @@ class PlanOptions(BaseModel):
     sigma_factor: float = Field(
         default=0.25, ge=0, description="Grouping: microbatch estimates use mean - k*std tokens per sample."
     )
+
+    _whole_numbers = field_validator(
+        "capacity",
+        "pipeline_stages",
+        "padding_multiple",
+        "data_parallel",
+        "neighbourhood",
+        "node_limit",
+        "seed",
+        "workers",
+        mode="before",
+    )(_refuse_booleans)
 
     @field_validator("capacity", "pipeline_stages", "padding_multiple", "data_parallel")
     @classmethod

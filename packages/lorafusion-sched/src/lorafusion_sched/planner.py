@@ -58,7 +58,7 @@ def _checked_lengths(jobs: Sequence[AdapterJob], options: PlanOptions) -> tuple[
             i, t = too_long[0]
             raise SchedError(
                 f"adapter {job.name!r}: sample_tokens[{i}] = {t} exceeds capacity = {options.capacity} "
-                f"({len(too_long)} samples do): raise the capacity, or set truncate = true to cut them"
+                f"({len(too_long)} samples do): raise the capacity, or set the option truncate = true to cut them to it"
             )
         lengths.append([min(t, options.capacity) for t in job.sample_tokens])
         truncated.append(len(too_long))

@@ -7,10 +7,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lorafusion_sched.errors import SchedError
+from lorafusion_sched.io import write_atomically
 from lorafusion_sched.models import CostModel, Plan
 from lorafusion_sched.simulate import timeline
 
-__all__ = ["plot_timeline"]
+__all__ = ["check_png_path", "plot_timeline"]
 
 _COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C")
 
@@ -27,7 +28,7 @@ def plot_timeline(
 
     Args:
         plan: The plan to simulate.
-        path: Where to write the PNG.
+        path: Where to write the PNG (a ``.png`` name in an existing folder; written atomically).
         cost_model: Seconds per microbatch; default :class:`CostModel`.
         runs: Which runs to draw, one panel each.
         window_microbatches: The window lasts as long as the plan's first this-many microbatches
@@ -37,10 +38,15 @@ def plot_timeline(
         The path written.
 
     Raises:
-        SchedError: If matplotlib is missing (install ``lorafusion-sched[plot]``).
+        SchedError: If matplotlib is missing (install the package with its ``plot`` extra), or
+            ``path`` does not end in ``.png``.
     """
+    check_png_path(path)
     if importlib.util.find_spec("matplotlib") is None:
-        raise SchedError("drawing a PNG needs matplotlib: pip install 'lorafusion-sched[plot]'")
+        raise SchedError(
+            "drawing a PNG needs matplotlib: pip install matplotlib, or install this package with its "
+            "plot extra (pip install './packages/lorafusion-sched[plot]' from the repository)"
+        )
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,7 +86,17 @@ def plot_timeline(
         handles=[Patch(color=colour[n], label=n) for n in names], loc="upper right", ncol=min(4, len(names)), fontsize=8
     )
     fig.tight_layout(rect=(0, 0, 1, 0.95))
-    out = Path(path)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    try:
+        return write_atomically(path, lambda temporary: fig.savefig(temporary, dpi=120))
+    finally:
+        plt.close(fig)
+
+
+def check_png_path(path: str | Path) -> None:
+    """Refuse a PNG path that does not end in ``.png`` (matplotlib picks the format from it).
+
+    Raises:
+        SchedError: Naming the path.
+    """
+    if Path(path).suffix.lower() != ".png":
+        raise SchedError(f"{str(path)!r}: the timeline is a PNG; name the file *.png")
