@@ -233,7 +233,8 @@ def check_writable(path: str | Path) -> Path:
 def write_atomically(path: str | Path, write: Callable[[Path], object]) -> Path:
     """Call ``write(temporary)`` on a temporary path beside ``path``, then rename it onto ``path``.
 
-    A reader never sees a half-written file, and a failed write leaves ``path`` as it was.
+    A reader never sees a half-written file, and a failed write leaves ``path`` as it was; the data
+    and the rename are flushed to disk (``fsync``) before it returns.
 
     Raises:
         SchedError: See :func:`check_writable`.
@@ -242,11 +243,26 @@ def write_atomically(path: str | Path, write: Callable[[Path], object]) -> Path:
     temporary = target.with_name(f".{target.stem}.tmp-{os.getpid()}{target.suffix}")
     try:
         write(temporary)
+        with temporary.open("rb") as written:
+            os.fsync(written.fileno())
         os.replace(temporary, target)
+        _fsync_folder(target.parent)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
     return target
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Flush a folder's entries (a rename into it) to disk, where the platform allows it."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:  # e.g. Windows cannot open a folder
+        return
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:
