@@ -544,10 +544,13 @@ def test_errors_name_the_problem() -> None:
         fused_multi_lora_linear(
             *args, segment_lengths=MIXED.lengths, segment_adapters=MIXED.adapters, scaling=1.0, dropout_p=1.0
         )
-    with pytest.raises(LoRAFusionKernelsError, match="refers to adapter 4"):
+    with pytest.raises(LoRAFusionKernelsError, match="refers to adapter 4, but lora_a and lora_b hold 4 adapters"):
         fused_multi_lora_linear(*args, segment_lengths=(43,), segment_adapters=(4,), scaling=1.0, dropout_p=0.0)
     with pytest.raises(LoRAFusionKernelsError, match="batch= or both"):
         fused_multi_lora_linear(*args, segment_lengths=MIXED.lengths, **common)
+    batch = MultiLoRABatch.from_segments(MIXED.lengths, MIXED.adapters, num_adapters=4)
+    with pytest.raises(LoRAFusionKernelsError, match="not both"):
+        fused_multi_lora_linear(*args, batch=batch, segment_lengths=MIXED.lengths, **common)
     with pytest.raises(LoRAFusionKernelsError, match="weight dtype"):
         fused_multi_lora_linear(
             inputs["x"],
@@ -674,3 +677,13 @@ def test_gpu_bf16_real_shapes(case: Case) -> None:
     ref_grads, eager_grads = grads(ref_in), grads(eager_in)
     for name, g in grads(gpu).items():
         assert_close_to_reference(name, g, ref_grads[name], eager_grads[name], factor=3.0)
+
+
+@pytest.mark.parametrize("interpreter", ["1", "0"], ids=["triton", "torch"])
+def test_ranks_above_128_are_refused_on_every_path(interpreter: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU torch path takes the kernels' limits, so code that runs here runs on a GPU too."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpreter)
+    x, w = torch.randn(5, 8), torch.randn(6, 8)
+    a, b = [torch.randn(4, 8), torch.randn(200, 8)], [torch.randn(6, 4), torch.randn(6, 200)]
+    with pytest.raises(LoRAFusionKernelsError, match="lora_a\\[1\\] has rank 200"):
+        fused_multi_lora_linear(x, w, a, b, segment_lengths=[2, 3], segment_adapters=[0, 1], scaling=1.0)

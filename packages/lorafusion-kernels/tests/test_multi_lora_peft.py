@@ -26,6 +26,7 @@ from lorafusion_kernels import (  # noqa: E402
     multi_lora_batch,
     multi_lora_checkpoint_contexts,
     patch_peft_model,
+    routed_checkpoint_function,
     unpatch_peft_model,
 )
 
@@ -184,6 +185,63 @@ def test_checkpointed_recompute_replays_the_segments(patched_model: torch.nn.Mod
     assert_grads_equal(model, ref_grads)
 
 
+def enable_hf_checkpointing(model: torch.nn.Module, *, use_reentrant: bool) -> None:
+    """HF's activation checkpointing on every decoder layer (``activation_checkpointing_enable`` in 5.x)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+
+
+@pytest.mark.parametrize("route", ["context", "adapter_names"])
+@pytest.mark.parametrize("when", ["before_patching", "after_patching"])
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_hf_checkpointing_replays_the_segments(route: str, when: str, use_reentrant: bool) -> None:
+    """HF recomputes each decoder layer in the backward, after the routing has exited: same gradients."""
+    model = tiny_peft_model()
+    model.train()
+    ids = input_ids()
+    ref_logits, ref_grads = per_row_reference(model, ids)
+    if when == "before_patching":
+        enable_hf_checkpointing(model, use_reentrant=use_reentrant)
+    patch_peft_model(model)
+    if when == "after_patching":
+        enable_hf_checkpointing(model, use_reentrant=use_reentrant)
+    model.zero_grad(set_to_none=True)
+    if route == "context":
+        batch, names = row_batch()
+        with multi_lora_batch(batch, names):
+            logits = model(input_ids=ids).logits
+    else:
+        logits = model(input_ids=ids, adapter_names=ROW_ADAPTERS).logits
+    summed_row_loss(logits).backward()
+    torch.testing.assert_close(logits.detach(), ref_logits, rtol=1e-4, atol=1e-5)
+    assert_grads_equal(model, ref_grads)
+    unpatch_peft_model(model)
+    assert not any(hasattr(m.__dict__.get("_gradient_checkpointing_func"), "_lorafusion_unrouted_checkpoint")
+                   for m in model.modules()), "unpatching restores HF's checkpoint functions"  # fmt: skip
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_routed_checkpoint_function_replays_the_segments(use_reentrant: bool) -> None:
+    """A direct ``torch.utils.checkpoint`` call around a routed function, reentrant or not."""
+    model = tiny_peft_model()
+    model.train()
+    ids = input_ids()
+    ref_logits, ref_grads = per_row_reference(model, ids)
+    patch_peft_model(model)
+    model.zero_grad(set_to_none=True)
+    embeddings = model.get_input_embeddings()(ids).detach().requires_grad_()
+    with multi_lora_batch(*row_batch()):
+        logits = torch.utils.checkpoint.checkpoint(
+            routed_checkpoint_function(lambda h: model(inputs_embeds=h).logits), embeddings, use_reentrant=use_reentrant
+        )
+    summed_row_loss(logits).backward()
+    torch.testing.assert_close(logits.detach(), ref_logits, rtol=1e-4, atol=1e-5)
+    assert_grads_equal(model, ref_grads)
+
+
 def test_adapter_names_in_training_matches_per_row_peft(patched_model: torch.nn.Module) -> None:
     """PEFT itself refuses ``adapter_names=`` in training; the patched model routes it through segments."""
     model = patched_model
@@ -278,8 +336,30 @@ def test_context_with_dropout_trains(patched_model: torch.nn.Module) -> None:
 
 def test_context_checks_the_token_count(patched_model: torch.nn.Module) -> None:
     batch = MultiLoRABatch.from_segments([5, 6], [0, 1])
-    with multi_lora_batch(batch, ["alpha", "beta"]), pytest.raises(LoRAFusionKernelsError, match="holds 11"):
+    with multi_lora_batch(batch, ["alpha", "beta"]), pytest.raises(LoRAFusionKernelsError, match="holds 11") as error:
         patched_model(input_ids=input_ids())
+    assert "model.layers.0.self_attn." in str(error.value), "the message names the layer by its path"
+
+
+def test_an_adapter_that_cannot_train_is_named_once(
+    patched_model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PEFT makes only the active adapter trainable; a mixed batch would leave the others without gradients."""
+    from lorafusion_kernels import multi_lora_routing
+
+    monkeypatch.setattr(multi_lora_routing, "_WARNED_FROZEN", set())
+    model = patched_model
+    model.train()
+    for name, param in lora_params(model).items():
+        param.requires_grad_(".beta." not in name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LoRAFusionKernelsWarning)
+        for _ in range(2):
+            with multi_lora_batch(*row_batch()):
+                model(input_ids=input_ids())
+    frozen = [str(w.message) for w in caught if "do not require grad" in str(w.message)]
+    assert len(frozen) == 1
+    assert "adapter 'beta'" in frozen[0]
 
 
 def test_context_needs_a_name_per_adapter() -> None:

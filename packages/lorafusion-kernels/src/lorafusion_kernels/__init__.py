@@ -10,7 +10,11 @@ from lorafusion_kernels.errors import LoRAFusionKernelsError, LoRAFusionKernelsW
 from lorafusion_kernels.lora import FusedLoRALinear, fused_lora_linear
 from lorafusion_kernels.metadata import MultiLoRABatch
 from lorafusion_kernels.multi_lora import fused_multi_lora_linear
-from lorafusion_kernels.multi_lora_routing import multi_lora_batch, multi_lora_checkpoint_contexts
+from lorafusion_kernels.multi_lora_routing import (
+    multi_lora_batch,
+    multi_lora_checkpoint_contexts,
+    routed_checkpoint_function,
+)
 from lorafusion_kernels.multi_lora_siblings import fused_multi_lora_siblings
 from lorafusion_kernels.peft_integration import patch_peft_model, unpatch_peft_model
 from lorafusion_kernels.peft_siblings import fuse_sibling_layers, unfuse_sibling_layers
@@ -28,6 +32,7 @@ __all__ = [
     "multi_lora_batch",
     "multi_lora_checkpoint_contexts",
     "patch_peft_model",
+    "routed_checkpoint_function",
     "unfuse_sibling_layers",
     "unpatch_peft_model",
 ]

@@ -335,7 +335,8 @@ def _check_inputs(
     r = lora_a.shape[0]
     if x.shape[-1] != k or lora_a.shape[1] != k:
         raise LoRAFusionKernelsError(
-            f"in_features mismatch: x [..., {x.shape[-1]}], weight [{n}, {k}], lora_a {list(lora_a.shape)}"
+            f"in_features mismatch: x [..., {x.shape[-1]}], weight [{n}, {k}], lora_a {list(lora_a.shape)}; "
+            f"lora_a must be [r, {k}] (PEFT's lora_A.weight layout)"
         )
     if tuple(lora_b.shape) != (n, r):
         raise LoRAFusionKernelsError(f"lora_b must be [{n}, {r}] (out_features, rank), got {list(lora_b.shape)}")

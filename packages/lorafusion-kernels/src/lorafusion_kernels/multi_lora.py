@@ -32,7 +32,14 @@ from typing import Any, cast
 import torch
 from torch.nn import functional
 
-from lorafusion_kernels._kernels._common import parameter_grads, rank_block, runs_triton, unaliased, zeroed_fp32
+from lorafusion_kernels._kernels._common import (
+    MAX_RANK,
+    parameter_grads,
+    rank_block,
+    runs_triton,
+    unaliased,
+    zeroed_fp32,
+)
 from lorafusion_kernels._kernels.multi_lora_bwd import (
     member_grads,
     multi_lora_dsx,
@@ -221,6 +228,10 @@ def _check_inputs(
     for i, (a, b) in enumerate(zip(lora_a, lora_b, strict=True)):
         if a.dim() != 2 or a.shape[1] != k_in:
             raise LoRAFusionKernelsError(f"lora_a[{i}] must be [r, {k_in}], got {list(a.shape)}")
+        if a.shape[0] > MAX_RANK:
+            raise LoRAFusionKernelsError(
+                f"lora_a[{i}] has rank {a.shape[0]}; the kernels take ranks 0 to {MAX_RANK} (on every device)"
+            )
         if b.dim() != 2 or b.shape != (n_out, a.shape[0]):
             raise LoRAFusionKernelsError(f"lora_b[{i}] must be [{n_out}, {a.shape[0]}], got {list(b.shape)}")
 
@@ -296,9 +307,17 @@ def call_batch(
     if batch is None:
         if segment_lengths is None or segment_adapters is None:
             raise LoRAFusionKernelsError("give either batch= or both segment_lengths= and segment_adapters=")
+        indices = segment_adapters.tolist() if isinstance(segment_adapters, torch.Tensor) else list(segment_adapters)
+        if num_adapters == 0 or (indices and max(indices) >= num_adapters):
+            raise LoRAFusionKernelsError(
+                f"segment_adapters = {indices} refers to adapter {max(indices, default=0)}, but lora_a and lora_b "
+                f"hold {num_adapters} adapters (indices 0 to {num_adapters - 1}): give one A and one B per adapter"
+            )
         batch = MultiLoRABatch.from_segments(
             segment_lengths, segment_adapters, num_adapters=num_adapters, device=x.device
         )
+    elif segment_lengths is not None or segment_adapters is not None:
+        raise LoRAFusionKernelsError("give either batch= or segment_lengths= and segment_adapters=, not both")
     else:
         batch = batch.to(x.device)
     return batch, _per_adapter(scaling, num_adapters, "scaling"), _per_adapter(dropout_p, num_adapters, "dropout_p")

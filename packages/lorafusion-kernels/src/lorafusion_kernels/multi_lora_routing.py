@@ -11,16 +11,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from lorafusion_kernels._kernels._common import runs_triton
+from lorafusion_kernels._kernels._common import MAX_RANK, runs_triton
 from lorafusion_kernels.autocast import call_as_linear, linear_compute_dtype
-from lorafusion_kernels.errors import LoRAFusionKernelsError
+from lorafusion_kernels.errors import LoRAFusionKernelsError, LoRAFusionKernelsWarning
 from lorafusion_kernels.metadata import MultiLoRABatch
 from lorafusion_kernels.multi_lora import fused_multi_lora_linear
 from lorafusion_kernels.peft_siblings import sibling_forward
@@ -32,6 +33,8 @@ __all__ = [
     "multi_lora_checkpoint_contexts",
     "multi_lora_router",
     "peft_multi_lora_forward",
+    "routed_checkpoint",
+    "routed_checkpoint_function",
     "uninstall_peft_mixed_batches",
 ]
 
@@ -52,6 +55,20 @@ class _Routing:
 
 
 _ACTIVE: contextvars.ContextVar[_Routing | None] = contextvars.ContextVar("lorafusion_multi_lora_batch", default=None)
+_ACTIVE_ROWS: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
+    "lorafusion_adapter_names", default=None
+)
+"""PEFT's ``adapter_names=`` of the model call running in training mode, for recomputed forwards.
+
+PEFT hands ``adapter_names`` to each LoRA layer through hooks that live only during the model call;
+a checkpointed layer recomputed in the backward finds them here (re-entered with the routing).
+"""
+
+_Captured = tuple[_Routing | None, tuple[str, ...] | None]
+
+
+def _captured() -> _Captured:
+    return _ACTIVE.get(), _ACTIVE_ROWS.get()
 
 
 @contextlib.contextmanager
@@ -76,11 +93,12 @@ def multi_lora_batch(batch: MultiLoRABatch, adapter_names: Sequence[str]) -> Ite
             logits = model(input_ids=packed_ids, position_ids=position_ids)  # [1, T] packed tokens
         loss.backward()
 
-    Recomputed forwards (activation checkpointing) must see the same segments: pass
-    ``context_fn=multi_lora_checkpoint_contexts`` to ``torch.utils.checkpoint.checkpoint``
-    (``use_reentrant=False``), which replays the routing that was active at forward time; with HF
-    models: ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
-    "context_fn": multi_lora_checkpoint_contexts})``.
+    Recomputed forwards (activation checkpointing) must see the same segments. HF models'
+    checkpointing (``gradient_checkpointing_enable``, reentrant or not, before or after patching)
+    replays the routing by itself: ``patch_peft_model`` wraps the models' checkpoint function
+    (:func:`routed_checkpoint`). Around a direct ``torch.utils.checkpoint.checkpoint`` call, wrap the
+    function (``checkpoint(routed_checkpoint_function(block), h, ...)``) or, with
+    ``use_reentrant=False``, pass ``context_fn=multi_lora_checkpoint_contexts``.
 
     Args:
         batch: The microbatch's segments, built once with :meth:`MultiLoRABatch.from_segments`.
@@ -119,16 +137,89 @@ def multi_lora_checkpoint_contexts() -> tuple[
     Returns:
         ``(forward context, recompute context)``.
     """
-    return contextlib.nullcontext(), _reenter(_ACTIVE.get())
+    return contextlib.nullcontext(), _reenter(_captured())
 
 
 @contextlib.contextmanager
-def _reenter(routing: _Routing | None) -> Iterator[None]:
-    token = _ACTIVE.set(routing)
+def _reenter(captured: _Captured) -> Iterator[None]:
+    routing, rows = captured
+    token, rows_token = _ACTIVE.set(routing), _ACTIVE_ROWS.set(rows)
     try:
         yield
     finally:
+        _ACTIVE_ROWS.reset(rows_token)
         _ACTIVE.reset(token)
+
+
+_UNROUTED = "_lorafusion_unrouted_checkpoint"
+"""Attribute of a :func:`routed_checkpoint` wrapper: the checkpoint function it wraps."""
+_CHECKPOINT_SETTER = "_set_gradient_checkpointing"
+"""HF ``PreTrainedModel`` method that sets every layer's ``_gradient_checkpointing_func``."""
+
+
+def routed_checkpoint_function(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` made to run, each time it is called, under the routing active when this was called.
+
+    For ``torch.utils.checkpoint.checkpoint`` (reentrant or not), whose recomputation in the backward
+    runs after :func:`multi_lora_batch` or the ``adapter_names=`` call has exited::
+
+        h = torch.utils.checkpoint.checkpoint(routed_checkpoint_function(block), h, use_reentrant=True)
+    """
+    captured = _captured()
+    if captured == (None, None):
+        return function
+
+    @functools.wraps(function)
+    def replayed(*args: Any, **kwargs: Any) -> Any:
+        with _reenter(captured):
+            return function(*args, **kwargs)
+
+    return replayed
+
+
+def routed_checkpoint(checkpoint: Callable[..., Any]) -> Callable[..., Any]:
+    """A checkpoint function (``checkpoint(function, *args, **kwargs)``) that replays the routing.
+
+    ``patch_peft_model`` sets HF models' ``_gradient_checkpointing_func`` to this wrapper of theirs,
+    so a decoder layer recomputed in the backward sees the segments it saw in the forward. Wrapping
+    twice returns the same wrapper.
+    """
+    if hasattr(checkpoint, _UNROUTED):
+        return checkpoint
+
+    @functools.wraps(checkpoint)
+    def checkpoint_with_routing(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(routed_checkpoint_function(function), *args, **kwargs)
+
+    setattr(checkpoint_with_routing, _UNROUTED, checkpoint)
+    return checkpoint_with_routing
+
+
+def _route_checkpoints(model: nn.Module) -> None:
+    """Wrap every HF checkpoint function of ``model`` now, and whenever checkpointing is enabled later."""
+    for module in model.modules():
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        if callable(func):
+            setattr(module, "_gradient_checkpointing_func", routed_checkpoint(func))  # noqa: B010 (not a typed field)
+        setter = getattr(module, _CHECKPOINT_SETTER, None)
+        if callable(setter) and _CHECKPOINT_SETTER not in vars(module):
+            setattr(module, _CHECKPOINT_SETTER, functools.partial(_set_checkpointing_routed, module, setter))
+
+
+def _set_checkpointing_routed(model: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """HF's ``_set_gradient_checkpointing``, then the checkpoint functions it set wrapped."""
+    result = original(*args, **kwargs)
+    _route_checkpoints(model)
+    return result
+
+
+def _unroute_checkpoints(model: nn.Module) -> None:
+    for module in model.modules():
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        if hasattr(func, _UNROUTED):
+            setattr(module, "_gradient_checkpointing_func", getattr(func, _UNROUTED))  # noqa: B010
+        if _CHECKPOINT_SETTER in vars(module):
+            delattr(module, _CHECKPOINT_SETTER)
 
 
 def _rows_to_batch(x: torch.Tensor, adapter_names: Sequence[str]) -> tuple[MultiLoRABatch, tuple[str, ...]]:
@@ -184,6 +275,8 @@ def peft_multi_lora_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: A
             merged adapters.
     """
     adapter_names = kwargs.pop("adapter_names", None)
+    if adapter_names is None:
+        adapter_names = _ACTIVE_ROWS.get()  # a recomputed forward: PEFT's per-call hooks are gone
     if adapter_names is not None:
         batch, names = _rows_to_batch(x, adapter_names)
     else:
@@ -199,8 +292,9 @@ def peft_multi_lora_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: A
     k_in = x.shape[-1]
     tokens = x.numel() // k_in if k_in else 0
     if tokens != batch.total_tokens:
+        where = getattr(layer, _PATH, type(layer).__name__)
         raise LoRAFusionKernelsError(
-            f"{type(layer).__name__} got {tokens} tokens (input {list(x.shape)}) but the multi-LoRA batch "
+            f"{where} got {tokens} tokens (input {list(x.shape)}) but the multi-LoRA batch "
             f"holds {batch.total_tokens}; every LoRA layer inside `multi_lora_batch` must see the packed tokens"
         )
     # An adapter without tokens in this batch takes no part: no stacking, no (zero) gradient to accumulate.
@@ -210,6 +304,8 @@ def peft_multi_lora_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: A
             raise LoRAFusionKernelsError(
                 f"adapter {name!r} uses DoRA or another LoRA variant, which mixed-adapter batches do not support"
             )
+        if layer.training and torch.is_grad_enabled() and not layer.lora_A[name].weight.requires_grad:
+            _warn_frozen_adapter(name)
     if not args and not kwargs:
         grouped = sibling_forward(layer, x, batch, names)
         if grouped is not None:
@@ -217,6 +313,22 @@ def peft_multi_lora_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: A
     if _fusable(layer, x, present, args, kwargs):
         return _fused_layer_forward(layer, x, batch, present)
     return _eager_layer_forward(layer, x, batch, present, args, kwargs)
+
+
+_WARNED_FROZEN: set[str] = set()
+
+
+def _warn_frozen_adapter(name: str) -> None:
+    """Once per adapter: it trains in a mixed batch but its weights take no gradient."""
+    if name not in _WARNED_FROZEN:
+        _WARNED_FROZEN.add(name)
+        warnings.warn(
+            f"lorafusion: adapter {name!r} has tokens in a mixed-adapter batch in training mode, but its LoRA "
+            "weights do not require grad, so it gets no gradient (PEFT's set_adapter makes only the active "
+            "adapter trainable); call requires_grad_(True) on its lora_A/lora_B weights to train it",
+            LoRAFusionKernelsWarning,
+            stacklevel=5,
+        )
 
 
 def _layer_adapter(layer: Any, name: str) -> str | None:
@@ -245,7 +357,7 @@ def _fusable(
             return False
         if not isinstance(layer.lora_dropout[name], nn.Dropout | nn.Identity):
             return False
-        if runs_triton(x) and layer.r[name] > 128:
+        if layer.r[name] > MAX_RANK:
             return False
     return True
 
@@ -314,7 +426,8 @@ def _mixed_batch_hooks(lora_model: Any, original: Any, *args: Any, **kwargs: Any
     inference path; the patched layers route them through FusedMultiLoRA (or a per-segment loop)
     with dropout and gradients, so the check is skipped while PEFT registers its per-layer hooks.
     """
-    if kwargs.get("adapter_names") is None or not lora_model.training:
+    adapter_names = kwargs.get("adapter_names")
+    if adapter_names is None or not lora_model.training:
         with original(*args, **kwargs):
             yield
         return
@@ -324,13 +437,17 @@ def _mixed_batch_hooks(lora_model: Any, original: Any, *args: Any, **kwargs: Any
         hooks.__enter__()
     finally:
         lora_model.training = True
+    token = _ACTIVE_ROWS.set(tuple(adapter_names))
     try:
         yield
     finally:
+        _ACTIVE_ROWS.reset(token)
         hooks.__exit__(None, None, None)
 
 
 _GUARD_HOOKS = "_lorafusion_mixed_batch_guards"
+_PATH = "_lorafusion_path"
+"""Attribute of each LoRA layer: its name in the model, for error messages."""
 
 
 def multi_lora_router(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -> Any:
@@ -343,7 +460,7 @@ def multi_lora_router(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -> An
     """
     from lorafusion_kernels.peft_integration import Route
 
-    if kwargs.get("adapter_names") is None and _ACTIVE.get() is None:
+    if kwargs.get("adapter_names") is None and _captured() == (None, None):
         return None
     return Route(_routed_forward, extra_args=True)
 
@@ -363,7 +480,7 @@ def _unpatched_guard(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     ``lora.Linear``. This includes layers whose ``forward`` hooks (e.g. accelerate's) wrapped before
     patching: the forward hook still sees the call's arguments.
     """
-    if kwargs.get("adapter_names") is not None or _ACTIVE.get() is None:
+    if kwargs.get("adapter_names") is not None or _captured() == (None, None):
         return None
     from peft.tuners.lora.layer import Linear
 
@@ -385,7 +502,8 @@ def install_peft_mixed_batches(model: nn.Module) -> None:
 
     Called by ``patch_peft_model`` after it patched the layers: registers :func:`multi_lora_router`
     (asked before the single-adapter router), lets PEFT's ``adapter_names=`` through in training
-    mode, and hooks the LoRA layers left unpatched (whatever the reason, a ``forward`` already
+    mode, makes HF activation checkpointing replay the routing (:func:`routed_checkpoint`), and
+    hooks the LoRA layers left unpatched (whatever the reason, a ``forward`` already
     wrapped by hooks included) so that they never compute a silent wrong result inside
     :func:`multi_lora_batch`. Calling it twice is harmless.
 
@@ -401,7 +519,10 @@ def install_peft_mixed_batches(model: nn.Module) -> None:
     if lora_model is not None and "_enable_peft_forward_hooks" not in vars(lora_model):
         original = lora_model._enable_peft_forward_hooks
         lora_model._enable_peft_forward_hooks = functools.partial(_mixed_batch_hooks, lora_model, original)
-    for module in model.modules():
+    _route_checkpoints(model)
+    for path, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            setattr(module, _PATH, path)
         if isinstance(module, LoraLayer) and not is_patched(module) and not hasattr(module, _GUARD_HOOKS):
             handle = module.register_forward_hook(_unpatched_guard, with_kwargs=True)
             setattr(module, _GUARD_HOOKS, handle)
@@ -412,11 +533,14 @@ def uninstall_peft_mixed_batches(model: nn.Module) -> None:
     lora_model = _lora_model(model)
     if lora_model is not None and "_enable_peft_forward_hooks" in vars(lora_model):
         del lora_model._enable_peft_forward_hooks
+    _unroute_checkpoints(model)
     for module in model.modules():
         handle = getattr(module, _GUARD_HOOKS, None)
         if handle is not None:
             handle.remove()
             delattr(module, _GUARD_HOOKS)
+        if _PATH in vars(module):
+            delattr(module, _PATH)
 
 
 def _lora_model(model: nn.Module) -> Any:

@@ -131,7 +131,11 @@ def single_adapter_router(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -
         under = f" under torch.autocast to {amp}" if amp is not None else ""
         return Route(None, f"{x.dtype} inputs with {weight.dtype} base weights{under}")
     if not runs_triton(x, compute):
-        return Route(None, f"{x.device.type} tensors of {compute} (the fused kernels need CUDA fp16/bf16)")
+        return Route(
+            None,
+            f"{x.device.type} tensors of {compute} (the fused kernels serve CUDA fp16/bf16, "
+            "and CPU tensors under TRITON_INTERPRET=1)",
+        )
     return Route(_fused_single_adapter)
 
 

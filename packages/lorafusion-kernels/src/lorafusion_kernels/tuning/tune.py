@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from lorafusion_kernels.__about__ import __version__
-from lorafusion_kernels._kernels._common import exact_stages
+from lorafusion_kernels._kernels._common import MAX_RANK, exact_stages
 from lorafusion_kernels.errors import LoRAFusionKernelsError
 from lorafusion_kernels.tuning.agreement import (
     ShapeTimings,
@@ -546,17 +546,40 @@ def _coverage(gpu: str, args: argparse.Namespace) -> int:
         if args.layers is None or layer in args.layers
     ]
     rows = coverage(config_file, layers=layers, ms=args.m, ranks=args.r, kernels=args.kernels)
-    where = f"{path} ({config_file.device_name})" if config_file is not None else f"no file {path}"
+    if config_file is not None:
+        where = f"{path} ({config_file.device_name})"
+    else:
+        shipped = ", ".join(sorted(p.stem for p in config_dir().glob("*.json")))
+        where = f"no file {path} (shipped: {shipped}), so the built-in heuristic serves every shape"
     _say(f"{where}: where each lookup's config comes from, keys counted per kernel, r and m (bfloat16)")
     _say(format_coverage(rows))
     return 0
 
 
+def _int_in(low: int, high: int | None) -> Callable[[str], int]:
+    """An argparse type: a whole number in ``[low, high]`` (no upper bound when ``high`` is None)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} is not in [{low}, {high if high is not None else 'inf'}]")
+        return value
+
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lorafusion-tune", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="lorafusion-tune",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--models", nargs="+", default=sorted(MODEL_LAYERS), choices=sorted(MODEL_LAYERS))
-    parser.add_argument("--m", nargs="+", type=int, default=M_VALUES)
-    parser.add_argument("--r", nargs="+", type=int, default=RANKS)
+    parser.add_argument("--m", nargs="+", type=_int_in(1, None), default=M_VALUES, help="tokens per microbatch")
+    parser.add_argument("--r", nargs="+", type=_int_in(1, MAX_RANK), default=RANKS, help="LoRA ranks")
     parser.add_argument("--kernels", nargs="+", default=KERNELS, choices=KERNELS)
     parser.add_argument(
         "--layers", nargs="+", default=None, help="only these layers of the models (qkv, o, gate_up, down); default all"
