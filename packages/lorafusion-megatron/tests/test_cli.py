@@ -163,6 +163,10 @@ def test_train_then_export_merged_model(tmp_path: Path, config_dict, tiny_base: 
     assert main(["export", str(adapter), "--output", str(tmp_path / "merged")]) == 0
     assert (tmp_path / "merged" / "config.json").is_file()
     assert (tmp_path / "merged" / "tokenizer.json").is_file()
+    assert main(["export", str(adapter), "--output", str(tmp_path / "merged")]) == 2, "a merged model is there"
+    assert main(["export", str(adapter), "--output", str(tmp_path / "merged"), "--overwrite"]) == 0
+    assert (tmp_path / "merged" / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".merged")) == [], "no staging left"
 
 
 def test_export_refuses_a_preset_base(tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]) -> None:
@@ -184,3 +188,22 @@ def test_demo_writes_base_config_and_adapters(tmp_path: Path, capsys: pytest.Cap
     first_line = (tmp_path / "demo" / "demo.yaml").read_text().splitlines()[0]
     assert first_line.startswith("# lorafusion-megatron train ")
     assert main(["validate", str(tmp_path / "demo" / "demo.yaml")]) == 0
+    data = tmp_path / "demo" / "data" / "copy.jsonl"
+    before = data.read_bytes()
+    assert main(["demo", "--output", str(tmp_path / "demo")]) == 2, "a second demo into the same folder"
+    assert "is not an empty folder" in capsys.readouterr().err
+    assert data.read_bytes() == before, "refused before writing anything"
+
+
+def test_fresh_train_refuses_an_earlier_runs_results(
+    tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _write(tmp_path / "run.yaml", config_dict())
+    adapter = tmp_path / "run" / "adapters" / "second" / "adapter_config.json"
+    adapter.parent.mkdir(parents=True)
+    adapter.write_text("{}")
+    assert main(["train", str(config)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "adapters/second holds results of an earlier run" in err
+    assert "--overwrite" in err
+    assert adapter.read_text() == "{}"

@@ -142,6 +142,19 @@ def test_relative_paths_resolve_against_the_config_file(tmp_path: Path) -> None:
     assert config.base_model.model_name_or_path == "tiny"
 
 
+def test_relative_paths_are_recorded_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config named by a relative path still gives absolute paths (adapters record the base model's)."""
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "run.yaml").write_text(
+        "output_dir: out\nbase_model: {model_name_or_path: models/base}\n"
+        "jobs:\n  - name: one\n    dataset: {path: data/one.jsonl}\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    config = load_config(Path("configs/run.yaml"))
+    assert config.base_model.model_name_or_path == str(tmp_path / "configs" / "models" / "base")
+    assert config.output_dir == str(tmp_path / "configs" / "out")
+
+
 def test_overrides_set_dotted_keys(tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
     path.write_text(

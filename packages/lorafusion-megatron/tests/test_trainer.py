@@ -319,3 +319,15 @@ def test_the_run_clock_starts_after_the_start_up_collection(make_config, monkeyp
     monkeypatch.setattr(trainer, "start_up_objects_frozen", slow_freeze)
     result = Trainer(make_config()).train()
     assert 0.0 < result.state.seconds < 1000.0
+
+
+def test_the_single_process_trainer_refuses_a_pipeline_checkpoint(tmp_path: Path) -> None:
+    """Resuming a pipeline run without its --pipeline-stages: an error that says so, not a missing file."""
+    from lorafusion_megatron.checkpoint import load_checkpoint
+
+    folder = tmp_path / "checkpoint-8"
+    folder.mkdir()
+    state = {"fingerprint": "f", "format": "pipeline-1", "parallel": {"pipeline_stages": 2}}
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(TrainerError, match=r"written by a pipeline run .* resume it with the same --pipeline-stages"):
+        load_checkpoint(folder, fingerprint="f", adapter_parameters={}, optimizers={})

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from lorafusion_megatron.config import TrainerConfig
 
-__all__ = ["check_run_outputs", "check_writable", "replace_dir", "save_adapter"]
+__all__ = ["check_fresh_run", "check_run_outputs", "check_writable", "replace_dir", "save_adapter"]
 
 
 def check_writable(directory: Path, what: str) -> None:
@@ -49,6 +49,31 @@ def check_run_outputs(config: TrainerConfig) -> None:
         check_writable(config.job_output_dir(job).parent, f"output folder of job {job.name}")
     if config.logging.tensorboard_dir is not None:
         check_writable(Path(config.logging.tensorboard_dir), "logging.tensorboard_dir")
+
+
+def check_fresh_run(config: TrainerConfig, *, resume: bool, overwrite: bool) -> None:
+    """Refuse a fresh run whose outputs would replace an earlier run's results, unless ``overwrite``.
+
+    Results are the run's ``summary.json`` and each job's adapter folder (non-empty). A resumed run
+    continues its own checkpoints, and checkpoints are refused separately
+    (:func:`lorafusion_megatron.checkpoint.checkpoint_to_resume`).
+
+    Raises:
+        TrainerError: Naming the first result found and what to do.
+    """
+    if resume or overwrite:
+        return
+    found = [path for path in (Path(config.output_dir) / "summary.json",) if path.is_file()]
+    for job in config.jobs:
+        folder = config.job_output_dir(job)
+        if folder.is_dir() and any(folder.iterdir()):
+            found.append(folder)
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise TrainerError(
+            f"{found[0]}{more} holds results of an earlier run: choose another output_dir, delete them, "
+            "or pass --overwrite to replace them"
+        )
 
 
 def replace_dir(source: Path, target: Path) -> None:

@@ -201,7 +201,14 @@ def load_checkpoint(
     import torch
     from safetensors.torch import load_file
 
+    from lorafusion_megatron.pipeline.checkpoint import PIPELINE_FORMAT
+
     meta = read_checkpoint_meta(path, fingerprint=fingerprint)
+    if meta.get("format") == PIPELINE_FORMAT:
+        raise TrainerError(
+            f"checkpoint {path} was written by a pipeline run with parallel settings {meta.get('parallel')}: "
+            "resume it with the same --pipeline-stages, --data-parallel and schedule"
+        )
     tensors = load_file(path / "lora.safetensors")
     with torch.no_grad():
         for params in adapter_parameters.values():

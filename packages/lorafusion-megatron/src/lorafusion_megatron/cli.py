@@ -134,7 +134,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from lorafusion_megatron.adapters_io import check_run_outputs
+    from lorafusion_megatron.adapters_io import check_fresh_run, check_run_outputs
     from lorafusion_megatron.model import resolve_device
     from lorafusion_megatron.pipeline.launch import under_torchrun
     from lorafusion_megatron.profiler.run import profile_due
@@ -142,6 +142,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     config = _load(args)
     parallel = parallel_from_args(args, config.parallel)
     config.check_evaluation_supported(parallel, under_torchrun=under_torchrun())
+    check_fresh_run(config, resume=args.resume, overwrite=args.overwrite)
     device_type = resolve_device(config.runtime.device).type
     # Under torchrun the ranks are already started: profiling needs its own launch (`profile` first).
     if not under_torchrun() and profile_due(config, device_type=device_type, resume=args.resume):
@@ -159,7 +160,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return commands.train(config, parallel, _console, resume=args.resume)
     from lorafusion_megatron.trainer import Trainer
 
-    result = Trainer(config, console=_console).train(resume=args.resume)
+    result = Trainer(config, console=_console).train(resume=args.resume, overwrite=args.overwrite)
     return 1 if result.interrupted else 0
 
 
@@ -174,6 +175,11 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
 
     output = Path(args.output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise TrainerError(
+            f"--output {output} is not an empty folder: the demo writes base/, data/, demo.yaml and adapters/ "
+            "there; choose a new folder, or delete that one"
+        )
     parallel = parallel_from_args(args)
     if parallel.needs_pipeline_runtime:
         from lorafusion_megatron.pipeline import commands
@@ -193,7 +199,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from lorafusion_megatron.export import merge_adapter
 
-    target = merge_adapter(Path(args.adapter), Path(args.output), base=args.base, dtype=args.dtype)
+    target = merge_adapter(
+        Path(args.adapter), Path(args.output), base=args.base, dtype=args.dtype, overwrite=args.overwrite
+    )
     _console.print(f"Merged model written to {target}")
     return 0
 
@@ -224,6 +232,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.set_defaults(handler=_cmd_plan)
     train = with_config("train", "train every job of the config together")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
+    train.add_argument(
+        "--overwrite", action="store_true", help="let a fresh run replace an earlier run's adapters and summary"
+    )
     add_parallel_arguments(train)
     train.set_defaults(handler=_cmd_train)
     profile = with_config(
@@ -248,6 +259,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--output", required=True, type=Path, help="folder for the merged model")
     export.add_argument("--base", help="base model folder or preset (default: the adapter's base_model_name_or_path)")
     export.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty --output folder")
     export.set_defaults(handler=_cmd_export)
     return parser
 

@@ -396,7 +396,8 @@ class TrainerConfig(BaseModel):
 
     save_steps: PositiveInt | None = None
     """Write a checkpoint after every this many optimizer steps, counted over all jobs together
-    (with 4 jobs, ``save_steps: 40`` saves about every 10 steps of each); ``null``: only at the end."""
+    (with 4 jobs, ``save_steps: 40`` saves about every 10 steps of each); ``null``: none (Ctrl-C
+    still writes one; a finished run writes its adapters, not a last checkpoint)."""
 
     save_total_limit: PositiveInt | None = 2
     """Keep only the newest this many checkpoints; ``null`` keeps all."""
@@ -560,12 +561,16 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def _resolve_relative(config: TrainerConfig, base: Path) -> TrainerConfig:
-    """Make relative paths relative to the config file's folder rather than the working directory."""
+    """Make relative paths relative to the config file's folder rather than the working directory.
+
+    They become absolute, so that what the run records (e.g. an adapter's ``base_model_name_or_path``)
+    still names the same folder when read from another working directory.
+    """
 
     def resolve(value: str | None) -> str | None:
         if value is None or Path(value).is_absolute():
             return value
-        return os.path.normpath(base / value)
+        return os.path.abspath(base / value)
 
     model = config.base_model
     if not model.is_preset:

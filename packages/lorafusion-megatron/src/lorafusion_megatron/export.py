@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
+from lorafusion_megatron.adapters_io import replace_dir
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.model import quiet_peft_deprecations
 from lorafusion_megatron.presets import PRESETS
@@ -20,7 +22,9 @@ __all__ = ["merge_adapter"]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-def merge_adapter(adapter: Path, output: Path, *, base: str | None = None, dtype: str = "float32") -> Path:
+def merge_adapter(
+    adapter: Path, output: Path, *, base: str | None = None, dtype: str = "float32", overwrite: bool = False
+) -> Path:
     """Load ``base`` + ``adapter``, fold ``B @ A * scaling`` into the base weights, save to ``output``.
 
     Args:
@@ -28,17 +32,24 @@ def merge_adapter(adapter: Path, output: Path, *, base: str | None = None, dtype
         output: Folder for the merged model (and the base's tokenizer files, if any).
         base: Base model folder; default: the adapter's ``base_model_name_or_path``.
         dtype: Dtype to load and save the merged weights in.
+        overwrite: Replace a non-empty ``output`` (the new model is written beside it, then renamed
+            into place, so ``output`` is never half-written).
 
     Returns:
         ``output``.
 
     Raises:
-        TrainerError: The adapter or base folder is missing, or the base is a random-weight preset.
+        TrainerError: The adapter or base folder is missing, the base is a random-weight preset, or
+            ``output`` is a file or (without ``overwrite``) a non-empty folder.
     """
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    if output.exists() and not output.is_dir():
+        raise TrainerError(f"--output {output} is a file: name a folder for the merged model")
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise TrainerError(f"--output {output} is not empty: choose another folder, or pass --overwrite to replace it")
     config_file = adapter / "adapter_config.json"
     if not config_file.is_file():
         raise TrainerError(f"{adapter} holds no adapter_config.json: pass a folder written by `train`")
@@ -53,9 +64,12 @@ def merge_adapter(adapter: Path, output: Path, *, base: str | None = None, dtype
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype))
     with quiet_peft_deprecations():
         merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
-    output.mkdir(parents=True, exist_ok=True)
-    merged.save_pretrained(output)
-    for name in _TOKENIZER_FILES:
-        if (base_path / name).is_file():
-            shutil.copy2(base_path / name, output / name)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.tmp-") as tmp:
+        staging = Path(tmp) / "model"
+        merged.save_pretrained(staging)
+        for name in _TOKENIZER_FILES:
+            if (base_path / name).is_file():
+                shutil.copy2(base_path / name, staging / name)
+        replace_dir(staging, output)
     return output

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from lorafusion_megatron.adapters_io import check_run_outputs, save_adapter
+from lorafusion_megatron.adapters_io import check_fresh_run, check_run_outputs, save_adapter
 from lorafusion_megatron.atomic_files import write_json_atomically, write_text_atomically
 from lorafusion_megatron.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from lorafusion_megatron.config import TrainerConfig, config_fingerprint
@@ -117,15 +117,20 @@ class Trainer:
         self.console = console or Console(stderr=True)
         self.stop = stop or StopSignal()
 
-    def train(self, *, resume: bool = False) -> TrainResult:
+    def train(self, *, resume: bool = False, overwrite: bool = False) -> TrainResult:
         """Run (or continue, with ``resume``) the whole plan and write each job's adapter.
 
+        Args:
+            resume: Continue from the newest checkpoint in ``output_dir``.
+            overwrite: Let a fresh run replace an earlier run's adapters and summary.
+
         Raises:
-            TrainerError: Bad data, unwritable folders, no checkpoint to resume, or a checkpoint
-                from a different config.
+            TrainerError: Bad data, unwritable folders, an earlier run's results without
+                ``overwrite``, no checkpoint to resume, or a checkpoint from a different config.
         """
         config = self.config
         check_run_outputs(config)
+        check_fresh_run(config, resume=resume, overwrite=overwrite)
         checkpoint_path = checkpoint_to_resume(config.checkpoint_dir, resume=resume)
         prepared = prepare_data(config)
         session = _Session.build(config, prepared)
