@@ -331,3 +331,21 @@ def test_the_single_process_trainer_refuses_a_pipeline_checkpoint(tmp_path: Path
     (folder / "trainer_state.json").write_text(json.dumps(state))
     with pytest.raises(TrainerError, match=r"written by a pipeline run .* resume it with the same --pipeline-stages"):
         load_checkpoint(folder, fingerprint="f", adapter_parameters={}, optimizers={})
+
+
+def test_a_profile_written_after_the_checkpoint_is_named(tmp_path: Path) -> None:
+    """``profile`` after a run changes an ``auto`` capacity: the refusal says so, not just "different config"."""
+    from lorafusion_megatron.checkpoint import read_checkpoint_meta
+
+    folder = tmp_path / "run" / "checkpoints" / "checkpoint-8"
+    folder.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text(json.dumps({"fingerprint": "old"}))
+    with pytest.raises(TrainerError) as plain:
+        read_checkpoint_meta(folder, fingerprint="new")
+    assert "profile.json" not in str(plain.value)
+    profile = tmp_path / "run" / "profile.json"
+    profile.write_text("{}")
+    state_time = (folder / "trainer_state.json").stat().st_mtime
+    os.utime(profile, (state_time + 10, state_time + 10))
+    with pytest.raises(TrainerError, match=r"profile\.json was written after this checkpoint"):
+        read_checkpoint_meta(folder, fingerprint="new")

@@ -123,8 +123,24 @@ def read_checkpoint_meta(path: Path, *, fingerprint: str) -> dict[str, Any]:
         raise TrainerError(
             f"checkpoint {path} was written by a run with a different config (model, jobs, data, scheduler or "
             "runtime settings changed): restore that config, or train without --resume into a new output_dir"
+            + _profile_hint(path)
         )
     return meta
+
+
+def _profile_hint(checkpoint: Path) -> str:
+    """Why an unchanged config may differ: a ``profile.json`` written after the checkpoint (``capacity: auto``)."""
+    profile = checkpoint.parent.parent / "profile.json"
+    try:
+        newer = profile.stat().st_mtime > (checkpoint / "trainer_state.json").stat().st_mtime
+    except OSError:
+        return ""
+    if not newer:
+        return ""
+    return (
+        f"; {profile} was written after this checkpoint, and with scheduler.capacity: auto it sets the "
+        "run's capacity: move it away (or give scheduler.capacity the value the checkpoint was written with)"
+    )
 
 
 def save_checkpoint(
