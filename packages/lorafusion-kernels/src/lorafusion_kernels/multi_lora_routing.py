@@ -520,9 +520,10 @@ def install_peft_mixed_batches(model: nn.Module) -> None:
         original = lora_model._enable_peft_forward_hooks
         lora_model._enable_peft_forward_hooks = functools.partial(_mixed_batch_hooks, lora_model, original)
     _route_checkpoints(model)
-    for path, module in model.named_modules():
-        if isinstance(module, LoraLayer):
-            setattr(module, _PATH, path)
+    for path, named in model.named_modules():
+        if isinstance(named, LoraLayer):
+            setattr(named, _PATH, path)
+    for module in model.modules():
         if isinstance(module, LoraLayer) and not is_patched(module) and not hasattr(module, _GUARD_HOOKS):
             handle = module.register_forward_hook(_unpatched_guard, with_kwargs=True)
             setattr(module, _GUARD_HOOKS, handle)
