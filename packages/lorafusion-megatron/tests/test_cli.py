@@ -49,6 +49,20 @@ def test_validate_checks_the_eval_dataset_path(tmp_path: Path, config_dict, caps
     assert "jobs.0 (first).eval_dataset.path:" in capsys.readouterr().err
 
 
+def test_validate_checks_the_dataset_fields(tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]) -> None:
+    """The first record must have the fields the config names, as training requires."""
+    rows = tmp_path / "qa.jsonl"
+    rows.write_text('{"question": "2+2?", "answer": "4"}\n')
+    data = config_dict()
+    data["jobs"][0]["dataset"] = {"path": str(rows)}
+    assert main(["validate", str(_write(tmp_path / "qa.yaml", data))]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "jobs.0 (first).dataset: dataset" in err
+    assert "the first has ['answer', 'question']" in err
+    data["jobs"][0]["dataset"].update(prompt_field="question", response_field="answer")
+    assert main(["validate", str(_write(tmp_path / "qa.yaml", data))]) == 0
+
+
 @pytest.mark.parametrize("flags", [["--pipeline-stages", "2"], ["--schedule", "mlora"]])
 def test_train_refuses_evaluation_moved_to_the_pipeline_by_flags(
     tmp_path: Path, config_dict, flags: list[str], capsys: pytest.CaptureFixture[str]

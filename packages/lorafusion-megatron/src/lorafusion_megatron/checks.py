@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from lorafusion_megatron.config import TrainerConfig
+from lorafusion_megatron.config import DatasetConfig, TrainerConfig
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.presets import LORA_TARGETS, PRESETS
 
@@ -61,6 +61,40 @@ def _writable_ancestor(path: Path) -> bool:
     return False
 
 
+def _first_json_record(path: Path) -> dict[str, object] | None:
+    """The first object of a JSON-lines file (``.jsonl``, or ``.json`` with one object per line), if readable."""
+    if path.suffix not in (".jsonl", ".json"):
+        return None  # parquet and save_to_disk folders need pyarrow / datasets: training checks them
+    try:
+        with path.open(encoding="utf-8") as lines:
+            first = next((line for line in lines if line.strip()), None)
+        record = json.loads(first) if first is not None else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # training reports it with the line
+    return record if isinstance(record, dict) else None
+
+
+def _layout_problem(dataset: DatasetConfig, path: Path) -> str | None:
+    """Whether a dataset's first record has the fields the config names (the rule training applies)."""
+    from lorafusion_megatron.data.samples import record_layout
+
+    first = _first_json_record(path)
+    if first is None:
+        return None
+    try:
+        record_layout(
+            first,
+            prompt_field=dataset.prompt_field,
+            response_field=dataset.response_field,
+            text_field=dataset.text_field,
+            messages_field=dataset.messages_field,
+            source=str(path),
+        )
+    except TrainerError as exc:
+        return str(exc)
+    return None
+
+
 def _problems(config: TrainerConfig, pipeline_stages: int) -> list[str]:
     problems = []
     model = config.base_model
@@ -82,6 +116,10 @@ def _problems(config: TrainerConfig, pipeline_stages: int) -> list[str]:
                 problems.append(f"{where}.{key}.path: {path} does not exist")
             elif Path(path).is_file() and Path(path).suffix not in _DATASET_SUFFIXES:
                 problems.append(f"{where}.{key}.path: {path} is not .jsonl, .json, .parquet or a save_to_disk folder")
+            elif dataset is not None:
+                layout = _layout_problem(dataset, Path(path))
+                if layout is not None:
+                    problems.append(f"{where}.{key}: {layout}")
         if known is not None and isinstance(job.target_modules, list):
             unknown = sorted(set(job.target_modules) - set(known))
             if unknown:

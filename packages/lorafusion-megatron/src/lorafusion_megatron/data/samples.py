@@ -9,7 +9,7 @@ sequence never asks a sample's last token to predict the next sample's first tok
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -20,7 +20,15 @@ from lorafusion_megatron.errors import TrainerError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["IGNORE_INDEX", "FitReport", "Sample", "fit_to_capacity", "synthetic_samples", "tokenize_records"]
+__all__ = [
+    "IGNORE_INDEX",
+    "FitReport",
+    "Sample",
+    "fit_to_capacity",
+    "record_layout",
+    "synthetic_samples",
+    "tokenize_records",
+]
 
 IGNORE_INDEX = -100
 """Target value the loss skips (PyTorch's ``cross_entropy`` default ``ignore_index``)."""
@@ -117,18 +125,19 @@ def tokenize_records(
     """
     if not records:
         raise TrainerError(f"dataset {source} has no records")
-    first = records[0]
-    if messages_field in first:
+    layout = record_layout(
+        records[0],
+        prompt_field=prompt_field,
+        response_field=response_field,
+        text_field=text_field,
+        messages_field=messages_field,
+        source=source,
+    )
+    if layout == "chat":
         from lorafusion_megatron.data.chat import tokenize_chats
 
         return tokenize_chats([record.get(messages_field) for record in records], tokenizer, source=source)
-    paired = prompt_field in first and response_field in first
-    if not paired and text_field not in first:
-        raise TrainerError(
-            f"dataset {source}: records need `{messages_field}`, `{prompt_field}` and `{response_field}`, or "
-            f"`{text_field}`; the first has {sorted(first)} (set dataset.messages_field/prompt_field/response_field/"
-            "text_field)"
-        )
+    paired = layout == "pair"
     fields = (prompt_field, response_field) if paired else (text_field,)
     columns = []
     for field in fields:
@@ -147,6 +156,33 @@ def tokenize_records(
     texts = tokenizer(columns[0], add_special_tokens=True)["input_ids"]
     # Every token after the first is trained: the first has nothing before it to predict it from.
     return [Sample.from_tokens(t[:1], [*t[1:], *eos]) for t in texts]
+
+
+def record_layout(
+    first: Mapping[str, Any],
+    *,
+    prompt_field: str,
+    response_field: str,
+    text_field: str,
+    messages_field: str,
+    source: str,
+) -> Literal["chat", "pair", "text"]:
+    """The layout a dataset's first record decides: a chat, a prompt/response pair, or a text.
+
+    Raises:
+        TrainerError: The record has none of the fields, naming the ones it has.
+    """
+    if messages_field in first:
+        return "chat"
+    if prompt_field in first and response_field in first:
+        return "pair"
+    if text_field in first:
+        return "text"
+    raise TrainerError(
+        f"dataset {source}: records need `{messages_field}`, `{prompt_field}` and `{response_field}`, or "
+        f"`{text_field}`; the first has {sorted(first)} (set dataset.messages_field/prompt_field/response_field/"
+        "text_field)"
+    )
 
 
 def synthetic_samples(lengths: Sequence[int], *, vocab_size: int, seed: int, length_scale: float = 1.0) -> list[Sample]:
