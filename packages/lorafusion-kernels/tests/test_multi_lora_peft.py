@@ -346,8 +346,9 @@ def test_an_adapter_that_cannot_train_is_named_once(
 ) -> None:
     """PEFT makes only the active adapter trainable; a mixed batch would leave the others without gradients."""
     from lorafusion_kernels import multi_lora_routing
+    from lorafusion_kernels.errors import OnceWarnings
 
-    monkeypatch.setattr(multi_lora_routing, "_WARNED_FROZEN", set())
+    monkeypatch.setattr(multi_lora_routing, "_WARNED_FROZEN", OnceWarnings())
     model = patched_model
     model.train()
     for name, param in lora_params(model).items():

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +20,7 @@ from torch import nn
 
 from lorafusion_kernels._kernels._common import MAX_RANK, runs_triton
 from lorafusion_kernels.autocast import call_as_linear, linear_compute_dtype
-from lorafusion_kernels.errors import LoRAFusionKernelsError, LoRAFusionKernelsWarning
+from lorafusion_kernels.errors import LoRAFusionKernelsError, OnceWarnings
 from lorafusion_kernels.metadata import MultiLoRABatch
 from lorafusion_kernels.multi_lora import fused_multi_lora_linear
 from lorafusion_kernels.peft_siblings import sibling_forward
@@ -315,20 +314,17 @@ def peft_multi_lora_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: A
     return _eager_layer_forward(layer, x, batch, present, args, kwargs)
 
 
-_WARNED_FROZEN: set[str] = set()
+_WARNED_FROZEN = OnceWarnings()
 
 
 def _warn_frozen_adapter(name: str) -> None:
     """Once per adapter: it trains in a mixed batch but its weights take no gradient."""
-    if name not in _WARNED_FROZEN:
-        _WARNED_FROZEN.add(name)
-        warnings.warn(
-            f"lorafusion: adapter {name!r} has tokens in a mixed-adapter batch in training mode, but its LoRA "
-            "weights do not require grad, so it gets no gradient (PEFT's set_adapter makes only the active "
-            "adapter trainable); call requires_grad_(True) on its lora_A/lora_B weights to train it",
-            LoRAFusionKernelsWarning,
-            stacklevel=5,
-        )
+    _WARNED_FROZEN.warn(
+        f"lorafusion: adapter {name!r} has tokens in a mixed-adapter batch in training mode, but its LoRA "
+        "weights do not require grad, so it gets no gradient (PEFT's set_adapter makes only the active "
+        "adapter trainable); call requires_grad_(True) on its lora_A/lora_B weights to train it",
+        stacklevel=5,
+    )
 
 
 def _layer_adapter(layer: Any, name: str) -> str | None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import types
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +35,7 @@ from torch import nn
 
 from lorafusion_kernels._kernels._common import runs_triton
 from lorafusion_kernels.autocast import autocast_dtype, call_as_linear, linear_compute_dtype
-from lorafusion_kernels.errors import LoRAFusionKernelsWarning
+from lorafusion_kernels.errors import OnceWarnings
 from lorafusion_kernels.lora import fused_lora_linear
 from lorafusion_kernels.multi_lora_routing import install_peft_mixed_batches, uninstall_peft_mixed_batches
 from lorafusion_kernels.peft_siblings import unfuse_sibling_layers
@@ -68,13 +67,11 @@ class Route:
 Router = Callable[[Any, torch.Tensor, dict[str, Any]], Route | None]
 """``(layer, x, forward kwargs) -> Route``, or None to let the next router decide."""
 
-_WARNED: set[str] = set()
+_WARNED = OnceWarnings()
 
 
 def _warn_once(reason: str) -> None:
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(f"lorafusion: PEFT's own LoRA path is used for {reason}", LoRAFusionKernelsWarning, stacklevel=4)
+    _WARNED.warn(f"lorafusion: PEFT's own LoRA path is used for {reason}", stacklevel=4)
 
 
 def _fused_single_adapter(layer: Any, x: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,6 @@ independent masks should not fuse them.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +24,7 @@ import torch
 from torch import nn
 
 from lorafusion_kernels._kernels._common import MAX_RANK, runs_triton
-from lorafusion_kernels.errors import LoRAFusionKernelsWarning
+from lorafusion_kernels.errors import OnceWarnings
 from lorafusion_kernels.metadata import MultiLoRABatch
 from lorafusion_kernels.multi_lora_siblings import fused_multi_lora_siblings
 
@@ -247,10 +246,8 @@ def _group_arguments(
     return {"lora_a": lora_a, "lora_b": lora_b, "out_features": group.out_features, "scaling": scaling, "dropout_p": ps}
 
 
-_WARNED: set[str] = set()
+_WARNED = OnceWarnings()
 
 
 def _warn_once(reason: str) -> None:
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(f"lorafusion: running {reason} one at a time", LoRAFusionKernelsWarning, stacklevel=5)
+    _WARNED.warn(f"lorafusion: running {reason} one at a time", stacklevel=5)

@@ -60,12 +60,11 @@ import importlib.resources
 import json
 import math
 import os
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from lorafusion_kernels.errors import LoRAFusionKernelsError, LoRAFusionKernelsWarning
+from lorafusion_kernels.errors import LoRAFusionKernelsError, OnceWarnings
 
 SCHEMA_VERSION = 1
 CONFIG_DIR_ENV = "LORAFUSION_KERNELS_CONFIG_DIR"
@@ -344,7 +343,7 @@ Heuristic = Callable[[ShapeKey, tuple[int, int]], KernelConfig]
 _HEURISTICS: dict[str, Heuristic] = {}
 _FALLBACKS: dict[str, str] = {}
 _OVERRIDES: dict[str, KernelConfig] = {}
-_WARNED: set[str] = set()
+_WARNED = OnceWarnings()
 
 
 def register_heuristic(kernel: str, heuristic: Heuristic) -> None:
@@ -382,9 +381,7 @@ def override_configs(configs: Mapping[str, KernelConfig]) -> Iterator[None]:
 
 
 def _warn_once(reason: str) -> None:
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(reason, LoRAFusionKernelsWarning, stacklevel=3)
+    _WARNED.warn(reason, stacklevel=3)
 
 
 def launch_lookup(kernel: str, m: int, n: int, k: int, r: int, dtype: Any, device: Any) -> KernelConfig:
