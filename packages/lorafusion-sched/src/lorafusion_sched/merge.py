@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from lorafusion_sched.packing.max_tree import MaxTree, room_for
+from lorafusion_sched.packing.max_tree import Rooms
 from lorafusion_sched.packing.problem import round_up
 from lorafusion_sched.sequence import Slot
 
@@ -69,19 +69,12 @@ class _Merger:
             return False
         return self.lemma_ok(target, adapter, batch)
 
-    def _set_rooms(self, rooms: dict[int, MaxTree], j: int, per_adapter: dict[int, int]) -> None:
-        """Slot ``j``'s room for each adapter (appended when ``j`` is new to the trees)."""
-        size = self.size(per_adapter)
-        for a, room in rooms.items():
-            value = room_for(self.capacity, self.padding, size, per_adapter.get(a, 0))
-            room.append(value) if j == room.count else room.set(j, value)
-
     def repack(self, target: int, sources: list[int]) -> int:
         """Re-pack the sources' samples into ``target`` then the source slots; keep it if it frees a slot.
 
         First fit decreasing under the pass's rules (one global batch per adapter in a slot, the
-        bubble lemma, no slot after the batch's last round), the slot with room found through one
-        :class:`~lorafusion_sched.packing.max_tree.MaxTree` per adapter.
+        bubble lemma, no slot after the batch's last round), the slot with room found through
+        :class:`~lorafusion_sched.packing.max_tree.Rooms`.
 
         Returns:
             Samples moved into ``target`` (0 when the re-packing was not kept).
@@ -94,13 +87,13 @@ class _Merger:
         contents: list[Slot] = [{a: (b, list(ss)) for a, (b, ss) in self.slots[target].items()}]
         contents += [{} for _ in sources]
         totals = [self.tokens(self.slots[target])] + [{} for _ in sources]
-        rooms = {a: MaxTree() for a in sorted({a for a, _b, _s in items})}
-        for index, per_adapter in enumerate(totals):
-            self._set_rooms(rooms, index, per_adapter)
+        rooms = Rooms((a for a, _b, _s in items), self.capacity, self.padding)
+        for per_adapter in totals:
+            rooms.append(self.size(per_adapter), per_adapter)
         moved = 0
         for a, b, s in items:
             length = self.lengths[a][s]
-            j = rooms[a].first_at_least(length)  # the first slot with room; then the other rules
+            j = rooms.first(a, length)  # the first slot with room; then the other rules
             while j is not None:
                 if positions[j] // self.replicas > self.last_round[(a, b)]:
                     # Later than the batch's last round would shorten the gap to batch b + 1; every
@@ -109,12 +102,12 @@ class _Merger:
                 present = contents[j].get(a)
                 if present[0] == b if present is not None else self.lemma_ok(positions[j], a, b):
                     break
-                j = rooms[a].first_at_least(length, j + 1)
+                j = rooms.first(a, length, j + 1)
             if j is None:
                 return 0
             contents[j].setdefault(a, (b, []))[1].append(s)
             totals[j][a] = totals[j].get(a, 0) + length
-            self._set_rooms(rooms, j, totals[j])
+            rooms.set(j, self.size(totals[j]), totals[j])
             moved += j == 0
         if sum(1 for c in contents[1:] if c) >= sum(1 for q in sources if self.slots[q]):
             return 0

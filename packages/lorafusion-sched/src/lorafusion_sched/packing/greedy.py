@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lorafusion_sched.packing.max_tree import MaxTree, room_for
+from lorafusion_sched.packing.max_tree import Rooms
 from lorafusion_sched.packing.problem import Packing, PackingProblem, bin_size, round_up
 
 __all__ = ["greedy_pack"]
@@ -35,25 +35,21 @@ class _Bin:
 def first_fit_decreasing(problem: PackingProblem) -> list[_Bin]:
     """Place items longest first into the first bin where the padded size stays within capacity.
 
-    One :class:`~lorafusion_sched.packing.max_tree.MaxTree` per adapter keeps every bin's room for
-    that adapter (:func:`~lorafusion_sched.packing.max_tree.room_for`), so the first bin that takes
-    an item is found in O(log n), not by trying each open bin: O(n A log n) for ``n`` items of
-    ``A`` adapters.
+    :class:`~lorafusion_sched.packing.max_tree.Rooms` keeps every bin's room for each adapter, so
+    the first bin that takes an item is found in O(log n), not by trying each open bin:
+    O(n A log n) for ``n`` items of ``A`` adapters.
     """
     order = sorted(range(problem.num_items), key=lambda i: (-problem.lengths[i], i))
-    capacity, padding = problem.capacity, problem.padding
-    rooms = {a: MaxTree() for a in sorted(set(problem.adapters))}
+    rooms = Rooms(problem.adapters, problem.capacity, problem.padding)
     bins: list[_Bin] = []
     for i in order:
-        j = rooms[problem.adapters[i]].first_at_least(problem.lengths[i])
+        j = rooms.first(problem.adapters[i], problem.lengths[i])
         if j is None:
             j = len(bins)
             bins.append(_Bin())
-            for room in rooms.values():
-                room.append(capacity)
+            rooms.append(0, {})
         bins[j].add(problem, i)
-        for a, room in rooms.items():
-            room.set(j, room_for(capacity, padding, bins[j].size, bins[j].per_adapter.get(a, 0)))
+        rooms.set(j, bins[j].size, bins[j].per_adapter)
     return bins
 
 

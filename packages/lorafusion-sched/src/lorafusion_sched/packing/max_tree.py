@@ -4,15 +4,17 @@ With ``P`` the padding multiple and ``C`` the capacity, a microbatch of padded s
 holds ``old`` tokens of adapter ``a`` takes ``L`` more tokens of ``a`` iff
 ``size - ceil_P(old) + ceil_P(old + L) <= C``. Since ``C - size + ceil_P(old)`` is a multiple of
 ``P``, that is iff ``L <= C - size + ceil_P(old) - old``: the microbatch's *room* for ``a``
-(:func:`room_for`). A :class:`MaxTree` per adapter over the microbatches' rooms answers "the
-first microbatch from here that takes ``L`` tokens of ``a``" by one descent.
+(:func:`room_for`). A :class:`MaxTree` per adapter over the microbatches' rooms (:class:`Rooms`)
+answers "the first microbatch from here that takes ``L`` tokens of ``a``" by one descent.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 from lorafusion_sched.packing.problem import round_up
 
-__all__ = ["MaxTree", "room_for"]
+__all__ = ["MaxTree", "Rooms", "room_for"]
 
 
 def room_for(capacity: int, padding: int, size: int, old: int) -> int:
@@ -65,3 +67,26 @@ class MaxTree:
         while node < self.leaves:
             node = 2 * node if self.tree[2 * node] >= need else 2 * node + 1
         return node - self.leaves
+
+
+class Rooms:
+    """Every microbatch's room for each adapter's tokens, one :class:`MaxTree` per adapter."""
+
+    def __init__(self, adapters: Iterable[int], capacity: int, padding: int) -> None:
+        self.capacity = capacity
+        self.padding = padding
+        self.trees = {a: MaxTree() for a in sorted(set(adapters))}
+
+    def append(self, size: int, tokens: Mapping[int, int]) -> None:
+        """Add a microbatch of padded ``size`` holding ``tokens[a]`` tokens of each adapter ``a``."""
+        for a, tree in self.trees.items():
+            tree.append(room_for(self.capacity, self.padding, size, tokens.get(a, 0)))
+
+    def set(self, index: int, size: int, tokens: Mapping[int, int]) -> None:
+        """Microbatch ``index`` now has padded ``size`` and ``tokens[a]`` tokens of each adapter ``a``."""
+        for a, tree in self.trees.items():
+            tree.set(index, room_for(self.capacity, self.padding, size, tokens.get(a, 0)))
+
+    def first(self, adapter: int, length: int, start: int = 0) -> int | None:
+        """The first microbatch from ``start`` that takes ``length`` more tokens of ``adapter``; None if none."""
+        return self.trees[adapter].first_at_least(length, start)
