@@ -21,7 +21,12 @@ if TYPE_CHECKING:
 
     from lorafusion_megatron.config import TrainerConfig
 
-__all__ = ["check_fresh_run", "check_run_outputs", "check_writable", "replace_dir", "save_adapter"]
+__all__ = ["check_fresh_run", "check_run_outputs", "check_writable", "holds_files", "replace_dir", "save_adapter"]
+
+
+def holds_files(folder: Path) -> bool:
+    """Whether ``folder`` is a folder with anything in it (what a write there could replace)."""
+    return folder.is_dir() and any(folder.iterdir())
 
 
 def check_writable(directory: Path, what: str) -> None:
@@ -66,7 +71,7 @@ def check_fresh_run(config: TrainerConfig, *, resume: bool, overwrite: bool) -> 
     found = [path for path in (Path(config.output_dir) / "summary.json",) if path.is_file()]
     for job in config.jobs:
         folder = config.job_output_dir(job)
-        if folder.is_dir() and any(folder.iterdir()):
+        if holds_files(folder):
             found.append(folder)
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""

@@ -173,9 +173,10 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from lorafusion_megatron.adapters_io import holds_files
 
     output = Path(args.output)
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+    if output.is_file() or holds_files(output):
         raise TrainerError(
             f"--output {output} is not an empty folder: the demo writes base/, data/, demo.yaml and adapters/ "
             "there; choose a new folder, or delete that one"

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from lorafusion_megatron.adapters_io import replace_dir
+from lorafusion_megatron.adapters_io import holds_files, replace_dir
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.model import quiet_peft_deprecations
 from lorafusion_megatron.presets import PRESETS
@@ -48,7 +48,7 @@ def merge_adapter(
 
     if output.exists() and not output.is_dir():
         raise TrainerError(f"--output {output} is a file: name a folder for the merged model")
-    if output.is_dir() and any(output.iterdir()) and not overwrite:
+    if holds_files(output) and not overwrite:
         raise TrainerError(f"--output {output} is not empty: choose another folder, or pass --overwrite to replace it")
     config_file = adapter / "adapter_config.json"
     if not config_file.is_file():
