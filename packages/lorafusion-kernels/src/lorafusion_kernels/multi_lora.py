@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from torch.nn import functional
@@ -53,6 +53,8 @@ from lorafusion_kernels.lora import deterministic_mode, fused_lora_linear
 from lorafusion_kernels.metadata import MultiLoRABatch
 
 __all__ = ["fused_multi_lora_linear"]
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -271,7 +273,8 @@ def fused_multi_lora_linear(
             or ``LORAFUSION_DETERMINISTIC=1``). A one-adapter batch passes it on to FusedLoRA.
 
     Returns:
-        ``[..., N]`` in ``x.dtype``.
+        ``[..., N]`` in ``x.dtype``. An adapter that owns no token takes no part: its ``A``/``B``
+        get no gradient (``.grad`` stays None), on every path.
 
     Raises:
         LoRAFusionKernelsError: Inconsistent shapes, token count or per-adapter lists, or p outside ``[0, 1)``.
@@ -286,8 +289,8 @@ def fused_multi_lora_linear(
     elif only is not None:
         y = _single_adapter(x2, weight, lora_a[only], lora_b[only], scales[only], ps[only], bias, seed, deterministic)
     elif runs_triton(x2):
-        params = _AdapterParams(tuple(a.shape[0] for a in lora_a), scales, ps)
-        a_cat, b_cat = _stack(lora_a, dim=0), _stack(lora_b, dim=1)
+        params = _AdapterParams(owned_ranks(batch, [a.shape[0] for a in lora_a]), scales, ps)
+        a_cat, b_cat = _stack(owning(batch, lora_a), dim=0), _stack(owning(batch, lora_b), dim=1)
         y = run_triton(x2, weight, bias, a_cat, b_cat, batch, params, seed, deterministic)
     else:
         y = multi_lora_torch(x2, weight, [[a] for a in lora_a], [[b] for b in lora_b], batch, scales, ps, bias, seed)
@@ -571,6 +574,21 @@ def _dx_from_da_pass(n: int, k: int) -> bool:
 def _side_by_side(dys: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """``dy [T, N]`` from the members' gradients (itself when there is one)."""
     return dys[0] if len(dys) == 1 else torch.cat(dys, dim=1)
+
+
+def owning(batch: MultiLoRABatch, values: Sequence[_T]) -> list[_T]:
+    """The ``values`` of the adapters that own tokens of ``batch``, in adapter order.
+
+    Only their weights are stacked, so an adapter without tokens stays out of the autograd graph and
+    its ``.grad`` stays None, as on the torch path and in PEFT (not zeros, which an optimizer would
+    step on).
+    """
+    return [v for v, tokens in zip(values, batch.adapter_tokens, strict=True) if tokens > 0]
+
+
+def owned_ranks(batch: MultiLoRABatch, ranks: Sequence[int]) -> tuple[int, ...]:
+    """``ranks`` with 0 ("no adapter") for the adapters that own no token: the stacked layout of :func:`owning`."""
+    return tuple(r if tokens > 0 else 0 for r, tokens in zip(ranks, batch.adapter_tokens, strict=True))
 
 
 def _stack(tensors: Sequence[torch.Tensor], *, dim: int) -> torch.Tensor:

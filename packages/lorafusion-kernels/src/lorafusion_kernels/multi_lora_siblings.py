@@ -41,6 +41,8 @@ from lorafusion_kernels.multi_lora import (
     check_call,
     eager_seed,
     multi_lora_torch,
+    owned_ranks,
+    owning,
     run_triton,
     shrink,
 )
@@ -101,9 +103,9 @@ def fused_multi_lora_siblings(
     if batch.total_tokens == 0:
         y = functional.linear(x2, weight, bias)
     elif runs_triton(x2):
-        params = _AdapterParams(ranks, scales, ps, members)
-        a_cat = _stack([a for per_member in lora_a for a in per_member], dim=0)
-        b_flat = _stack([b.reshape(-1) for per_member in lora_b for b in per_member], dim=0)
+        params = _AdapterParams(owned_ranks(batch, ranks), scales, ps, members)
+        a_cat = _stack([a for per_member in owning(batch, lora_a) for a in per_member], dim=0)
+        b_flat = _stack([b.reshape(-1) for per_member in owning(batch, lora_b) for b in per_member], dim=0)
         if not torch.compiler.is_compiling() and member_outputs_fit(x2, weight, members, params.max_rank):
             det = deterministic_mode() if deterministic is None else deterministic
             seed_t = eager_seed(seed, params, x2.device)
