@@ -63,6 +63,34 @@ def test_validate_checks_the_dataset_fields(tmp_path: Path, config_dict, capsys:
     assert main(["validate", str(_write(tmp_path / "qa.yaml", data))]) == 0
 
 
+def test_validate_checks_parquet_and_saved_datasets(
+    tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Parquet files and save_to_disk folders get the same field check, and unreadable ones are named."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"question": "2+2?", "answer": "4"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "qa.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "qa-saved"))
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet")
+    data = config_dict()
+    data["jobs"][0]["dataset"] = {"path": str(tmp_path / "qa.parquet")}
+    data["jobs"][1]["dataset"] = {"path": str(tmp_path / "qa-saved")}
+    assert main(["validate", str(_write(tmp_path / "qa.yaml", data))]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "jobs.0 (first).dataset: dataset" in err
+    assert "jobs.1 (second).dataset: dataset" in err
+    assert err.count("the first has ['answer', 'question']") == 2
+    for job in data["jobs"]:
+        job["dataset"].update(prompt_field="question", response_field="answer")
+    assert main(["validate", str(_write(tmp_path / "qa.yaml", data))]) == 0
+    data["jobs"][0]["dataset"]["path"] = str(tmp_path / "broken.parquet")
+    assert main(["validate", str(_write(tmp_path / "qa.yaml", data))]) == 2
+    assert "broken.parquet is not a readable Parquet file" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flags", [["--pipeline-stages", "2"], ["--schedule", "mlora"]])
 def test_train_refuses_evaluation_moved_to_the_pipeline_by_flags(
     tmp_path: Path, config_dict, flags: list[str], capsys: pytest.CaptureFixture[str]

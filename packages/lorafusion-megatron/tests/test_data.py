@@ -9,7 +9,7 @@ import pytest
 
 from lorafusion_megatron.config import parse_config
 from lorafusion_megatron.data.job_data import JobData, load_job_data, training_order
-from lorafusion_megatron.data.records import read_records
+from lorafusion_megatron.data.records import first_record, read_records
 from lorafusion_megatron.data.samples import IGNORE_INDEX, Sample, fit_to_capacity, tokenize_records
 from lorafusion_megatron.data.tokenizer import byte_level_tokenizer, load_tokenizer
 from lorafusion_megatron.errors import TrainerError
@@ -29,7 +29,19 @@ def test_reads_jsonl_json_array_parquet_and_saved_dataset(tmp_path: Path) -> Non
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(tmp_path / "dict"))
     for name in ("d.jsonl", "d.json", "d.parquet", "saved", "dict"):
         assert read_records(tmp_path / name) == ROWS, name
+        assert first_record(tmp_path / name) == ROWS[0], name
     assert read_records(tmp_path / "d.jsonl", max_samples=1) == ROWS[:1]
+
+
+def test_first_record_reads_only_up_to_it_and_none_when_empty(tmp_path: Path) -> None:
+    (tmp_path / "later-bad.jsonl").write_text('\n{"prompt": "a", "response": "b"}\nnot json\n')
+    assert first_record(tmp_path / "later-bad.jsonl") == {"prompt": "a", "response": "b"}
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    assert first_record(tmp_path / "blank.jsonl") is None
+    assert read_records(tmp_path / "blank.jsonl") == []
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(TrainerError, match="not a readable Parquet file"):
+        first_record(tmp_path / "broken.parquet")
 
 
 @pytest.mark.parametrize(

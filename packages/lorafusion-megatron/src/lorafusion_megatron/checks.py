@@ -61,35 +61,25 @@ def _writable_ancestor(path: Path) -> bool:
     return False
 
 
-def _first_json_record(path: Path) -> dict[str, object] | None:
-    """The first object of a JSON-lines file (``.jsonl``, or ``.json`` with one object per line), if readable."""
-    if path.suffix not in (".jsonl", ".json"):
-        return None  # parquet and save_to_disk folders need pyarrow / datasets: training checks them
-    try:
-        with path.open(encoding="utf-8") as lines:
-            first = next((line for line in lines if line.strip()), None)
-        record = json.loads(first) if first is not None else None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None  # training reports it with the line
-    return record if isinstance(record, dict) else None
-
-
 def _layout_problem(dataset: DatasetConfig, path: Path) -> str | None:
-    """Whether a dataset's first record has the fields the config names (the rule training applies)."""
+    """Why a dataset cannot train, judged from its first record: unreadable, or without the config's fields.
+
+    Training's own rule (``record_layout``), on the first record only; training reads them all.
+    """
+    from lorafusion_megatron.data.records import first_record
     from lorafusion_megatron.data.samples import record_layout
 
-    first = _first_json_record(path)
-    if first is None:
-        return None
     try:
-        record_layout(
-            first,
-            prompt_field=dataset.prompt_field,
-            response_field=dataset.response_field,
-            text_field=dataset.text_field,
-            messages_field=dataset.messages_field,
-            source=str(path),
-        )
+        first = first_record(path)
+        if first is not None:
+            record_layout(
+                first,
+                prompt_field=dataset.prompt_field,
+                response_field=dataset.response_field,
+                text_field=dataset.text_field,
+                messages_field=dataset.messages_field,
+                source=str(path),
+            )
     except TrainerError as exc:
         return str(exc)
     return None

@@ -11,7 +11,6 @@ import os
 import re
 
 GPU_NAME_ENV = "LORAFUSION_GPU_NAME"
-INTERPRETER_NAME = "triton-interpreter"
 
 
 def gpu_key(name: str) -> str:

@@ -15,14 +15,14 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from lorafusion_megatron.data.eval_split import split_held_out
 from lorafusion_megatron.data.records import read_records
-from lorafusion_megatron.data.samples import FitReport, Sample, fit_to_capacity, synthetic_samples, tokenize_records
+from lorafusion_megatron.data.samples import Sample, fit_to_capacity, synthetic_samples, tokenize_records
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -80,7 +80,6 @@ class JobData:
         samples: Usable training samples, as read (without the held-out ones).
         order: Training position -> index into ``samples``.
         global_batch_size: Samples per optimizer step.
-        fit: What fitting to the capacity changed in the training samples.
         eval_samples: Usable evaluation samples (held out of the dataset, or from ``eval_dataset``),
             in dataset order; empty when the job does not evaluate.
     """
@@ -89,7 +88,6 @@ class JobData:
     samples: Sequence[Sample]
     order: np.ndarray
     global_batch_size: int
-    fit: FitReport = field(default_factory=lambda: FitReport(0, 0, 0))
     eval_samples: Sequence[Sample] = ()
 
     def __len__(self) -> int:
@@ -191,7 +189,7 @@ def load_job_data(
     elif job.eval_dataset is not None:
         eval_samples = _samples_of(config, job, job.eval_dataset, tokenizer, vocab_size, role="eval")
         eval_source = f"eval_dataset {_source(job.eval_dataset)} (job {job.name})"
-    fitted, report = fit_to_capacity(samples, capacity, long_samples, source=source)
+    fitted, _ = fit_to_capacity(samples, capacity, long_samples, source=source)
     if eval_samples:
         eval_samples, _ = fit_to_capacity(eval_samples, capacity, long_samples, source=eval_source)
     order = training_order(
@@ -207,6 +205,5 @@ def load_job_data(
         samples=fitted,
         order=order,
         global_batch_size=job.global_batch_size,
-        fit=report,
         eval_samples=eval_samples,
     )

@@ -2,34 +2,45 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from lorafusion_megatron.errors import TrainerError
 
-__all__ = ["read_records"]
+__all__ = ["first_record", "read_records"]
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    text = path.read_text(encoding="utf-8")
-    stripped = text.lstrip()
-    if stripped.startswith("["):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise TrainerError(f"{path} is not valid JSON: {exc}") from None
-        return [_as_record(row, path, i) for i, row in enumerate(data)]
-    records = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TrainerError(f"{path}:{number} is not a JSON object: {exc.msg}") from None
-        records.append(_as_record(row, path, number))
+def _read_jsonl(path: Path, *, first_only: bool = False) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file or a JSON array; with ``first_only``, only the first is kept (and read)."""
+    with path.open(encoding="utf-8") as text:
+        numbered = ((number, line) for number, line in enumerate(text, start=1) if line.strip())
+        head = next(numbered, None)
+        if head is None:
+            return []
+        if head[1].lstrip().startswith("["):
+            text.seek(0)
+            return _read_json_array(path, text.read())[: 1 if first_only else None]
+        records = []
+        for number, line in itertools.chain([head], numbered):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TrainerError(f"{path}:{number} is not a JSON object: {exc.msg}") from None
+            records.append(_as_record(row, path, number))
+            if first_only:
+                break
     return records
+
+
+def _read_json_array(path: Path, text: str) -> list[dict[str, Any]]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TrainerError(f"{path} is not valid JSON: {exc}") from None
+    return [_as_record(row, path, i) for i, row in enumerate(data)]
 
 
 def _as_record(row: Any, path: Path, where: int) -> dict[str, Any]:
@@ -38,18 +49,21 @@ def _as_record(row: Any, path: Path, where: int) -> dict[str, Any]:
     return row
 
 
-def _read_parquet(path: Path) -> list[dict[str, Any]]:
+def _read_parquet(path: Path, *, first_only: bool = False) -> list[dict[str, Any]]:
     import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
     try:
-        table = pq.read_table(path)
+        if first_only:
+            batch = next(pq.ParquetFile(path).iter_batches(batch_size=1), None)
+            return [] if batch is None else list(batch.to_pylist())
+        rows: list[dict[str, Any]] = pq.read_table(path).to_pylist()
     except Exception as exc:  # pyarrow raises several unrelated types for a bad file
         raise TrainerError(f"{path} is not a readable Parquet file: {exc}") from None
-    rows: list[dict[str, Any]] = table.to_pylist()
     return rows
 
 
-def _read_saved_dataset(path: Path) -> list[dict[str, Any]]:
+def _read_saved_dataset(path: Path, *, first_only: bool = False) -> list[dict[str, Any]]:
+    """A ``save_to_disk`` folder's records (memory-mapped: the first alone reads little)."""
     import datasets  # type: ignore[import-untyped]
 
     try:
@@ -60,7 +74,24 @@ def _read_saved_dataset(path: Path) -> list[dict[str, Any]]:
         if "train" not in loaded:
             raise TrainerError(f"{path} holds splits {sorted(loaded)}; point `path` at one split's folder")
         loaded = loaded["train"]
+    if first_only:
+        return [dict(loaded[0])] if len(loaded) else []
     return [dict(row) for row in loaded]
+
+
+def _reader(path: Path, key: str) -> Callable[..., list[dict[str, Any]]]:
+    """The reader of ``path``'s kind (each takes ``first_only=``)."""
+    if not path.exists():
+        raise TrainerError(f"dataset {path} does not exist: fix `{key}` (relative paths start at the config)")
+    if path.is_dir():
+        return _read_saved_dataset
+    if path.suffix in {".jsonl", ".json"}:
+        return _read_jsonl
+    if path.suffix == ".parquet":
+        return _read_parquet
+    raise TrainerError(
+        f"dataset {path}: unknown kind {path.suffix!r}; use .jsonl, .json, .parquet or a save_to_disk folder"
+    )
 
 
 def read_records(
@@ -81,16 +112,22 @@ def read_records(
         TrainerError: The path is missing, of an unknown kind, or unreadable.
     """
     path = Path(path)
-    if not path.exists():
-        raise TrainerError(f"dataset {path} does not exist: fix `{key}` (relative paths start at the config)")
-    if path.is_dir():
-        records = _read_saved_dataset(path)
-    elif path.suffix in {".jsonl", ".json"}:
-        records = _read_jsonl(path)
-    elif path.suffix == ".parquet":
-        records = _read_parquet(path)
-    else:
-        raise TrainerError(
-            f"dataset {path}: unknown kind {path.suffix!r}; use .jsonl, .json, .parquet or a save_to_disk folder"
-        )
+    records = _reader(path, key)(path)
     return records[:max_samples] if max_samples is not None else records
+
+
+def first_record(path: str | Path, *, key: str = "dataset.path") -> dict[str, Any] | None:
+    """The first record of a dataset, reading no more of it than its kind needs (``validate``'s field check).
+
+    A JSON-lines file is read to its first object, a Parquet file to its first row, a ``save_to_disk``
+    folder is memory-mapped; a JSON array is parsed whole.
+
+    Returns:
+        The record, or None when the dataset holds none.
+
+    Raises:
+        TrainerError: As :func:`read_records`, for the part read.
+    """
+    path = Path(path)
+    records = _reader(path, key)(path, first_only=True)
+    return records[0] if records else None

@@ -66,11 +66,6 @@ class StageOptimizer:
         self.norm_wait_seconds = 0.0
         """Time the last :meth:`finish_step` spent waiting for the other stages' norms."""
 
-    @property
-    def stepping(self) -> bool:
-        """Whether a step was begun and not yet finished."""
-        return self._posted is not None
-
     def begin_step(self) -> None:
         """All-reduce the gradients over the replicas, then post the norm's all-reduce over the stages.
 

@@ -44,10 +44,6 @@ class Program:
     runs: tuple[tuple[Microbatch, ...], ...]
     data_parallel: int
 
-    def local_runs(self, replica: int) -> list[list[Microbatch]]:
-        """The microbatches replica ``replica`` executes, run by run."""
-        return [list(run[replica :: self.data_parallel]) for run in self.runs]
-
     @property
     def num_microbatches(self) -> int:
         """Microbatches of all runs, no-ops included."""
