@@ -14,7 +14,7 @@ would have taken it (with dropout 0, to rounding: ``integration-tests/test_own_t
    global batch, so an adapter's gradient sums to that of the global batch alone; its optimizer steps
    at the plan's ``step_after``.
 
-Run ``python examples/own_training_loop.py`` (a tiny random-weight LLaMA, about a minute on a CPU;
+Run ``python examples/own_training_loop.py`` (a tiny random-weight LLaMA, about 20 s on a CPU;
 ``--device cuda`` on a GPU). Needs ``lorafusion-kernels``, ``lorafusion-sched``, ``transformers``, ``peft``.
 """
 
