@@ -52,16 +52,22 @@ def test_first_record_reads_only_up_to_it_and_none_when_empty(tmp_path: Path) ->
         ("list.jsonl", "[1, 2]\n", "record 0 is int"),
         ("data.csv", "a,b\n", "unknown kind '.csv'"),
         ("empty-folder", "", "not a folder written by datasets' save_to_disk"),
+        ("latin1.jsonl", b'{"prompt": "caf\xe9"}\n', "latin1.jsonl is not UTF-8 text"),
     ],
 )
-def test_bad_dataset_files(tmp_path: Path, name: str, content: str | None, message: str) -> None:
+def test_bad_dataset_files(tmp_path: Path, name: str, content: str | bytes | None, message: str) -> None:
     path = tmp_path / name
     if name == "empty-folder":
         path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
     elif content is not None:
         path.write_text(content)
     with pytest.raises(TrainerError, match=message):
         read_records(path)
+    if name != "bad.jsonl":  # its first record is fine
+        with pytest.raises(TrainerError, match=message):
+            first_record(path)
 
 
 def test_prompt_tokens_are_masked_and_targets_shifted() -> None:

@@ -111,8 +111,7 @@ def read_records(
     Raises:
         TrainerError: The path is missing, of an unknown kind, or unreadable.
     """
-    path = Path(path)
-    records = _reader(path, key)(path)
+    records = _read(Path(path), key, first_only=False)
     return records[:max_samples] if max_samples is not None else records
 
 
@@ -128,6 +127,15 @@ def first_record(path: str | Path, *, key: str = "dataset.path") -> dict[str, An
     Raises:
         TrainerError: As :func:`read_records`, for the part read.
     """
-    path = Path(path)
-    records = _reader(path, key)(path, first_only=True)
+    records = _read(Path(path), key, first_only=True)
     return records[0] if records else None
+
+
+def _read(path: Path, key: str, *, first_only: bool) -> list[dict[str, Any]]:
+    reader = _reader(path, key)
+    try:
+        return reader(path, first_only=first_only)
+    except UnicodeDecodeError as exc:
+        raise TrainerError(f"dataset {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise TrainerError(f"dataset {path} cannot be read: {exc.strerror or exc}") from None
