@@ -1,18 +1,25 @@
 """Several LoRA adapters trained in a loop of your own: lorafusion-sched plans, lorafusion-kernels computes.
 
 For a trainer that is not the ``lorafusion-megatron`` launcher. Three adapters of one PEFT model
-share every microbatch of a plan; each adapter ends where training it alone, sample by sample,
+share the microbatches of a plan; each adapter ends where training it alone, sample by sample,
 would have taken it (with dropout 0, to rounding: ``integration-tests/test_own_training_loop.py``):
 
 1. ``lorafusion_sched.plan`` packs each adapter's global batches into microbatches of at most
    ``capacity`` tokens, mixing adapters, and says after which microbatch each adapter steps.
 2. A microbatch is one packed row: its samples back to back, positions restarting at 0 for each
-   sample (transformers then keeps attention inside each sample), one kernel segment per sample.
+   sample, one kernel segment per sample. With no attention mask and no cache, transformers
+   (4.57 or newer) reads the sample boundaries from the positions and keeps attention inside each
+   sample; older versions attend across samples.
 3. ``lorafusion_kernels.multi_lora_batch`` routes each segment to its adapter in every PEFT LoRA layer
    (one fused op per layer, after ``patch_peft_model``).
-4. Each sample's loss (the mean over its tokens) is divided by the number of samples in its adapter's
-   global batch, so an adapter's gradient sums to that of the global batch alone; its optimizer steps
-   at the plan's ``step_after``.
+4. Each sample's loss (the mean over its predicted tokens) is divided by the number of samples in its
+   adapter's global batch, so an adapter's gradients sum to those of its global batch; its optimizer
+   steps at the plan's ``step_after`` (clip and schedule per adapter there too).
+
+One process, no data parallelism (``docs/sched/index.md`` says what changes with replicas). The
+loop itself does not wait for the GPU: each microbatch's index tensors are built on the host and
+copied without blocking, and the losses are read once, at the end (transformers' detection of the
+packed samples waits once per forward; with sdpa it also builds a ``[T, T]`` mask).
 
 Run ``python examples/own_training_loop.py`` (a tiny random-weight LLaMA, about 20 s on a CPU;
 ``--device cuda`` on a GPU). Needs ``lorafusion-kernels``, ``lorafusion-sched``, ``transformers``, ``peft``.
@@ -21,10 +28,12 @@ Run ``python examples/own_training_loop.py`` (a tiny random-weight LLaMA, about 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
+import transformers
+from packaging.version import Version
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch.nn import functional
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -36,7 +45,7 @@ GLOBAL_BATCH_SIZES = {"math": 4, "code": 3, "chat": 2}
 """Adapter name -> samples per optimizer step."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Workload:
     """The example's inputs: the model's size, each adapter's samples, and the training settings."""
 
@@ -46,7 +55,18 @@ class Workload:
     learning_rate: float = 1e-2
     lora_dropout: float = 0.1
     dtype: torch.dtype = torch.float32
+    truncate: bool = False
+    """Cut samples longer than ``capacity`` to it (the plan's ``truncate``) instead of refusing them."""
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, samples in self.samples.items():
+            short = [i for i, tokens in enumerate(samples) if len(tokens) < 2]
+            if short:
+                raise ValueError(
+                    f"adapter {name!r}: samples {short[:5]} have fewer than 2 tokens; a sample needs one token "
+                    "to predict from and one to predict: drop them before planning"
+                )
 
 
 def synthetic_workload(samples_per_adapter: int = 24, *, lora_dropout: float = 0.1, seed: int = 0) -> Workload:
@@ -69,6 +89,10 @@ def synthetic_workload(samples_per_adapter: int = 24, *, lora_dropout: float = 0
 
 def build_model(workload: Workload, device: torch.device) -> PeftModel:
     """A two-layer LLaMA with random weights and one LoRA adapter per job, every adapter trainable."""
+    if Version(transformers.__version__) < Version("4.57"):
+        raise RuntimeError(
+            f"transformers {transformers.__version__} attends across the samples of a packed row: use 4.57 or newer"
+        )
     torch.manual_seed(workload.seed)
     config = LlamaConfig(
         vocab_size=256,
@@ -101,12 +125,75 @@ def make_plan(workload: Workload) -> Plan:
         AdapterJob(name=name, sample_tokens=tuple(len(s) for s in samples), global_batch_size=GLOBAL_BATCH_SIZES[name])
         for name, samples in workload.samples.items()
     ]
-    return plan(jobs, PlanOptions(capacity=workload.capacity))
+    return plan(jobs, PlanOptions(capacity=workload.capacity, truncate=workload.truncate))
 
 
-def microbatch_loss(
-    model: PeftModel, workload: Workload, microbatch: Microbatch, samples_in_batch: Mapping[tuple[str, int], int]
-) -> tuple[torch.Tensor, dict[str, float]]:
+@dataclasses.dataclass(frozen=True)
+class PackedMicrobatch:
+    """One microbatch's inputs, built on the host: ``T`` tokens of ``n`` samples back to back."""
+
+    ids: torch.Tensor
+    """int64 ``[T]``."""
+    positions: torch.Tensor
+    """int64 ``[T]``: 0, 1, ... within each sample."""
+    targets: torch.Tensor
+    """int64 ``[T]``: the next token of the same sample; -100 at each sample's last token."""
+    sample_of_token: torch.Tensor
+    """int64 ``[T]``: the sample each token belongs to."""
+    weights: torch.Tensor
+    """fp64 ``[n]``: ``1 / (predicted tokens x samples in the sample's global batch)``."""
+    adapter_of_sample: torch.Tensor
+    """int64 ``[n]``: the adapter index of each sample."""
+    lengths: tuple[int, ...]
+    """Tokens per sample: the kernel segments."""
+    adapters: tuple[int, ...]
+    """The adapter index of each sample, on the host (``adapter_of_sample`` is the same on the device)."""
+
+    def to(self, device: torch.device) -> PackedMicrobatch:
+        """The tensors on ``device``, copied without waiting for the device (pinned, non-blocking)."""
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+        tensors = ("ids", "positions", "targets", "sample_of_token", "weights", "adapter_of_sample")
+        return dataclasses.replace(self, **{name: move(getattr(self, name)) for name in tensors})
+
+
+def pack(
+    workload: Workload, the_plan: Plan, microbatch: Microbatch, counts: Mapping[tuple[str, int], int]
+) -> PackedMicrobatch:
+    """The host tensors of one microbatch (not a no-op); samples are cut to the plan's lengths.
+
+    Args:
+        workload: The samples.
+        the_plan: The plan (its ``adapters`` hold each sample's length as scheduled, after truncation).
+        microbatch: One of ``the_plan``'s microbatches.
+        counts: ``(adapter, global batch) -> samples`` of that global batch (the last may be short).
+    """
+    names = list(GLOBAL_BATCH_SIZES)
+    planned = {info.name: info.sample_tokens for info in the_plan.adapters}
+    rows = [(seg.adapter, seg.global_batch, i) for seg in microbatch.segments for i in seg.samples]
+    tokens = [workload.samples[a][i][: planned[a][i]] for a, _, i in rows]
+    lengths = tuple(len(t) for t in tokens)
+    adapters = tuple(names.index(a) for a, _, _ in rows)
+    ids = torch.cat(tokens)
+    targets = torch.roll(ids, -1)
+    targets[torch.tensor(lengths).cumsum(0) - 1] = -100  # a sample's last token predicts nothing
+    return PackedMicrobatch(
+        ids=ids,
+        positions=torch.cat([torch.arange(n) for n in lengths]),
+        targets=targets,
+        sample_of_token=torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lengths)),
+        weights=torch.tensor(
+            [1.0 / ((n - 1) * counts[a, g]) for (a, g, _), n in zip(rows, lengths, strict=True)], dtype=torch.float64
+        ),
+        adapter_of_sample=torch.tensor(adapters),
+        lengths=lengths,
+        adapters=adapters,
+    )
+
+
+def microbatch_loss(model: PeftModel, packed: PackedMicrobatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of one packed microbatch: the loss to differentiate, and each adapter's share of it.
 
     Each sample contributes its mean token loss divided by the number of samples in its global
@@ -115,38 +202,22 @@ def microbatch_loss(
 
     Args:
         model: The patched PEFT model.
-        workload: The samples.
-        microbatch: A plan microbatch (not a no-op).
-        samples_in_batch: ``(adapter, global batch) -> samples`` of that global batch (the last may be short).
+        packed: The microbatch, on the model's device.
+
+    Returns:
+        The scalar loss, and the detached shares ``[num_adapters]`` (zero for adapters not in it).
     """
-    device = model.device
     names = list(GLOBAL_BATCH_SIZES)
-    rows = [(seg.adapter, seg.global_batch, i) for seg in microbatch.segments for i in seg.samples]
-    tokens = [workload.samples[adapter][i] for adapter, _, i in rows]
-    lengths = [len(t) for t in tokens]
-    ids = torch.cat(tokens).to(device)
-    positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
     batch = lk.MultiLoRABatch.from_segments(
-        lengths, [names.index(adapter) for adapter, _, _ in rows], num_adapters=len(names), device=device
+        packed.lengths, packed.adapters, num_adapters=len(names), device=packed.ids.device
     )
     with lk.multi_lora_batch(batch, names):
-        logits = model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0]
-    # Token t predicts token t + 1 of its own sample; a sample's last token predicts nothing.
-    targets = torch.roll(ids, -1)
-    targets[torch.tensor((*batch.segment_starts[1:], len(ids)), device=device) - 1] = -100
+        logits = model(input_ids=packed.ids[None], position_ids=packed.positions[None], use_cache=False).logits[0]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # the loss in fp32 at least
-    token_loss = functional.cross_entropy(logits, targets, ignore_index=-100, reduction="none")
-    sample_of_token = torch.repeat_interleave(
-        torch.arange(len(rows), device=device), torch.tensor(lengths, device=device)
-    )
-    per_sample = token_loss.new_zeros(len(rows)).index_add_(0, sample_of_token, token_loss)
-    weights = per_sample.new_tensor(
-        [1.0 / ((n - 1) * samples_in_batch[a, g]) for (a, g, _), n in zip(rows, lengths, strict=True)]
-    )
-    weighted = per_sample * weights
-    shares = {seg.adapter: 0.0 for seg in microbatch.segments}
-    for (adapter, _, _), value in zip(rows, weighted.tolist(), strict=True):
-        shares[adapter] += value
+    token_loss = functional.cross_entropy(logits, packed.targets, ignore_index=-100, reduction="none")
+    per_sample = token_loss.new_zeros(len(packed.lengths)).index_add_(0, packed.sample_of_token, token_loss)
+    weighted = per_sample * packed.weights.to(per_sample.dtype)
+    shares = weighted.new_zeros(len(names)).index_add_(0, packed.adapter_of_sample, weighted.detach())
     return weighted.sum(), shares
 
 
@@ -167,26 +238,22 @@ def train(workload: Workload, device: torch.device) -> tuple[PeftModel, dict[str
     model.train()
     the_plan = make_plan(workload)
     counts = samples_per_global_batch(the_plan)
-    optimizers = {
-        name: torch.optim.AdamW(adapter_parameters(model, name), lr=workload.learning_rate)
-        for name in GLOBAL_BATCH_SIZES
-    }
-    losses: dict[str, list[float]] = {name: [] for name in GLOBAL_BATCH_SIZES}
-    running = dict.fromkeys(GLOBAL_BATCH_SIZES, 0.0)
+    names = list(GLOBAL_BATCH_SIZES)
+    optimizers = {name: torch.optim.AdamW(adapter_parameters(model, name), lr=workload.learning_rate) for name in names}
+    running = torch.zeros(len(names), dtype=torch.float64, device=device)  # each adapter's loss in its global batch
+    steps: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     torch.manual_seed(workload.seed)  # dropout masks
     for microbatch in the_plan.microbatches:
-        if microbatch.noop:  # a pipeline's bubble filler; nothing to compute in one process
-            continue
-        loss, shares = microbatch_loss(model, workload, microbatch, counts)
-        loss.backward()
-        for name, share in shares.items():
-            running[name] += share
-        for name in microbatch.step_after:
+        if not microbatch.noop:  # a no-op fills a pipeline bubble: nothing to compute in one process
+            loss, shares = microbatch_loss(model, pack(workload, the_plan, microbatch, counts).to(device))
+            loss.backward()
+            running += shares
+        for name in microbatch.step_after:  # on a no-op too, should a plan put one there
             optimizers[name].step()
             optimizers[name].zero_grad(set_to_none=True)
-            losses[name].append(running[name])
-            running[name] = 0.0
-    return model, losses
+            steps[name].append(running[names.index(name)].clone())
+            running[names.index(name)] = 0.0
+    return model, {name: [float(v) for v in values] for name, values in steps.items()}  # the one wait
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -49,6 +49,7 @@ def _alone(example: ModuleType, workload, name: str) -> list[torch.Tensor]:
     for step in range(math.ceil(len(samples) / size)):
         batch = samples[step * size : (step + 1) * size]
         for tokens in batch:
+            tokens = tokens[: workload.capacity] if workload.truncate else tokens
             logits = model(input_ids=tokens[None]).logits[0]
             (torch.nn.functional.cross_entropy(logits[:-1], tokens[1:]) / len(batch)).backward()
         optimizer.step()
@@ -56,9 +57,13 @@ def _alone(example: ModuleType, workload, name: str) -> list[torch.Tensor]:
     return [p.detach().clone() for p in params]
 
 
-def test_adapters_trained_together_equal_each_alone() -> None:
+@pytest.mark.parametrize("truncate", [False, True], ids=["whole", "truncated"])
+def test_adapters_trained_together_equal_each_alone(truncate: bool) -> None:
+    """With ``truncate``, samples longer than a 64-token capacity are cut to it, in both runs."""
     example = _example()
-    workload = dataclasses.replace(example.synthetic_workload(10, lora_dropout=0.0), dtype=torch.float64)
+    workload = example.synthetic_workload(10, lora_dropout=0.0)
+    changes = {"capacity": 64, "truncate": True} if truncate else {}
+    workload = dataclasses.replace(workload, dtype=torch.float64, **changes)
     plan = example.make_plan(workload)
     assert any(len({s.adapter for s in mb.segments}) > 1 for mb in plan.microbatches), "no microbatch mixes adapters"
     assert any(n > 1 for n in _microbatches_per_global_batch(plan).values()), "no global batch was split"
@@ -84,3 +89,10 @@ def test_the_example_runs_as_a_script(capsys: pytest.CaptureFixture[str]) -> Non
     out = capsys.readouterr().out
     assert "plan:" in out
     assert all(f"{name}: " in out for name in ("math", "code", "chat"))
+
+
+def test_samples_without_a_target_are_refused() -> None:
+    example = _example()
+    samples = {"math": [torch.arange(5), torch.arange(1)], "code": [torch.arange(3)], "chat": [torch.arange(4)]}
+    with pytest.raises(ValueError, match=r"adapter 'math': samples \[1\] have fewer than 2 tokens"):
+        example.Workload(samples=samples)
