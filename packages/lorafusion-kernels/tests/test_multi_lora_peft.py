@@ -363,6 +363,26 @@ def test_an_adapter_that_cannot_train_is_named_once(
     assert "adapter 'beta'" in frozen[0]
 
 
+def test_a_name_no_layer_holds_is_named_once(patched_model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A misspelt adapter name would leave its tokens on the frozen model (and its adapter untrained)."""
+    from lorafusion_kernels import multi_lora_routing
+    from lorafusion_kernels.errors import OnceWarnings
+
+    monkeypatch.setattr(multi_lora_routing, "_WARNED_UNHELD", OnceWarnings())
+    batch, names = row_batch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LoRAFusionKernelsWarning)
+        with multi_lora_batch(batch, names):  # the right names and "__base__": no warning
+            patched_model(input_ids=input_ids())
+        for _ in range(2):
+            with multi_lora_batch(batch, [n.replace("gamma", "gama") for n in names]):
+                patched_model(input_ids=input_ids())
+    unheld = [str(w.message) for w in caught if "no LoRA layer that ran holds" in str(w.message)]
+    assert len(unheld) == 1
+    assert "adapter 'gama' (index 2) has 7 tokens" in unheld[0]
+    assert "['alpha', 'beta', 'gamma']" in unheld[0]
+
+
 def test_context_needs_a_name_per_adapter() -> None:
     batch = MultiLoRABatch.from_segments([5, 6], [0, 2])
     with pytest.raises(LoRAFusionKernelsError, match="3 needed"), multi_lora_batch(batch, ["alpha", "beta"]):

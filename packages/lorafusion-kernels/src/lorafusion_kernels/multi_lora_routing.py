@@ -12,7 +12,7 @@ import contextlib
 import contextvars
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,6 +46,8 @@ class _Routing:
     batch: MultiLoRABatch
     adapter_names: tuple[str, ...]
     on_device: dict[torch.device, MultiLoRABatch]
+    held: set[str] = field(default_factory=set)
+    """The adapter names held by the LoRA layers that ran inside the block (to catch a misspelt name)."""
 
     def batch_on(self, device: torch.device) -> MultiLoRABatch:
         if device not in self.on_device:
@@ -81,9 +83,10 @@ def multi_lora_batch(batch: MultiLoRABatch, adapter_names: Sequence[str]) -> Ite
     ``adapter_names[batch.segment_adapters[j]]`` with that layer's own ``lora_A``/``lora_B``
     weights, ``scaling`` and ``lora_dropout`` p (p applies only while the layer is in training mode).
     The name ``"__base__"``, or an adapter that a layer does not have, means "frozen layer only" for
-    those tokens (as in PEFT's ``adapter_names=``). Works in training and eval mode, on CPU (plain
-    torch) and CUDA fp16/bf16 (Triton). Autograd saves what the backward needs: the context is needed
-    only while the forward runs, so ``loss.backward()`` may run after the block.
+    those tokens (as in PEFT's ``adapter_names=``); a name with tokens that no layer run inside the
+    block holds (misspelt?) is warned about once, when the block exits. Works in training and eval
+    mode, on CPU (plain torch) and CUDA fp16/bf16 (Triton). Autograd saves what the backward needs:
+    the context is needed only while the forward runs, so ``loss.backward()`` may run after the block.
 
     Trainer usage (one microbatch, adapters of the run listed once in a fixed order)::
 
@@ -115,11 +118,33 @@ def multi_lora_batch(batch: MultiLoRABatch, adapter_names: Sequence[str]) -> Ite
             f"adapter_names must list one PEFT adapter name per adapter index "
             f"({batch.num_adapters} needed), got {adapter_names!r}"
         )
-    token = _ACTIVE.set(_Routing(batch, names, {batch.device: batch}))
+    routing = _Routing(batch, names, {batch.device: batch})
+    token = _ACTIVE.set(routing)
     try:
         yield batch
     finally:
         _ACTIVE.reset(token)
+    _warn_unheld_names(routing)
+
+
+_WARNED_UNHELD = OnceWarnings()
+
+
+def _warn_unheld_names(routing: _Routing) -> None:
+    """Once per name: an adapter with tokens that no LoRA layer of the block held (a misspelt name?)."""
+    if not routing.held:
+        return  # no patched LoRA layer ran in the block
+    batch = routing.batch
+    for a in batch.active_adapters:
+        name = routing.adapter_names[a]
+        if name != BASE_ADAPTER and name not in routing.held:
+            _WARNED_UNHELD.warn(
+                f"lorafusion: adapter {name!r} (index {a}) has {batch.adapter_tokens[a]} tokens in a "
+                f"multi_lora_batch, but no LoRA layer that ran holds an adapter of that name (they hold "
+                f"{sorted(routing.held)}), so its tokens got the frozen model only; check adapter_names "
+                f"(name {BASE_ADAPTER!r} to mean the frozen model on purpose)",
+                stacklevel=4,
+            )
 
 
 def multi_lora_checkpoint_contexts() -> tuple[
@@ -283,6 +308,7 @@ def peft_multi_lora_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: A
         if routing is None:
             return None
         batch, names = routing.batch_on(x.device), routing.adapter_names
+        routing.held.update(layer.lora_A.keys())
     if layer.disable_adapters:
         frozen: torch.Tensor = layer.base_layer(x, *args, **kwargs)
         return frozen
