@@ -47,7 +47,7 @@ GLOBAL_BATCH_SIZES = {"math": 4, "code": 3, "chat": 2}
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """The example's inputs: the model's size, each adapter's samples, and the training settings."""
+    """The example's inputs: each adapter's samples and the training settings."""
 
     samples: Mapping[str, Sequence[torch.Tensor]]
     """Per adapter, its samples' token ids (int64 ``[L]``, ``L >= 2``), in training order."""
