@@ -9,7 +9,7 @@ import pytest
 from lorafusion_sched.packing import highs
 from lorafusion_sched.packing.formulation import min_bins_model, min_smallest_bin_model
 from lorafusion_sched.packing.greedy import first_fit_decreasing, greedy_pack
-from lorafusion_sched.packing.max_tree import MaxTree, room_for
+from lorafusion_sched.packing.max_tree import MaxTree, Rooms, room_for
 from lorafusion_sched.packing.problem import (
     PackingProblem,
     bin_size,
@@ -156,6 +156,33 @@ def test_max_tree_finds_the_first_position_with_enough() -> None:
         need, start = rng.randint(0, 55), rng.randint(0, len(values))
         expected = next((i for i in range(start, len(values)) if values[i] >= need), None)
         assert tree.first_at_least(need, start) == expected
+
+
+def test_rooms_find_the_first_microbatch_an_adapter_fits_in() -> None:
+    """Against a scan of every microbatch with the padded-size rule itself."""
+    rng = random.Random(1)
+    capacity, padding = 512, 64
+    rooms = Rooms([0, 1, 2], capacity, padding)
+    contents: list[dict[int, int]] = []
+    for _ in range(200):
+        if not contents or rng.random() < 0.3:
+            contents.append({})
+            rooms.append(0, {})
+        else:
+            j = rng.randrange(len(contents))
+            a, n = rng.randrange(3), rng.randint(1, 100)
+            grown = {**contents[j], a: contents[j].get(a, 0) + n}
+            if sum(round_up(v, padding) for v in grown.values()) <= capacity:
+                contents[j] = grown
+                rooms.set(j, sum(round_up(v, padding) for v in grown.values()), grown)
+        a, length, start = rng.randrange(3), rng.randint(1, 200), rng.randint(0, len(contents))
+
+        def fits(c: dict[int, int], a: int = a, length: int = length) -> bool:
+            grown = {**c, a: c.get(a, 0) + length}
+            return sum(round_up(v, padding) for v in grown.values()) <= capacity
+
+        expected = next((j for j in range(start, len(contents)) if fits(contents[j])), None)
+        assert rooms.first(a, length, start) == expected
 
 
 def test_room_for_is_exactly_what_fits() -> None:
