@@ -3,7 +3,9 @@
 #   STAGES="tests tune bench" (the default, run in that order; "repro" tunes one subset twice and
 #   compares the runs; "multi" adds the FusedMultiLoRA benchmarks: bench_multi_lora.py, then
 #   bench_grouped.py); TEST_PATHS and TEST_K (pytest paths and -k expression), TUNE_ARGS, REPRO_ARGS,
-#   BENCH_ARGS, MULTI_ARGS, GROUPED_ARGS (passed through); *_TIMEOUT (seconds per stage).
+#   BENCH_ARGS, MULTI_ARGS, GROUPED_ARGS (passed through); *_TIMEOUT (seconds per stage);
+#   EXPECT_GPU (e.g. H200: stop after the environment report when the GPU's name lacks it, so a call
+#   meant to tune one GPU's file spends nothing on another GPU).
 # A device call ends after 600 s: run the tune stage alone (STAGES=tune). By default it tunes the
 # FusedMultiLoRA kernels (multi_*) on LLaMa-3.1-8B's layers, M = 4K and 8K, r = 16, merged into
 # this GPU's shipped file: $OUT/configs/<gpu-key>.json is the file to commit. The tuner starts no
@@ -35,6 +37,10 @@ except ImportError as exc:
 print("make_tensor_descriptor", hasattr(tl, "make_tensor_descriptor"), "interleave", hasattr(tl, "interleave"))
 PY
 } 2>&1 | tee "$OUT/env.txt"
+if [[ -n "${EXPECT_GPU:-}" ]] && ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q "$EXPECT_GPU"; then
+  echo "EXPECT_GPU=$EXPECT_GPU: this GPU is not one; nothing run" | tee -a "$OUT/env.txt"
+  exit 3
+fi
 if [[ " $STAGES " == *" tests "* ]]; then
   LORAFUSION_REQUIRE_GPU=1 timeout 300 python3 -m pytest ${TEST_PATHS:-packages/lorafusion-kernels/tests/test_lora_gpu.py} -m gpu -q -p no:cacheprovider --tb=short \
     ${TEST_K:+-k "$TEST_K"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
