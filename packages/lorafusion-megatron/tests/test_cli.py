@@ -89,6 +89,14 @@ def test_validate_checks_parquet_and_saved_datasets(
     data["jobs"][0]["dataset"]["path"] = str(tmp_path / "broken.parquet")
     assert main(["validate", str(_write(tmp_path / "qa.yaml", data))]) == 2
     assert "broken.parquet is not a readable Parquet file" in capsys.readouterr().err
+    datasets.Dataset.from_dict({"question": [], "answer": []}).save_to_disk(str(tmp_path / "empty-saved"))
+    (tmp_path / "empty.jsonl").write_text("\n")
+    data["jobs"][0]["dataset"]["path"] = str(tmp_path / "empty-saved")
+    data["jobs"][1]["dataset"]["path"] = str(tmp_path / "empty.jsonl")
+    assert main(["validate", str(_write(tmp_path / "qa.yaml", data))]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "empty-saved has no records" in err
+    assert "empty.jsonl has no records" in err
 
 
 @pytest.mark.parametrize("flags", [["--pipeline-stages", "2"], ["--schedule", "mlora"]])

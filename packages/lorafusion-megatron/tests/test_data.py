@@ -34,11 +34,16 @@ def test_reads_jsonl_json_array_parquet_and_saved_dataset(tmp_path: Path) -> Non
 
 
 def test_first_record_reads_only_up_to_it_and_none_when_empty(tmp_path: Path) -> None:
+    import datasets
+
     (tmp_path / "later-bad.jsonl").write_text('\n{"prompt": "a", "response": "b"}\nnot json\n')
     assert first_record(tmp_path / "later-bad.jsonl") == {"prompt": "a", "response": "b"}
     (tmp_path / "blank.jsonl").write_text("\n\n")
     assert first_record(tmp_path / "blank.jsonl") is None
     assert read_records(tmp_path / "blank.jsonl") == []
+    datasets.Dataset.from_dict({"prompt": [], "response": []}).save_to_disk(str(tmp_path / "saved-empty"))
+    assert first_record(tmp_path / "saved-empty") is None
+    assert read_records(tmp_path / "saved-empty") == []
     (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
     with pytest.raises(TrainerError, match="not a readable Parquet file"):
         first_record(tmp_path / "broken.parquet")

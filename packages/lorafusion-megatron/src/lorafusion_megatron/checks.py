@@ -62,7 +62,7 @@ def _writable_ancestor(path: Path) -> bool:
 
 
 def _layout_problem(dataset: DatasetConfig, path: Path) -> str | None:
-    """Why a dataset cannot train, judged from its first record: unreadable, or without the config's fields.
+    """Why a dataset cannot train, judged from its first record: unreadable, empty, or without the config's fields.
 
     Training's own rule (``record_layout``), on the first record only; training reads them all.
     """
@@ -71,15 +71,16 @@ def _layout_problem(dataset: DatasetConfig, path: Path) -> str | None:
 
     try:
         first = first_record(path)
-        if first is not None:
-            record_layout(
-                first,
-                prompt_field=dataset.prompt_field,
-                response_field=dataset.response_field,
-                text_field=dataset.text_field,
-                messages_field=dataset.messages_field,
-                source=str(path),
-            )
+        if first is None:
+            return f"dataset {path} has no records"
+        record_layout(
+            first,
+            prompt_field=dataset.prompt_field,
+            response_field=dataset.response_field,
+            text_field=dataset.text_field,
+            messages_field=dataset.messages_field,
+            source=str(path),
+        )
     except TrainerError as exc:
         return str(exc)
     return None

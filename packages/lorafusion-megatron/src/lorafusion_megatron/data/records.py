@@ -66,6 +66,8 @@ def _read_saved_dataset(path: Path, *, first_only: bool = False) -> list[dict[st
     """A ``save_to_disk`` folder's records (memory-mapped: the first alone reads little)."""
     import datasets  # type: ignore[import-untyped]
 
+    if _saved_without_data(path):
+        return []
     try:
         loaded = datasets.load_from_disk(str(path))
     except (FileNotFoundError, ValueError) as exc:
@@ -77,6 +79,15 @@ def _read_saved_dataset(path: Path, *, first_only: bool = False) -> list[dict[st
     if first_only:
         return [dict(loaded[0])] if len(loaded) else []
     return [dict(row) for row in loaded]
+
+
+def _saved_without_data(path: Path) -> bool:
+    """Whether ``path`` is a saved dataset of no rows (``load_from_disk`` fails on one with an ``IndexError``)."""
+    try:
+        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and state.get("_data_files") == []
 
 
 def _reader(path: Path, key: str) -> Callable[..., list[dict[str, Any]]]:
