@@ -2,7 +2,8 @@
 
 Each task's microbatches are sorted largest first, so its last one is the least filled. For every
 pair of consecutive tasks, the next task's samples are re-packed first-fit decreasing into that
-last microbatch followed by the next task's own microbatch slots; the re-packing is kept when it
+last microbatch (or, when the task was itself emptied into an earlier microbatch, into that one)
+followed by the next task's own microbatch slots; the re-packing is kept when it
 frees at least one microbatch. Otherwise samples of the next task move into the last microbatch
 (whole microbatches first, smallest first; then single samples, longest first). Either way the
 capacity holds, a microbatch never gets two global batches of one adapter, and the bubble lemma
@@ -188,11 +189,15 @@ def merge_pass(
     order = sorted(members)
     merger = _Merger(slots, lengths, capacity, padding, stages, replicas)
     moved = 0
+    target: int | None = None
     for current, following in itertools.pairwise(order):
         filled = [q for q in members[current] if slots[q]]
-        if not filled:
+        if filled:
+            target = filled[-1]
+        if target is None:
             continue
-        target = filled[-1]
+        # A task emptied into an earlier target leaves that target open for the next task: small
+        # tasks (one sample each, say) then share microbatches beyond pairs.
         gained = merger.repack(target, members[following])
         moved += gained if gained else merger.absorb(target, members[following])
     return moved
