@@ -18,6 +18,13 @@ def test_pairs_only_when_others_separate_them() -> None:
     assert all(len(g) == 1 for g in group_adapters(profiles, 4096, 4, 0.25))
 
 
+def test_replicas_multiply_the_separation_needed() -> None:
+    # conservative microbatches 2, 4, 7, 5 (18 in all); at d = 4 a group needs 4 x 3 = 12 outside it
+    profiles = [profile(0, 500), profile(1, 1000), profile(2, 1700), profile(3, 1100)]
+    assert group_adapters(profiles, 4096, 4, 0.25, replicas=3) == [(0, 2), (1, 3)]  # 9 >= 9
+    assert group_adapters(profiles, 4096, 4, 0.25, replicas=4) == [(2,), (3,), (0, 1)]  # 12 >= 12
+
+
 def test_one_adapter_is_one_group() -> None:
     assert group_adapters([profile(0, 800)], 4096, 4, 0.25) == [(0,)]
 

@@ -58,7 +58,8 @@ def test_plan_refuses_no_jobs_and_duplicate_names() -> None:
 
 def test_sample_longer_than_capacity_is_an_error_or_truncated() -> None:
     job = AdapterJob(name="long", sample_tokens=(100, 5000, 6000), global_batch_size=2)
-    with pytest.raises(SchedError, match=r"'long': sample_tokens\[1\] = 5000 exceeds capacity = 4096 \(2 samples"):
+    message = r"'long': sample_tokens\[1\] = 5000 exceeds capacity = 4096 \(2 of its samples do\)"
+    with pytest.raises(SchedError, match=message):
         plan([job], PlanOptions(capacity=4096))
     result = plan([job], PlanOptions(capacity=4096, truncate=True, use_milp=False))
     assert result.adapters[0].sample_tokens == (100, 4096, 4096)

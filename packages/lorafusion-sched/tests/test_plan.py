@@ -96,6 +96,25 @@ def test_merge_never_adds_microbatches(fast_options: PlanOptions) -> None:
     assert merged.stats.num_microbatches <= unmerged.stats.num_microbatches
 
 
+@pytest.mark.parametrize("stages", [1, 4])
+def test_merge_packs_many_small_tasks_together(stages: int) -> None:
+    """50 one-sample jobs form 25 one-microbatch tasks; the merge pass keeps filling one microbatch."""
+    jobs = [make_job(f"j{i}", [100], gbs=1) for i in range(50)]
+    p = plan(jobs, PlanOptions(capacity=4096, pipeline_stages=stages, use_milp=False))
+    assert verify(p) == []
+    assert p.stats.num_microbatches == p.stats.lower_bound == 2
+
+
+def test_data_parallel_grouping_leaves_fewer_noops() -> None:
+    """With d = 8 a pair of adapters is not separated by the other pair's microbatches; singletons are."""
+    jobs = synthetic_jobs("het", 640, num_adapters=4, global_batch_size=32)
+    options = PlanOptions(capacity=4096, pipeline_stages=4, padding_multiple=64, data_parallel=8, use_milp=False)
+    p = plan(jobs, options)
+    assert verify(p) == []
+    assert all(len(group) == 1 for group in p.stats.groups)
+    assert p.stats.num_noops <= 24  # 56 when grouping counted microbatches, not rounds of 8
+
+
 def test_milp_in_worker_processes_matches_the_contract(fast_options: PlanOptions) -> None:
     jobs = synthetic_jobs("het", 640, num_adapters=4, global_batch_size=16, seed=6)
     seen: list[tuple[int, int]] = []

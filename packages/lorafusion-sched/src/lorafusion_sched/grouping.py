@@ -2,7 +2,8 @@
 
 Groups run in a strict round: for every global batch index ``g``, each group packs its adapters'
 global batch ``g``. Between two global batches of one adapter therefore lie the microbatches of
-all other groups, which is what the bubble lemma needs (at least ``S - 1`` of them). Inside a group,
+all other groups, which is what the bubble lemma needs (at least ``S - 1`` of them, or ``S - 1``
+rounds of ``d`` with ``d`` data-parallel replicas). Inside a group,
 adapters share microbatches freely, which balances them.
 
 Head-tail pairing: adapters sorted by mean sample length are paired longest with shortest while
@@ -60,18 +61,20 @@ class Task:
 
 
 def group_adapters(
-    profiles: Sequence[AdapterProfile], capacity: int, stages: int, sigma_factor: float
+    profiles: Sequence[AdapterProfile], capacity: int, stages: int, sigma_factor: float, replicas: int = 1
 ) -> list[tuple[int, ...]]:
     """Group adapters by head-tail pairing under the bubble check.
 
-    The check for a candidate group ``G``: ``sum_{a not in G} microbatches_low(a) >= S - 1``, i.e.
-    the other groups are expected to separate ``G``'s consecutive global batches.
+    The check for a candidate group ``G``: ``sum_{a not in G} microbatches_low(a) >= d (S - 1)``,
+    i.e. the other groups are expected to fill the ``S - 1`` rounds of ``d`` microbatches that must
+    separate ``G``'s consecutive global batches.
 
     Args:
         profiles: The active adapters.
         capacity: Token capacity of a microbatch.
         stages: Pipeline stages ``S``.
         sigma_factor: ``k`` in the conservative microbatch estimate.
+        replicas: Data-parallel replicas ``d`` (a round is one microbatch per replica).
 
     Returns:
         Groups of adapter indices, in execution order (longest adapters first).
@@ -81,7 +84,7 @@ def group_adapters(
     total = sum(low.values())
 
     def separated(group: Sequence[AdapterProfile]) -> bool:
-        return total - sum(low[p.index] for p in group) >= stages - 1
+        return total - sum(low[p.index] for p in group) >= replicas * (stages - 1)
 
     groups: list[tuple[int, ...]] = []
     head, tail = 0, len(ordered) - 1
@@ -103,7 +106,7 @@ def group_adapters(
 
 
 def plan_tasks(
-    profiles: Sequence[AdapterProfile], capacity: int, stages: int, sigma_factor: float
+    profiles: Sequence[AdapterProfile], capacity: int, stages: int, sigma_factor: float, replicas: int = 1
 ) -> tuple[list[Task], list[list[tuple[int, ...]]]]:
     """The ordered packing tasks over all global batches, regrouping whenever an adapter runs out.
 
@@ -116,7 +119,7 @@ def plan_tasks(
     start = 0
     for end in ends:
         active = [p for p in profiles if p.num_global_batches >= end]
-        groups = group_adapters(active, capacity, stages, sigma_factor)
+        groups = group_adapters(active, capacity, stages, sigma_factor, replicas)
         phases.append(groups)
         tasks.extend(Task(global_batch=g, group=group) for g in range(start, end) for group in groups)
         start = end

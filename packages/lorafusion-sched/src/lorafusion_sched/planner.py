@@ -56,9 +56,10 @@ def _checked_lengths(jobs: Sequence[AdapterJob], options: PlanOptions) -> tuple[
         too_long = [(i, t) for i, t in enumerate(job.sample_tokens) if t > options.capacity]
         if too_long and not options.truncate:
             i, t = too_long[0]
+            count = "the only sample that does" if len(too_long) == 1 else f"{len(too_long)} of its samples do"
             raise SchedError(
                 f"adapter {job.name!r}: sample_tokens[{i}] = {t} exceeds capacity = {options.capacity} "
-                f"({len(too_long)} samples do): raise the capacity, or set the option truncate = true to cut them to it"
+                f"({count}): raise the capacity, or set the option truncate = true (demo: --truncate) to cut them to it"
             )
         lengths.append([min(t, options.capacity) for t in job.sample_tokens])
         truncated.append(len(too_long))
@@ -280,7 +281,7 @@ def plan(jobs: Iterable[AdapterJob], options: PlanOptions, *, progress: Progress
         )
         for i, job in enumerate(jobs)
     ]
-    tasks, phases = plan_tasks(profiles, options.capacity, options.pipeline_stages, options.sigma_factor)
+    tasks, phases = plan_tasks(profiles, options.capacity, options.pipeline_stages, options.sigma_factor, d)
     problems = _problems(tasks, jobs, lengths, options)
     packed, workers = _pack(problems, options, progress)
     final, merged = _sequence(tasks, problems, packed, lengths, options)
