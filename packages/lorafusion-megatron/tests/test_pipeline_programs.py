@@ -38,7 +38,7 @@ def test_mlora_is_a_valid_continuous_plan_apart_from_capacity(stages: int, repli
     program = build_program(source, "mlora", samples_per_microbatch=2)
     assert len(program.runs) == 1
     assert all(len(mb.segments) <= 1 for mb in program.runs[0])
-    violations = [v for v in verify(_as_plan(program, source)) if v.kind != "capacity"]
+    violations = [v for v in verify(_as_plan(program, source)) if v.kind not in ("capacity", "stats")]
     assert violations == []
     seen = _samples_seen(program)
     assert sorted(seen["first"]) == list(range(7))

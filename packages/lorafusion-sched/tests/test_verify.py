@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -21,6 +22,13 @@ def replace_mb(p: Plan, index: int, **changes: Any) -> Plan:
     mbs = list(p.microbatches)
     mbs[index] = mbs[index].model_copy(update=changes)
     return p.model_copy(update={"microbatches": tuple(mbs)})
+
+
+def with_microbatches(p: Plan, microbatches: tuple[Microbatch, ...]) -> Plan:
+    """``p`` with other microbatches, and the counts in its stats to match (so only deeper checks fail)."""
+    noops = sum(mb.noop for mb in microbatches)
+    stats = p.stats.model_copy(update={"num_microbatches": len(microbatches), "num_noops": noops})
+    return p.model_copy(update={"microbatches": microbatches, "stats": stats})
 
 
 def kinds(p: Plan) -> set[str]:
@@ -64,9 +72,36 @@ def test_two_global_batches_order_and_lemma(good: Plan) -> None:
 def test_removing_noops_breaks_the_lemma() -> None:
     p = plan([make_job("solo", [300] * 6, gbs=2)], PlanOptions(capacity=1024, pipeline_stages=3, use_milp=False))
     compact = tuple(mb for mb in p.microbatches if not mb.noop)
-    violations = verify(p.model_copy(update={"microbatches": compact}))
+    violations = verify(with_microbatches(p, compact))
     assert {v.kind for v in violations} == {"bubble_lemma"}
     assert "needs 3" in violations[0].message
+    assert [v.microbatch for v in violations] == sorted(v.microbatch for v in violations)
+
+
+def test_a_dropped_global_batch_cannot_pass_for_drop_last() -> None:
+    """Removing the partial last batch and claiming floor(7 / 3) batches leaves dropped_samples wrong."""
+    p = plan([make_job("a", [100, 200, 300, 400, 500, 600, 700], gbs=3)], PlanOptions(capacity=1024, use_milp=False))
+    kept = tuple(mb for mb in p.microbatches if all(s.global_batch < 2 for s in mb.segments))
+    adapters = (p.adapters[0].model_copy(update={"num_global_batches": 2}),)
+    tampered = with_microbatches(p, kept).model_copy(update={"adapters": adapters})
+    messages = [v.message for v in verify(tampered) if v.kind == "stats"]
+    assert any("stats.dropped_samples = 0, but the plan gives 1" in m for m in messages)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("num_microbatches", 1), ("num_noops", -4), ("fill_ratio", 7.0), ("token_ratio", 0.0)]
+)
+def test_stats_that_follow_from_the_plan_are_checked(good: Plan, field: str, value: float) -> None:
+    tampered = good.model_copy(update={"stats": good.stats.model_copy(update={field: value})})
+    assert [v.kind for v in verify(tampered)] == ["stats"]
+    assert f"stats.{field} = {value}" in verify(tampered)[0].message
+
+
+def test_sample_lengths_below_one_token_are_refused(good: Plan) -> None:
+    data = json.loads(good.model_dump_json())
+    data["adapters"][0]["sample_tokens"][0] = 0
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        Plan.model_validate(data)
 
 
 def test_step_after_noop_and_replica_consistency(good: Plan) -> None:
@@ -82,7 +117,7 @@ def test_wrong_global_batch_and_unknown_adapter(good: Plan) -> None:
     wrong = seg.model_copy(update={"global_batch": seg.global_batch + 1})
     assert "sample_wrong_batch" in kinds(replace_mb(good, i, segments=(wrong,)))
     ghost = Segment(adapter="ghost", global_batch=0, samples=(0,), tokens=1, padded_tokens=64)
-    extra = good.model_copy(update={"microbatches": (*good.microbatches, Microbatch(segments=(ghost,)))})
+    extra = with_microbatches(good, (*good.microbatches, Microbatch(segments=(ghost,))))
     assert "schema" in kinds(extra)
 
 

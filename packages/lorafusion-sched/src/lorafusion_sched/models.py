@@ -7,7 +7,7 @@ names the field and the offending value.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -94,7 +94,11 @@ class PlanOptions(BaseModel):
     neighbourhood: int | None = Field(
         default=3, ge=1, description="Least-filled greedy microbatches the MILP re-packs; None: all (slow)."
     )
-    time_limit: float = Field(default=0.02, gt=0, description="Wall-clock seconds per MILP solve.")
+    time_limit: float | None = Field(
+        default=0.02,
+        gt=0,
+        description="Wall-clock seconds per MILP solve; None: node_limit alone, the same plan on every run (slower).",
+    )
     node_limit: int = Field(default=10_000, ge=1, description="Branch-and-bound nodes per MILP solve.")
     mip_rel_gap: float = Field(default=0.0, ge=0, le=1, description="Relative gap at which a MILP solve stops.")
     seed: int = Field(default=0, ge=0, description="Random seed handed to HiGHS.")
@@ -179,7 +183,9 @@ class AdapterInfo(BaseModel):
     global_batch_size: int = Field(ge=1)
     num_samples: int = Field(ge=1, description="Samples in the job (before drop_last).")
     num_global_batches: int = Field(ge=0, description="Global batches the plan schedules.")
-    sample_tokens: tuple[int, ...] = Field(description="Lengths as scheduled (after truncation, if any).")
+    sample_tokens: tuple[Annotated[int, Field(ge=1)], ...] = Field(
+        description="Lengths as scheduled (after truncation, if any)."
+    )
     truncated_samples: int = Field(default=0, ge=0, description="Samples cut to the capacity.")
 
 
@@ -203,7 +209,9 @@ class PlanStats(BaseModel):
     merged_samples: int = Field(description="Samples moved into an earlier microbatch by the merge pass.")
     dropped_samples: int = Field(description="Samples left out by drop_last.")
     workers: int = Field(description="Processes that solved MILPs (1: in this process).")
-    solve_seconds: float = Field(description="Wall time of plan(), seconds (the only non-deterministic field).")
+    solve_seconds: float = Field(
+        description="Wall time of plan(), seconds (the only field that differs between runs when time_limit is None)."
+    )
 
 
 class Plan(BaseModel):
@@ -239,6 +247,7 @@ class Violation(BaseModel):
         "step_after",
         "noop",
         "replica",
+        "stats",
     ]
     microbatch: int | None = Field(default=None, description="Index of the offending microbatch, if one.")
     adapter: str | None = None

@@ -10,7 +10,10 @@ The runtime calls :func:`verify` before training and refuses a plan with violati
   of global batch ``g + 1`` is at least ``S`` rounds after the last round of ``g``;
 * ``step_after`` names exactly the adapters whose global batch ends in that round, on every
   replica's microbatch of the round;
-* no-ops have no segments, and ``replica`` is ``i % d`` (or absent when ``d = 1``).
+* no-ops have no segments, and ``replica`` is ``i % d`` (or absent when ``d = 1``);
+* the statistics that follow from the plan are its own: microbatch and no-op counts, dropped
+  samples (so a dropped global batch cannot pass for a smaller job), lower bound, fill and token
+  ratios.
 """
 
 from __future__ import annotations
@@ -54,6 +57,31 @@ def _check_shape(plan: Plan, out: list[Violation]) -> None:
             out.append(
                 Violation(kind="noop", microbatch=i, message=f"noop = {mb.noop} but it has {len(mb.segments)} segments")
             )
+
+
+def _check_stats(plan: Plan, out: list[Violation]) -> None:
+    """The statistics that can be recomputed from the plan, against the ones it states."""
+    compute = [mb for mb in plan.microbatches if not mb.noop]
+    volume = 0
+    for a in plan.adapters:
+        gbs = a.global_batch_size
+        for g in range(a.num_global_batches):
+            volume += round_up(sum(a.sample_tokens[g * gbs : (g + 1) * gbs]), plan.padding_multiple)
+    denominator = max(1, len(compute) * plan.capacity)
+    expected: dict[str, float] = {
+        "num_microbatches": len(plan.microbatches),
+        "num_noops": len(plan.microbatches) - len(compute),
+        "dropped_samples": sum(
+            a.num_samples - min(a.num_samples, a.num_global_batches * a.global_batch_size) for a in plan.adapters
+        ),
+        "lower_bound": -(-volume // plan.capacity),
+        "fill_ratio": sum(mb.padded_tokens for mb in compute) / denominator,
+        "token_ratio": sum(mb.tokens for mb in compute) / denominator,
+    }
+    for name, want in expected.items():
+        stated = getattr(plan.stats, name)
+        if abs(stated - want) > 1e-9 * max(1.0, abs(want)):
+            out.append(Violation(kind="stats", message=f"stats.{name} = {stated}, but the plan gives {want}"))
 
 
 def _check_segments(plan: Plan, out: list[Violation]) -> dict[str, dict[int, tuple[int, int]]]:
@@ -161,12 +189,13 @@ def _check_segments(plan: Plan, out: list[Violation]) -> dict[str, dict[int, tup
 def _check_lemma_and_steps(plan: Plan, spans: dict[str, dict[int, tuple[int, int]]], out: list[Violation]) -> None:
     d, stages = plan.data_parallel, plan.pipeline_stages
     steps: dict[int, set[str]] = {}
+    lemma: list[Violation] = []
     for name, batches in spans.items():
         for g, (_first, last) in sorted(batches.items()):
             steps.setdefault(last, set()).add(name)
             following = batches.get(g + 1)
             if following is not None and following[0] - last < stages:
-                out.append(
+                lemma.append(
                     Violation(
                         kind="bubble_lemma",
                         microbatch=following[0] * d,
@@ -175,6 +204,7 @@ def _check_lemma_and_steps(plan: Plan, spans: dict[str, dict[int, tuple[int, int
                         f"{following[0] - last} rounds after batch {g} ends (round {last}); needs {stages}",
                     )
                 )
+    out.extend(sorted(lemma, key=lambda v: (v.microbatch, v.adapter)))
     for i, mb in enumerate(plan.microbatches):
         want = sorted(steps.get(i // d, set()))
         if sorted(mb.step_after) != want:
@@ -200,4 +230,5 @@ def verify(plan: Plan) -> list[Violation]:
     _check_shape(plan, out)
     spans = _check_segments(plan, out)
     _check_lemma_and_steps(plan, spans, out)
+    _check_stats(plan, out)
     return out

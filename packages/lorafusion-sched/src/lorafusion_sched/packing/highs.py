@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 import os
 import sys
 import threading
@@ -55,9 +56,9 @@ _STATUS = {
 
 @dataclass(frozen=True, slots=True)
 class SolverSettings:
-    """Limits of one solve; all are always set so runs are reproducible."""
+    """Limits of one solve; all are always set so runs are reproducible (``time_limit`` None: none)."""
 
-    time_limit: float
+    time_limit: float | None
     node_limit: int
     mip_rel_gap: float
     seed: int
@@ -138,7 +139,7 @@ def solve(model: MilpModel, settings: SolverSettings, warm_start: npt.NDArray[np
     h = _silent_highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("threads", 1)
-    h.setOptionValue("time_limit", float(settings.time_limit))
+    h.setOptionValue("time_limit", math.inf if settings.time_limit is None else float(settings.time_limit))
     h.setOptionValue("mip_max_nodes", int(settings.node_limit))
     h.setOptionValue("mip_rel_gap", float(settings.mip_rel_gap))
     h.setOptionValue("random_seed", int(settings.seed))
