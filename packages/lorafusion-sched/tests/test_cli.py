@@ -48,7 +48,6 @@ def test_plan_verify_simulate_round_trip(tmp_path: Path, capsys: pytest.CaptureF
         (["plan", "nope.yaml", "-o", "x.json"], "jobs file 'nope.yaml' does not exist"),
         (["demo", "--capacity", "1000"], "capacity = 1000 is not a multiple of padding_multiple = 64"),
         (["demo", "--workload", "het", "--samples", "2", "--adapters", "4"], "--samples 2 < --adapters 4"),
-        (["demo", "--time-limit", "-1"], "time_limit = -1.0: Input should be greater than 0"),
         (["demo", "--stage-factors", "1,x"], "--stage-factors = '1,x'"),
         (["demo", "--png", "timeline.txt"], "name the file *.png"),
         (["demo", "-o", "no-such-folder/plan.json"], "the folder 'no-such-folder' does not exist"),
@@ -72,6 +71,26 @@ def test_demo_refuses_a_count_below_one_by_its_flag(flag: str, capsys: pytest.Ca
     assert f"argument {flag}: 0 is less than 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("value", "message"), [("0", "0 is not above 0"), ("soon", "'soon' is not a number")])
+def test_time_limit_is_refused_by_its_flag(value: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--time-limit", value])
+    assert exit_info.value.code == 2
+    assert f"argument --time-limit: {message}" in capsys.readouterr().err
+
+
+def test_no_time_limit_plans_the_same_twice(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    outputs = [tmp_path / "a.json", tmp_path / "b.json"]
+    for output in outputs:
+        args = ["demo", "--samples", "128", "--global-batch-size", "16", "--workers", "1", "--no-time-limit"]
+        assert main([*args, "-o", str(output)]) == 0
+    first, second = (json.loads(path.read_text()) for path in outputs)
+    for stats in (first["stats"], second["stats"]):
+        del stats["solve_seconds"]
+    assert first == second
+    assert first["stats"]["milp_runs"] > 0
+
+
 def test_output_paths_are_checked_before_planning(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "jobs.yaml").write_text("adapters: [{name: a, sample_tokens: [5000], global_batch_size: 1}]\n")
     (tmp_path / "plan.json").mkdir()
@@ -86,7 +105,8 @@ def test_output_paths_are_checked_before_planning(tmp_path: Path, capsys: pytest
     assert main(["plan", str(tmp_path / "jobs.yaml"), "-o", str(tmp_path / "p.json")]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "jobs.yaml: adapter 'a': sample_tokens[0] = 5000 exceeds capacity = 4096" in err
-    assert "set the option truncate = true" in err
+    assert "(the only sample that does): raise the capacity, or set the option truncate = true" in err
+    assert "(demo: --truncate)" in err
     assert not (tmp_path / "p.json").exists()
 
 
@@ -109,3 +129,30 @@ def test_simulate_with_bad_stage_factors(tmp_path: Path, capsys: pytest.CaptureF
     assert main(["plan", str(tmp_path / "jobs.json"), "-o", str(tmp_path / "p.json"), "-q"]) == 0
     assert main(["simulate", str(tmp_path / "p.json"), "--stage-factors", "1,x"]) == 2
     assert "--stage-factors" in capsys.readouterr().err
+
+
+def test_a_missing_matplotlib_is_found_before_planning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    out = tmp_path / "plan.json"
+    assert main(["demo", "--samples", "64", "-o", str(out), "--png", str(tmp_path / "t.png")]) == 2
+    captured = capsys.readouterr()
+    assert "drawing a PNG needs matplotlib" in captured.err
+    assert not out.exists()
+
+
+def test_verify_prints_one_line_per_violation_when_piped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan_path = tmp_path / "p.json"
+    assert main(["demo", "--samples", "64", "--adapters", "1", "--no-milp", "-o", str(plan_path)]) == 0
+    data = json.loads(plan_path.read_text())
+    data["microbatches"] = [mb for mb in data["microbatches"] if not mb["noop"]]
+    plan_path.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["verify", str(plan_path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert all(line.startswith("violation [") for line in lines[:-1]), lines
+    assert any(len(line) > 80 for line in lines), "a long violation stays on one line"

@@ -95,15 +95,27 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    """An argparse type: a number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not above 0 (--no-time-limit lifts the limit)")
+    return value
+
+
 def _check_outputs(output: Path | None, png: Path | None) -> None:
     """Refuse output paths that cannot be written before the work that fills them starts."""
     if output is not None:
         check_writable(output)
     if png is not None:
-        from lorafusion_sched.plot import check_png_path
+        from lorafusion_sched.plot import check_png_path, require_matplotlib
 
         check_png_path(png)
         check_writable(png)
+        require_matplotlib()
 
 
 def _cost_model(args: argparse.Namespace) -> CostModel:
@@ -127,6 +139,8 @@ def _override(options: PlanOptions, args: argparse.Namespace) -> PlanOptions:
         updates["workers"] = args.workers
     if args.time_limit is not None:
         updates["time_limit"] = args.time_limit
+    if args.no_time_limit:
+        updates["time_limit"] = None
     if args.no_milp:
         updates["use_milp"] = False
     return PlanOptions.model_validate(options.model_dump() | updates) if updates else options
@@ -152,13 +166,15 @@ def _cmd_verify(args: argparse.Namespace, console: Console) -> int:
     violations = verify(plan)
     if not violations:
         where = escape(str(args.plan))
-        console.print(f"[green]ok[/green]: {where} verifies clean ({len(plan.microbatches):,} microbatches)")
+        console.print(
+            f"[green]ok[/green]: {where} verifies clean ({len(plan.microbatches):,} microbatches)", soft_wrap=True
+        )
         return 0
-    for v in violations[:50]:
-        console.print(f"[red]violation[/red] {escape(str(v))}", highlight=False)
+    for v in violations[:50]:  # one line each, unwrapped (a path stays whole), for grep
+        console.print(f"[red]violation[/red] {escape(str(v))}", highlight=False, soft_wrap=True)
     if len(violations) > 50:
         console.print(f"... and {len(violations) - 50} more")
-    console.print(f"[red]{len(violations)} violation(s)[/red] in {escape(str(args.plan))}")
+    console.print(f"[red]{len(violations)} violation(s)[/red] in {escape(str(args.plan))}", soft_wrap=True)
     return 1
 
 
@@ -245,7 +261,13 @@ def _add_cost_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_solver_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=_positive_int, default=None, help="processes for MILP solves (default: CPUs)")
-    parser.add_argument("--time-limit", type=float, default=None, metavar="S", help="seconds per MILP solve")
+    limit = parser.add_mutually_exclusive_group()
+    limit.add_argument("--time-limit", type=_positive_seconds, default=None, metavar="S", help="seconds per MILP solve")
+    limit.add_argument(
+        "--no-time-limit",
+        action="store_true",
+        help="only the node limit per MILP solve: the same plan on every run, several times slower",
+    )
     parser.add_argument("--no-milp", action="store_true", help="greedy packing only")
 
 

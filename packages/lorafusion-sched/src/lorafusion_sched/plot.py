@@ -42,11 +42,7 @@ def plot_timeline(
             ``path`` does not end in ``.png``.
     """
     check_png_path(path)
-    if importlib.util.find_spec("matplotlib") is None:
-        raise SchedError(
-            "drawing a PNG needs matplotlib: pip install matplotlib, or install this package with its "
-            "plot extra (pip install './packages/lorafusion-sched[plot]' from the repository)"
-        )
+    require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,3 +96,16 @@ def check_png_path(path: str | Path) -> None:
     """
     if Path(path).suffix.lower() != ".png":
         raise SchedError(f"{str(path)!r}: the timeline is a PNG; name the file *.png")
+
+
+def require_matplotlib() -> None:
+    """Refuse to draw without matplotlib (callers check before their work, not after it).
+
+    Raises:
+        SchedError: Saying how to install it.
+    """
+    if importlib.util.find_spec("matplotlib") is None:
+        raise SchedError(
+            "drawing a PNG needs matplotlib: pip install matplotlib, or install this package with its "
+            "plot extra (pip install './packages/lorafusion-sched[plot]' from the repository)"
+        )
