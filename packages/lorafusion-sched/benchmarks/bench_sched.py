@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lorafusion_sched import CostModel, PlanOptions, plan, simulate, verify
+from lorafusion_sched import AdapterJob, CostModel, PlanOptions, plan, simulate, verify
 from lorafusion_sched.planner import default_workers
 from lorafusion_sched.workloads import synthetic_jobs
 
@@ -81,6 +81,53 @@ def bubble_rows(samples_per_adapter: int) -> list[dict[str, Any]]:
                 **{f"{name}_bubble": round(runs[name].bubble_ratio, 4) for name in ("lorafusion", "megatron", "mlora")},
                 "speedup_vs_megatron": round(runs["lorafusion"].tokens_per_s / runs["megatron"].tokens_per_s, 3),
                 "speedup_vs_mlora": round(runs["lorafusion"].tokens_per_s / runs["mlora"].tokens_per_s, 3),
+            }
+        )
+    return rows
+
+
+def many_job_rows() -> list[dict[str, Any]]:
+    """Many small jobs: each group's global batch fills a fraction of a microbatch."""
+    rows = []
+    for jobs_count, gbs, samples in ((50, 1, 1), (50, 4, 40), (200, 2, 10)):
+        jobs = []
+        for i in range(jobs_count):
+            lengths = synthetic_jobs("het", samples, num_adapters=1, global_batch_size=gbs, seed=i)[0].sample_tokens
+            jobs.append(AdapterJob(name=f"job-{i}", sample_tokens=lengths, global_batch_size=gbs))
+        p = plan(jobs, options(use_milp=False))
+        s = p.stats
+        rows.append(
+            {
+                "jobs": jobs_count,
+                "gbs": gbs,
+                "samples_per_job": samples,
+                "microbatches": s.num_microbatches - s.num_noops,
+                "noops": s.num_noops,
+                "lower_bound": s.lower_bound,
+                "fill": round(s.fill_ratio, 4),
+                "violations": len(verify(p)),
+            }
+        )
+    return rows
+
+
+def data_parallel_rows(samples: int) -> list[dict[str, Any]]:
+    """``het``, 4 adapters, S = 4, over data-parallel degrees: rounds of d microbatches."""
+    rows = []
+    jobs = synthetic_jobs("het", samples, num_adapters=4, global_batch_size=GBS, seed=0)
+    for d in (1, 2, 4, 8):
+        p = plan(jobs, options(data_parallel=d, use_milp=False))
+        s = p.stats
+        rows.append(
+            {
+                "data_parallel": d,
+                "slots": s.num_microbatches,
+                "noops": s.num_noops,
+                "rounds": s.num_microbatches // d,
+                "round_bound": -(-s.lower_bound // d),
+                "groups": [list(g) for g in s.groups],
+                "bubble": round(simulate(p).runs[0].bubble_ratio, 4),
+                "violations": len(verify(p)),
             }
         )
     return rows
@@ -172,6 +219,40 @@ def markdown(doc: dict[str, Any]) -> str:
             for r in doc["bubbles"]
         ],
     )
+    lines += table(
+        "Many small jobs, `het` lengths, greedy packing",
+        ["jobs", "global batch", "samples per job", "microbatches", "no-ops", "lower bound", "fill", "violations"],
+        [
+            [
+                str(r["jobs"]),
+                str(r["gbs"]),
+                str(r["samples_per_job"]),
+                f"{r['microbatches']:,}",
+                str(r["noops"]),
+                f"{r['lower_bound']:,}",
+                f"{r['fill']:.2%}",
+                str(r["violations"]),
+            ]
+            for r in doc["many_jobs"]
+        ],
+    )
+    lines += table(
+        f"Data parallelism, 4 adapters (`het`), {doc['data_parallel_samples']:,} samples, S = 4, greedy packing",
+        ["replicas d", "slots", "no-ops", "rounds", "bound on rounds", "groups", "simulated bubble", "violations"],
+        [
+            [
+                str(r["data_parallel"]),
+                f"{r['slots']:,}",
+                str(r["noops"]),
+                str(r["rounds"]),
+                str(r["round_bound"]),
+                " ".join("+".join(g) for g in r["groups"]),
+                f"{r['bubble']:.1%}",
+                str(r["violations"]),
+            ]
+            for r in doc["data_parallel"]
+        ],
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -199,6 +280,9 @@ def main() -> None:
         quality.append(row)
     per_adapter = 640
     bubbles = bubble_rows(per_adapter)
+    many_jobs = many_job_rows()
+    dp_samples = 2560
+    data_parallel = data_parallel_rows(dp_samples)
     doc = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "synthetic": True,
@@ -220,6 +304,9 @@ def main() -> None:
         "quality": quality,
         "bubble_samples_per_adapter": per_adapter,
         "bubbles": bubbles,
+        "many_jobs": many_jobs,
+        "data_parallel_samples": dp_samples,
+        "data_parallel": data_parallel,
     }
     text = markdown(doc)
     print(text)

@@ -28,3 +28,15 @@ def test_committed_plan_schema_is_current() -> None:
     if not path.is_file():
         pytest.skip("docs/ not present (installed package)")
     assert json.loads(path.read_text()) == Plan.model_json_schema(), "regenerate docs/sched/plan.schema.json"
+
+
+def test_schema_page_names_every_field() -> None:
+    from lorafusion_sched.models import AdapterInfo, Microbatch, PlanStats, Segment
+
+    path = REPO / "docs" / "sched" / "schema.md"
+    if not path.is_file():
+        pytest.skip("docs/ not present (installed package)")
+    named = {word for quoted in re.findall(r"`([^`]+)`", path.read_text()) for word in re.split(r"[^a-z_]+", quoted)}
+    for model in (Plan, AdapterInfo, PlanStats, Microbatch, Segment):
+        missing = set(model.model_fields) - named
+        assert not missing, f"docs/sched/schema.md does not name {model.__name__}'s {sorted(missing)}"
