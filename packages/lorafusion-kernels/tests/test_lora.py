@@ -75,6 +75,38 @@ def test_bias_with_and_without_grad(p, bias_grad):
     check_against_reference(inputs, p=p)
 
 
+@pytest.mark.parametrize("p", [0.0, 0.3], ids=["p0", "p0.3"])
+def test_a_trainable_base_weight_gets_its_gradient(p):
+    inputs = make_lora_inputs(29, 35, 41, 8, dtype=torch.float32, bias=True, bias_grad=True)
+    inputs.weight.requires_grad_(True)
+    check_against_reference(inputs, p=p)
+
+
+def test_a_strided_bias_is_read_as_its_values():
+    """The kernels read the bias at unit stride; a view with another stride is copied, not misread."""
+    inputs = make_lora_inputs(29, 35, 41, 8, dtype=torch.float32)
+    wide = torch.randn(70, generator=torch.Generator().manual_seed(4))
+    strided, packed = wide[::2], wide[::2].contiguous()
+    args = (inputs.x.detach(), inputs.weight, inputs.lora_a.detach(), inputs.lora_b.detach())
+    torch.testing.assert_close(
+        fused_lora_linear(*args, scaling=1.5, bias=strided), fused_lora_linear(*args, scaling=1.5, bias=packed)
+    )
+
+
+def test_double_backward_is_refused():
+    inputs = make_lora_inputs(9, 12, 16, 4, dtype=torch.float32)
+    y = fused_lora_linear(inputs.x, inputs.weight, inputs.lora_a, inputs.lora_b, scaling=1.0)
+    (dx,) = torch.autograd.grad(y.square().sum(), [inputs.x], create_graph=True)
+    with pytest.raises(RuntimeError, match=r"twice|once_differentiable|does not require grad"):
+        dx.sum().backward()
+
+
+def test_bf16_on_the_cpu_takes_the_torch_path():
+    """The interpreter's tl.dot is wrong on bf16, so bf16 CPU tensors never reach the kernels."""
+    inputs = make_lora_inputs(21, 30, 40, 4, dtype=torch.bfloat16)
+    check_against_reference(inputs, p=0.1)
+
+
 def test_x_without_grad_skips_dx():
     inputs = make_lora_inputs(21, 30, 40, 4, dtype=torch.float32)
     inputs.x.requires_grad_(False)
@@ -242,8 +274,24 @@ def test_custom_ops_are_registered():
         ({"bias": torch.zeros(7)}, "bias must be"),
         ({"dropout_p": 1.0}, "dropout_p"),
         ({"x": torch.zeros(3, 16, dtype=torch.int32), "weight": torch.zeros(8, 16, dtype=torch.int32)}, "float16"),
+        ({"bias": torch.zeros(8, dtype=torch.int64)}, "bias must be floating point"),
+        ({"x": torch.zeros(3, 0), "weight": torch.zeros(8, 0), "lora_a": torch.zeros(4, 0)}, "in_features"),
+        ({"scaling": None}, "scaling must be a finite number, got None"),
+        ({"scaling": float("nan")}, "scaling must be a finite number, got nan"),
     ],
-    ids=["rank-129", "b-shape", "weight-dtype", "in-features", "bias-shape", "p-1", "int-input"],
+    ids=[
+        "rank-129",
+        "b-shape",
+        "weight-dtype",
+        "in-features",
+        "bias-shape",
+        "p-1",
+        "int-input",
+        "int-bias",
+        "k-0",
+        "scaling-none",
+        "scaling-nan",
+    ],
 )
 def test_bad_inputs_raise_one_error_type(change, message):
     args = {
@@ -253,12 +301,13 @@ def test_bad_inputs_raise_one_error_type(change, message):
         "lora_b": torch.zeros(8, 4),
         "bias": None,
         "dropout_p": 0.0,
+        "scaling": 1.0,
     }
     args.update(change)
     with pytest.raises(LoRAFusionKernelsError, match=message):
         fused_lora_linear(
-            args["x"], args["weight"], args["lora_a"], args["lora_b"], scaling=1.0, dropout_p=args["dropout_p"],
-            bias=args["bias"],
+            args["x"], args["weight"], args["lora_a"], args["lora_b"], scaling=args["scaling"],
+            dropout_p=args["dropout_p"], bias=args["bias"],
         )  # fmt: skip
 
 

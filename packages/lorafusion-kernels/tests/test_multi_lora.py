@@ -579,6 +579,51 @@ def test_errors_name_the_problem() -> None:
         )
 
 
+def test_more_bad_inputs_are_named() -> None:
+    inputs = make_inputs(MIXED, torch.float32)
+    segments = {"segment_lengths": MIXED.lengths, "segment_adapters": MIXED.adapters}
+    args = (inputs["x"], inputs["weight"])
+    integer_a = [a.long() for a in inputs["lora_a"]]
+    with pytest.raises(LoRAFusionKernelsError, match=r"lora_a\[0\] and lora_b\[0\] must be floating point"):
+        fused_multi_lora_linear(*args, integer_a, inputs["lora_b"], scaling=1.0, **segments)
+    with pytest.raises(LoRAFusionKernelsError, match="lora_a and lora_b are empty"):
+        fused_multi_lora_linear(*args, [], [], scaling=1.0, segment_lengths=(43,), segment_adapters=(0,))
+    with pytest.raises(LoRAFusionKernelsError, match="scaling must be a finite number, got nan"):
+        fused_multi_lora_linear(*args, inputs["lora_a"], inputs["lora_b"], scaling=float("nan"), **segments)
+    with pytest.raises(LoRAFusionKernelsError, match="bias must be floating point"):
+        fused_multi_lora_linear(
+            *args, inputs["lora_a"], inputs["lora_b"], scaling=1.0, bias=torch.zeros(MIXED.n, dtype=torch.int64),
+            **segments,
+        )  # fmt: skip
+
+
+@INTERPRET
+@pytest.mark.usefixtures("interpreter")
+def test_double_backward_is_refused() -> None:
+    inputs = make_inputs(MIXED, torch.float32)
+    y = fused_multi_lora_linear(
+        inputs["x"], inputs["weight"], inputs["lora_a"], inputs["lora_b"], segment_lengths=MIXED.lengths,
+        segment_adapters=MIXED.adapters, scaling=MIXED.scaling,
+    )  # fmt: skip
+    (dx,) = torch.autograd.grad(y.square().sum(), [inputs["x"]], create_graph=True)
+    with pytest.raises(RuntimeError, match=r"twice|once_differentiable|does not require grad"):
+        dx.sum().backward()
+
+
+@pytest.mark.parametrize("path", [pytest.param("interpreter", marks=INTERPRET), "torch_path"])
+def test_a_strided_bias_is_read_as_its_values(path: str, request: pytest.FixtureRequest) -> None:
+    request.getfixturevalue(path)
+    inputs = make_inputs(MIXED, torch.float32)
+    wide = torch.randn(2 * MIXED.n, generator=torch.Generator().manual_seed(4))
+    lora = ([a.detach() for a in inputs["lora_a"]], [b.detach() for b in inputs["lora_b"]])
+    segments = {"segment_lengths": MIXED.lengths, "segment_adapters": MIXED.adapters, "scaling": MIXED.scaling}
+    outputs = [
+        fused_multi_lora_linear(inputs["x"].detach(), inputs["weight"], *lora, bias=bias, **segments)
+        for bias in (wide[::2], wide[::2].contiguous())
+    ]
+    torch.testing.assert_close(outputs[0], outputs[1])
+
+
 @pytest.mark.parametrize("path", [pytest.param("interpreter", marks=INTERPRET), "torch_path"])
 def test_empty_batch_is_the_frozen_layer(path: str, request: pytest.FixtureRequest) -> None:
     request.getfixturevalue(path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import types
 import warnings
 
 import pytest
@@ -190,6 +191,88 @@ def test_disabled_adapters_run_the_base_model_silently(force_fused):
         torch.testing.assert_close(patched, model(input_ids=ids).logits)
 
 
+def q_proj(model):
+    return model.base_model.model.model.layers[0].self_attn.q_proj
+
+
+def test_a_trainable_base_weight_gets_its_gradient(force_fused):
+    model = tiny_model()
+    q_proj(model).base_layer.weight.requires_grad_(True)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    _, ref_grads = loss_and_grads(model, ids)
+    lorafusion_kernels.patch_peft_model(model)
+    _, grads = loss_and_grads(model, ids)
+    assert set(grads) == set(ref_grads)
+    assert any(name.endswith("q_proj.base_layer.weight") for name in grads)
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("part", ["base_layer", "lora_A", "lora_B", "lora_dropout"])
+def test_hooks_on_a_layers_parts_keep_peft_path(force_fused, part):
+    """The fused op calls none of a layer's submodules, so their hooks would silently not run."""
+    model = tiny_model()
+    layer = q_proj(model)
+    module = layer.base_layer if part == "base_layer" else getattr(layer, part)["default"]
+    fired = []
+    module.register_forward_hook(lambda *_: fired.append(part))
+    ids = torch.randint(0, 64, (1, 5))
+    expected = model(input_ids=ids).logits
+    lorafusion_kernels.patch_peft_model(model)
+    fired.clear()
+    with pytest.warns(LoRAFusionKernelsWarning, match="forward hooks or a wrapped forward"):
+        got = model(input_ids=ids).logits
+    assert fired == [part]
+    torch.testing.assert_close(got, expected)
+
+
+def test_a_base_layer_wrapped_on_the_instance_is_left_alone():
+    """accelerate's offloading replaces the base layer's forward on the instance (weights on meta until then)."""
+    model = tiny_model()
+    base = q_proj(model).base_layer
+    base.forward = types.MethodType(type(base).forward, base)
+    with pytest.warns(LoRAFusionKernelsWarning, match="already wrapped by hooks"):
+        assert lorafusion_kernels.patch_peft_model(model) == len(TARGETS) - 1
+    assert not integration.is_patched(q_proj(model))
+
+
+def two_adapters_on_different_layers():
+    model = tiny_model(target_modules=["q_proj"])
+    model.add_adapter("other", peft.LoraConfig(r=4, lora_alpha=8, target_modules=["v_proj"]))
+    for name, param in model.named_parameters():
+        if "lora_B.other" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    return model
+
+
+def test_several_active_adapters_each_alone_on_its_layer_run_fused(force_fused, fused_calls):
+    model = two_adapters_on_different_layers()
+    model.base_model.set_adapter(["default", "other"])
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(4))
+    ref_logits, ref_grads = loss_and_grads(model, ids)
+    lorafusion_kernels.patch_peft_model(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LoRAFusionKernelsWarning)
+        logits, grads = loss_and_grads(model, ids)
+    assert len(fused_calls) == 2, "q_proj with 'default', v_proj with 'other'"
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-5)
+    assert set(grads) == set(ref_grads)
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_an_active_adapter_absent_from_a_layer_leaves_it_to_the_base_silently(force_fused):
+    model = two_adapters_on_different_layers()
+    model.base_model.set_adapter("other")  # q_proj holds only "default"
+    ids = torch.randint(0, 64, (1, 5))
+    expected = model(input_ids=ids).logits
+    lorafusion_kernels.patch_peft_model(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LoRAFusionKernelsWarning)
+        got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
 def test_saved_adapter_is_a_plain_peft_file(tmp_path, force_fused):
     safetensors = pytest.importorskip("safetensors.torch")
     plain, patched = tiny_model(), tiny_model()
@@ -237,7 +320,8 @@ def test_extra_arguments_go_to_peft_forward_and_the_base_layer(args, kwargs, for
     x = torch.randn(5, 48, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = type(layer).forward(layer, x, *args, **kwargs)
-        with pytest.warns(LoRAFusionKernelsWarning, match="extra arguments for the base layer"):
+        # The wrapped base forward is itself a reason for PEFT's path, named first.
+        with pytest.warns(LoRAFusionKernelsWarning, match="a wrapped forward on their base layer"):
             got = layer(x, *args, **kwargs)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 

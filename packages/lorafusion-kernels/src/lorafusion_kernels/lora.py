@@ -34,6 +34,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from lorafusion_kernels._kernels._common import (
     MAX_RANK,
@@ -273,7 +274,9 @@ def _backward(ctx: Any, dy: torch.Tensor, *_unused: Any, opaque: bool = True) ->
     else:
         dx, da, db = _backward_impl(*args)
     dbias = dy.sum(dim=0, dtype=torch.float32).to(dy.dtype) if ctx.has_bias and ctx.needs_input_grad[4] else None
-    grads = ((dx if need_dx else None), None, da, db, dbias)
+    # A base weight left trainable gets its gradient too (one plain GEMM; frozen weights skip it).
+    dweight = dy.t().mm(x).to(weight.dtype) if ctx.needs_input_grad[1] else None
+    grads = ((dx if need_dx else None), dweight, da, db, dbias)
     return grads + (None,) * (len(ctx.needs_input_grad) - len(grads))
 
 
@@ -309,8 +312,9 @@ class FusedLoRAFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # the backward is not itself differentiable: double backward raises
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        """``(dx, None, dA, dB, dbias, None, ...)`` by the chain rule of the module docstring."""
+        """``(dx, dW, dA, dB, dbias, None, ...)`` by the chain rule of the module docstring (dW: None when frozen)."""
         return _backward(ctx, dy, opaque=False)
 
 
@@ -324,6 +328,7 @@ def _check_inputs(
     lora_b: torch.Tensor,
     bias: torch.Tensor | None,
     dropout_p: float,
+    scaling: object,
 ) -> None:
     if x.dtype not in SUPPORTED_DTYPES:
         raise LoRAFusionKernelsError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
@@ -342,8 +347,12 @@ def _check_inputs(
         raise LoRAFusionKernelsError(f"lora_b must be [{n}, {r}] (out_features, rank), got {list(lora_b.shape)}")
     if not 1 <= r <= MAX_RANK:
         raise LoRAFusionKernelsError(f"LoRA rank must be in [1, {MAX_RANK}], got {r}")
+    if k == 0:
+        raise LoRAFusionKernelsError(f"in_features must be at least 1, got weight [{n}, {k}]")
     if bias is not None and tuple(bias.shape) != (n,):
         raise LoRAFusionKernelsError(f"bias must be [{n}], got {list(bias.shape)}")
+    if bias is not None and not bias.dtype.is_floating_point:
+        raise LoRAFusionKernelsError(f"bias must be floating point, got {bias.dtype}")
     if not lora_a.dtype.is_floating_point or not lora_b.dtype.is_floating_point:
         raise LoRAFusionKernelsError("lora_a and lora_b must be floating point")
     devices = {t.device for t in (x, weight, lora_a, lora_b) + ((bias,) if bias is not None else ())}
@@ -351,6 +360,19 @@ def _check_inputs(
         raise LoRAFusionKernelsError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
     if not 0.0 <= dropout_p < 1.0:
         raise LoRAFusionKernelsError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    check_finite(scaling, "scaling")
+
+
+def check_finite(value: object, name: str) -> None:
+    """Refuse a scalar argument (a scaling, a dropout probability) that is not a finite number.
+
+    Raises:
+        LoRAFusionKernelsError: Naming the argument and the value (None, a string, NaN, inf, a bool).
+    """
+    if torch.compiler.is_compiling():
+        return  # a float input may be symbolic there, and math.isfinite on it would break the graph
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise LoRAFusionKernelsError(f"{name} must be a finite number, got {value!r}")
 
 
 _NO_SEED: dict[torch.device, torch.Tensor] = {}
@@ -407,7 +429,7 @@ def fused_lora_linear(
     Example:
         >>> y = fused_lora_linear(x, layer.weight, lora_a, lora_b, scaling=2.0, dropout_p=0.1)
     """
-    _check_inputs(x, weight, lora_a, lora_b, bias, dropout_p)
+    _check_inputs(x, weight, lora_a, lora_b, bias, dropout_p, scaling)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     seed_t = _seed_for(x, float(dropout_p), seed)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.nn import functional
 
 from lorafusion_kernels._kernels._common import (
@@ -49,7 +50,7 @@ from lorafusion_kernels._kernels.multi_lora_bwd import (
 from lorafusion_kernels._kernels.multi_lora_fwd import multi_lora_linear, multi_lora_shrink
 from lorafusion_kernels.dropout import draw_seed, dropout_keep_mask, keep_threshold, seed_tensor
 from lorafusion_kernels.errors import LoRAFusionKernelsError
-from lorafusion_kernels.lora import deterministic_mode, fused_lora_linear
+from lorafusion_kernels.lora import check_finite, deterministic_mode, fused_lora_linear
 from lorafusion_kernels.metadata import MultiLoRABatch
 
 __all__ = ["fused_multi_lora_linear"]
@@ -153,10 +154,13 @@ def _device_params(params: _AdapterParams, device: torch.device) -> _DeviceParam
 
 
 def _per_adapter(value: float | Sequence[float], n: int, name: str) -> tuple[float, ...]:
-    if isinstance(value, (int, float)):
-        return (float(value),) * n
     if isinstance(value, torch.Tensor):
         value = value.tolist()
+    if value is None or isinstance(value, (int, float, str)):
+        check_finite(value, name)
+        return (float(value),) * n  # type: ignore[arg-type]
+    for v in value:
+        check_finite(v, name)
     out = tuple(float(v) for v in value)
     if len(out) != n:
         raise LoRAFusionKernelsError(f"{name} has {len(out)} entries for {n} adapters; give one per adapter")
@@ -202,6 +206,8 @@ def check_call(
     n_out, k_in = weight.shape
     if bias is not None and tuple(bias.shape) != (n_out,):
         raise LoRAFusionKernelsError(f"bias must be [{n_out}], got {list(bias.shape)}")
+    if bias is not None and not bias.is_floating_point():
+        raise LoRAFusionKernelsError(f"bias must be floating point, got {bias.dtype}")
     if x.shape[-1] != k_in:
         raise LoRAFusionKernelsError(f"x has {x.shape[-1]} features but weight is [{n_out}, {k_in}]")
     tokens = x.numel() // k_in if k_in else 0
@@ -228,6 +234,8 @@ def _check_inputs(
     check_call(x, weight, len(lora_a), [*lora_a, *lora_b], bias, batch, dropout_p)
     n_out, k_in = weight.shape
     for i, (a, b) in enumerate(zip(lora_a, lora_b, strict=True)):
+        if not a.is_floating_point() or not b.is_floating_point():
+            raise LoRAFusionKernelsError(f"lora_a[{i}] and lora_b[{i}] must be floating point, got {a.dtype}/{b.dtype}")
         if a.dim() != 2 or a.shape[1] != k_in:
             raise LoRAFusionKernelsError(f"lora_a[{i}] must be [r, {k_in}], got {list(a.shape)}")
         if a.shape[0] > MAX_RANK:
@@ -311,7 +319,9 @@ def call_batch(
         if segment_lengths is None or segment_adapters is None:
             raise LoRAFusionKernelsError("give either batch= or both segment_lengths= and segment_adapters=")
         indices = segment_adapters.tolist() if isinstance(segment_adapters, torch.Tensor) else list(segment_adapters)
-        if num_adapters == 0 or (indices and max(indices) >= num_adapters):
+        if num_adapters == 0:
+            raise LoRAFusionKernelsError("lora_a and lora_b are empty: give one A and one B per adapter")
+        if indices and max(indices) >= num_adapters:
             raise LoRAFusionKernelsError(
                 f"segment_adapters = {indices} refers to adapter {max(indices, default=0)}, but lora_a and lora_b "
                 f"hold {num_adapters} adapters (indices 0 to {num_adapters - 1}): give one A and one B per adapter"
@@ -846,6 +856,7 @@ class _FusedMultiLoRA(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # the backward is not itself differentiable: double backward raises
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """``(dx, dW, dbias, dA_cat, dB_cat, None, ...)`` by the chain rule of the module docstring."""
         return _backward(ctx, dy, opaque=False)

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.nn import functional
 
 from lorafusion_kernels._kernels._common import MAX_RANK, runs_triton
@@ -201,6 +202,7 @@ class _FusedSiblingMembers(torch.autograd.Function):
         return ys
 
     @staticmethod
+    @once_differentiable  # the backward is not itself differentiable: double backward raises
     def backward(ctx: Any, *dys: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """:func:`fused_multi_lora_linear`'s gradients, ``dy`` given as the members' gradients."""
         return _backward(ctx, dys, opaque=False)

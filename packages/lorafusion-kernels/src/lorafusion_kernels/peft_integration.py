@@ -7,11 +7,13 @@ Two lines in a training script::
     lorafusion_kernels.patch_peft_model(model)
 
 Each PEFT ``lora.Linear`` gets an instance-level ``forward`` that asks the routers (first answer
-wins) whether this call can run fused: CUDA tensors (or CPU under ``TRITON_INTERPRET=1``), fp16,
-bf16 or fp32 activations matching the base weight (or any of them under ``torch.autocast``, which
-the fused op then follows: see :mod:`lorafusion_kernels.autocast`), one active adapter, no DoRA or
-other LoRA variant, no ``lora_bias``, an unquantized ``nn.Linear`` base layer. Anything else runs
-PEFT's own forward, with one warning per reason and per ``patch_peft_model`` call.
+wins) whether this call can run fused: CUDA fp16/bf16 activations matching the base weight, or an
+fp32 model under ``torch.autocast`` to one of them (which the fused op then follows: see
+:mod:`lorafusion_kernels.autocast`), or CPU fp16/fp32 under ``TRITON_INTERPRET=1``; one active
+adapter on the layer, no DoRA or other LoRA variant, no ``lora_bias``, an unquantized
+``nn.Linear`` base layer, and no forward hooks on it or on the LoRA modules (the fused op does not
+call them). Anything else runs PEFT's own forward, with one warning per reason and per
+``patch_peft_model`` call. A trainable base weight gets its gradient on either path.
 Nothing in the state dict changes, so ``save_pretrained`` still writes plain PEFT adapter files;
 :func:`unpatch_peft_model` removes the instance attribute again.
 
@@ -26,6 +28,7 @@ Multi-adapter batches extend this through :func:`register_router`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from collections.abc import Callable
 from typing import Any
@@ -74,9 +77,8 @@ def _warn_once(reason: str) -> None:
     _WARNED.warn(f"lorafusion: PEFT's own LoRA path is used for {reason}", stacklevel=4)
 
 
-def _fused_single_adapter(layer: Any, x: torch.Tensor) -> torch.Tensor:
-    """The one active adapter of a PEFT ``lora.Linear`` through :func:`fused_lora_linear` (autocast: as nn.Linear)."""
-    name = layer.active_adapters[0]
+def _fused_single_adapter(layer: Any, x: torch.Tensor, name: str) -> torch.Tensor:
+    """Adapter ``name`` of a PEFT ``lora.Linear`` through :func:`fused_lora_linear` (autocast: as nn.Linear)."""
     base = layer.get_base_layer()
     dropout = layer.lora_dropout[name]
     p = float(dropout.p) if isinstance(dropout, nn.Dropout) and dropout.training else 0.0
@@ -95,11 +97,28 @@ def _fused_single_adapter(layer: Any, x: torch.Tensor) -> torch.Tensor:
 def _unsupported_structure(layer: Any) -> str | None:
     """Why this layer can never run fused (checked at patch time too), or None."""
     base = layer.get_base_layer()
-    if type(base) is not nn.Linear:
-        return f"base layers of type {type(base).__name__} (quantized or not nn.Linear)"
     if getattr(layer, "fan_in_fan_out", False):
         return "fan_in_fan_out=True layers (Conv1D-style weights)"
+    if type(base) is not nn.Linear:
+        return f"base layers of type {type(base).__name__} (quantized, Conv1D, or another nn.Linear subclass)"
     return None
+
+
+_HOOKED = (
+    "layers with forward hooks or a wrapped forward on their base layer or LoRA modules "
+    "(e.g. accelerate offloading), which the fused op would skip"
+)
+
+
+def _wrapped(module: nn.Module) -> bool:
+    """Whether ``module`` has forward hooks, or a ``forward`` replaced on the instance (accelerate's hooks)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks) or "forward" in vars(module)
+
+
+def _hooked(layer: Any, name: str) -> bool:
+    """Whether a module that PEFT's forward would call for adapter ``name``, and the fused op does not, is wrapped."""
+    parts = (layer.get_base_layer(), layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name])
+    return any(_wrapped(part) for part in parts)
 
 
 def single_adapter_router(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -> Route:
@@ -109,7 +128,9 @@ def single_adapter_router(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -
     if layer.disable_adapters or layer.merged:
         return Route(None)
     active = [a for a in layer.active_adapters if a in layer.lora_A]
-    if len(active) != 1:
+    if not active:
+        return Route(None)  # none of the active adapters is on this layer: PEFT runs the base layer alone
+    if len(active) > 1:
         return Route(None, "layers with several active adapters")
     name = active[0]
     if layer.use_dora.get(name, False) or name in getattr(layer, "lora_variant", {}):
@@ -121,6 +142,8 @@ def single_adapter_router(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -
         return Route(None, structural)
     if not isinstance(layer.lora_dropout[name], nn.Dropout | nn.Identity):
         return Route(None, f"dropout modules of type {type(layer.lora_dropout[name]).__name__}")
+    if _hooked(layer, name):
+        return Route(None, _HOOKED)
     weight = layer.get_base_layer().weight
     compute = linear_compute_dtype(x, weight)
     if compute is None:
@@ -131,9 +154,16 @@ def single_adapter_router(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -
         return Route(
             None,
             f"{x.device.type} tensors of {compute} (the fused kernels serve CUDA fp16/bf16, "
-            "and CPU tensors under TRITON_INTERPRET=1)",
+            "and CPU fp16/fp32 under TRITON_INTERPRET=1)",
         )
-    return Route(_fused_single_adapter)
+    forward = _FUSED_SINGLE.get(name)
+    if forward is None:
+        forward = _FUSED_SINGLE[name] = functools.partial(_fused_single_adapter, name=name)
+    return Route(forward)
+
+
+_FUSED_SINGLE: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {}
+"""The single-adapter route's ``(layer, x)`` forward per adapter name, made once per name."""
 
 
 _ROUTERS: list[Router] = [single_adapter_router]
@@ -179,8 +209,9 @@ def patch_peft_model(model: nn.Module) -> int:
     """Route every PEFT ``lora.Linear`` in ``model`` through the fused op; returns how many were patched.
 
     Layers that can never run fused (quantized base, ``fan_in_fan_out``, other LoRA layer types,
-    a ``forward`` already overridden on the instance by hooks) are left alone with one warning
-    per reason. Patching twice is harmless.
+    a ``forward`` already overridden on the instance or its base layer by hooks) are left alone
+    with one warning per reason. Patching twice is harmless. LoRA layers created later
+    (``add_adapter`` or ``load_adapter`` on new target modules) are not patched: call this again.
 
     Raises:
         ImportError: if ``peft`` is not installed.
@@ -203,7 +234,7 @@ def patch_peft_model(model: nn.Module) -> int:
         if structural is not None:
             _warn_once(structural)
             continue
-        if "forward" in vars(module):
+        if "forward" in vars(module) or "forward" in vars(module.get_base_layer()):
             _warn_once("layers whose forward is already wrapped by hooks (e.g. accelerate offloading)")
             continue
         module.forward = types.MethodType(_patched_forward, module)

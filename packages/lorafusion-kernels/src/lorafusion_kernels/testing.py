@@ -45,7 +45,7 @@ class LoRAInputs:
 
     def leaves(self) -> dict[str, torch.Tensor]:
         """The tensors that require grad, by name."""
-        named = {"x": self.x, "lora_a": self.lora_a, "lora_b": self.lora_b, "bias": self.bias}
+        named = {"x": self.x, "weight": self.weight, "lora_a": self.lora_a, "lora_b": self.lora_b, "bias": self.bias}
         return {k: v for k, v in named.items() if v is not None and v.requires_grad}
 
     def to(self, dtype: torch.dtype) -> LoRAInputs:

@@ -32,14 +32,15 @@ def interpreting() -> bool:
 def runs_triton(t: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
     """Whether ``t``, computed in ``dtype`` (default: its own), is served by the Triton kernels.
 
-    They serve CUDA fp16/bf16 tensors, and CPU tensors under the interpreter. float32 CUDA tensors
-    take the plain torch path: the shipped launch configs size their tiles for 2-byte operands, and
-    an fp32 GEMM at those tiles needs more shared memory than a Hopper SM has (327,696 bytes of
-    232,448 for the multi-adapter forward, seen on an H100).
+    They serve CUDA fp16/bf16 tensors, and CPU fp16/fp32 tensors under the interpreter. float32 CUDA
+    tensors take the plain torch path: the shipped launch configs size their tiles for 2-byte
+    operands, and an fp32 GEMM at those tiles needs more shared memory than a Hopper SM has (327,696
+    bytes of 232,448 for the multi-adapter forward, seen on an H100). bfloat16 CPU tensors take it
+    too: the interpreter's ``tl.dot`` gives wrong results on bfloat16 operands.
     """
     if t.is_cuda:
         return (dtype or t.dtype) in (torch.float16, torch.bfloat16)
-    return t.device.type == "cpu" and interpreting()
+    return t.device.type == "cpu" and (dtype or t.dtype) != torch.bfloat16 and interpreting()
 
 
 _FITTING_STAGES: dict[Hashable, int] = {}

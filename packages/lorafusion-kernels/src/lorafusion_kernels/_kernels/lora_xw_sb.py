@@ -165,7 +165,7 @@ def lora_xw_sb(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
     meta = gemm_meta(cfg, block_r=rank_block(r), dtype=x.dtype)
-    lora = (s, lora_b, bias if bias is not None else y)
+    lora = (s, lora_b, bias.contiguous() if bias is not None else y)  # the kernels read the bias at unit stride
     sizes = (m, n, k, r)
     if cfg.tma and s.dtype == x.dtype and tma_ok(x, weight, y):
         from triton.tools.tensor_descriptor import TensorDescriptor

@@ -538,7 +538,7 @@ def _launch_linear(
     grid = (rows.num_tiles * cdiv(N, cfg.block_n),)
     meta = gemm_meta(cfg, block_r=block_r, dtype=x.dtype)
     y = outputs[0]
-    lora = (bias if bias is not None else y, s, b_cat)
+    lora = (bias.contiguous() if bias is not None else y, s, b_cat)  # the kernels read the bias at unit stride
     members = (bounds, bounds.numel() - 1) if bounds is not None else (ranks, 1)
     routing = (batch.segments, rows.seg_range, ranks, *members, T, N, K)
     flags = {
