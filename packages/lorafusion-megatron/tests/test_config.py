@@ -110,6 +110,28 @@ def test_two_jobs_cannot_share_an_adapter_folder(config_dict) -> None:
     assert "jobs 'first' and 'second' both write their adapter to /tmp/same" in _error(data)
 
 
+@pytest.mark.parametrize(
+    ("place", "message"),
+    [
+        ("run", "and it holds output_dir"),
+        (".", "and it holds output_dir"),
+        ("data", "and it holds job 'first''s dataset"),
+        ("other/nested", "write their adapters to"),
+    ],
+    ids=["the-run-folder", "above-the-run-folder", "the-data-folder", "inside-another-job"],
+)
+def test_an_adapter_folder_holds_nothing_the_run_needs(config_dict, tmp_path: Path, place: str, message: str) -> None:
+    """A job's folder is replaced whole at its end: the run's own folder or its data there would be lost."""
+    data = config_dict()
+    data["output_dir"] = str(tmp_path / "run")
+    data["jobs"][0]["dataset"] = {"path": str(tmp_path / "data" / "first.jsonl")}
+    data["jobs"][0]["output_dir"] = str(tmp_path / "other")
+    data["jobs"][1]["output_dir"] = str(tmp_path / place)
+    if place == "data":
+        data["jobs"][0]["output_dir"], data["jobs"][1]["output_dir"] = str(tmp_path / "data"), str(tmp_path / "b")
+    assert message in _error(data)
+
+
 def test_capacity_must_be_a_multiple_of_padding(config_dict) -> None:
     message = _error(config_dict(scheduler={"capacity": 100, "padding_multiple": 64}))
     assert "capacity = 100 is not a multiple of padding_multiple = 64: use 64 or 128" in message

@@ -21,12 +21,34 @@ if TYPE_CHECKING:
 
     from lorafusion_megatron.config import TrainerConfig
 
-__all__ = ["check_fresh_run", "check_run_outputs", "check_writable", "holds_files", "replace_dir", "save_adapter"]
+__all__ = [
+    "check_fresh_run",
+    "check_run_outputs",
+    "check_writable",
+    "holds_files",
+    "replace_adapter",
+    "replace_dir",
+    "save_adapter",
+]
 
 
 def holds_files(folder: Path) -> bool:
     """Whether ``folder`` is a folder with anything in it (what a write there could replace)."""
     return folder.is_dir() and any(folder.iterdir())
+
+
+def holds_other_files(folder: Path) -> bool:
+    """Whether ``folder`` holds files but no PEFT adapter (no ``adapter_config.json``): never replaced."""
+    return holds_files(folder) and not (folder / "adapter_config.json").is_file()
+
+
+def _refuse_other_files(folder: Path, job: str) -> None:
+    if holds_other_files(folder):
+        raise TrainerError(
+            f"{folder}, where job {job} writes its adapter, holds files that are not a PEFT adapter (no "
+            "adapter_config.json); the run replaces that folder whole, so it never writes there: give the job "
+            "an empty or new output_dir"
+        )
 
 
 def check_writable(directory: Path, what: str) -> None:
@@ -57,28 +79,36 @@ def check_run_outputs(config: TrainerConfig) -> None:
 
 
 def check_fresh_run(config: TrainerConfig, *, resume: bool, overwrite: bool) -> None:
-    """Refuse a fresh run whose outputs would replace an earlier run's results, unless ``overwrite``.
+    """Refuse a run whose outputs would replace what they must not.
 
-    Results are the run's ``summary.json`` and each job's adapter folder (non-empty). A resumed run
-    continues its own checkpoints, and checkpoints are refused separately
-    (:func:`lorafusion_megatron.checkpoint.checkpoint_to_resume`).
+    Always: a job folder that holds files but no PEFT adapter (a dataset, other work), which the run
+    would replace whole at its end. A fresh run, unless ``overwrite``: an earlier run's results, its
+    ``summary.json``, ``eval_history.json`` and the jobs' adapter folders. A fresh run never
+    replaces checkpoints (:func:`lorafusion_megatron.checkpoint.checkpoint_to_resume` refuses them,
+    ``--overwrite`` or not), so this names them too: one message says all that is in the way.
 
     Raises:
         TrainerError: Naming the first result found and what to do.
     """
-    if resume or overwrite:
-        return
-    found = [path for path in (Path(config.output_dir) / "summary.json",) if path.is_file()]
     for job in config.jobs:
-        folder = config.job_output_dir(job)
-        if holds_files(folder):
-            found.append(folder)
+        _refuse_other_files(config.job_output_dir(job), job.name)
+    if resume:
+        return
+    checkpoints = config.checkpoint_dir if holds_files(config.checkpoint_dir) else None
+    found = [] if overwrite else [p for p in (Path(config.output_dir) / n for n in _RESULTS) if p.is_file()]
+    if not overwrite:
+        found += [folder for folder in map(config.job_output_dir, config.jobs) if holds_files(folder)]
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        also = f"; its checkpoints in {checkpoints} are kept by --overwrite too (delete them)" if checkpoints else ""
         raise TrainerError(
             f"{found[0]}{more} holds results of an earlier run: choose another output_dir, delete them, "
-            "or pass --overwrite to replace them"
+            f"or pass --overwrite to replace them{also}"
         )
+
+
+_RESULTS = ("summary.json", "eval_history.json")
+"""A finished run's files in its output folder that a fresh run with ``--overwrite`` replaces."""
 
 
 def replace_dir(source: Path, target: Path) -> None:
@@ -96,6 +126,17 @@ def replace_dir(source: Path, target: Path) -> None:
     os.replace(source, target)
     if old.exists():
         shutil.rmtree(old)
+
+
+def replace_adapter(source: Path, target: Path, job: str) -> None:
+    """:func:`replace_dir` for job ``job``'s adapter: a ``target`` holding anything but an adapter is refused.
+
+    Raises:
+        TrainerError: ``target`` holds files but no ``adapter_config.json`` (checked at the start of
+            a run too, by :func:`check_fresh_run`).
+    """
+    _refuse_other_files(target, job)
+    replace_dir(source, target)
 
 
 def save_adapter(model: PeftModel, adapter: str, directory: Path) -> None:
@@ -118,7 +159,7 @@ def save_adapter(model: PeftModel, adapter: str, directory: Path) -> None:
                 if item != written:
                     os.replace(item, written / item.name)
         _sort_target_modules(written / "adapter_config.json")
-        replace_dir(written, directory)
+        replace_adapter(written, directory, adapter)
 
 
 def _sort_target_modules(config_file: Path) -> None:

@@ -451,11 +451,39 @@ class TrainerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _distinct_outputs(self) -> TrainerConfig:
+        """A job's adapter folder is replaced whole at the end: it must hold nothing else the run reads or writes."""
+
+        def place(path: str | Path) -> Path:
+            return Path(os.path.abspath(path))
+
+        def holds(folder: Path, path: Path) -> bool:
+            return folder == path or folder in path.parents
+
+        run = place(self.output_dir)
+        inputs = [("the base model", self.base_model.model_name_or_path)] if not self.base_model.is_preset else []
+        if self.base_model.tokenizer_name_or_path is not None:
+            inputs.append(("the tokenizer", self.base_model.tokenizer_name_or_path))
+        for job in self.jobs:
+            for what, dataset in (("dataset", job.dataset), ("eval_dataset", job.eval_dataset)):
+                if dataset is not None and dataset.path is not None:
+                    inputs.append((f"job {job.name!r}'s {what}", dataset.path))
         seen: dict[Path, str] = {}
         for job in self.jobs:
-            folder = self.job_output_dir(job)
-            if folder in seen:
-                raise ValueError(f"jobs {seen[folder]!r} and {job.name!r} both write their adapter to {folder}")
+            folder = place(self.job_output_dir(job))
+            own = f"job {job.name!r} writes its adapter to {folder}, replacing that folder when it ends"
+            if holds(folder, run):
+                raise ValueError(f"{own}, and it holds output_dir {run}: give the job a folder of its own")
+            for what, path in inputs:
+                if holds(folder, place(path)):
+                    raise ValueError(f"{own}, and it holds {what} ({place(path)}): give the job a folder of its own")
+            for other, name in seen.items():
+                if other == folder:
+                    raise ValueError(f"jobs {name!r} and {job.name!r} both write their adapter to {folder}")
+                if holds(other, folder) or holds(folder, other):
+                    raise ValueError(
+                        f"jobs {name!r} and {job.name!r} write their adapters to {other} and {folder}, "
+                        "one inside the other: give each a folder of its own"
+                    )
             seen[folder] = job.name
         return self
 

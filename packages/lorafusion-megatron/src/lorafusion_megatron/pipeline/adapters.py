@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lorafusion_megatron.adapters_io import replace_dir
+from lorafusion_megatron.adapters_io import replace_adapter
 
 if TYPE_CHECKING:
     import torch
@@ -73,4 +73,4 @@ def write_adapter(model: PeftModel, adapter: str, tensors: Mapping[str, torch.Te
         config.save_pretrained(str(written))
         ordered = {key: tensors[key].contiguous() for key in sorted(tensors)}
         save_file(ordered, str(written / "adapter_model.safetensors"), metadata={"format": "pt"})
-        replace_dir(written, directory)
+        replace_adapter(written, directory, adapter)
