@@ -13,6 +13,7 @@ from lorafusion_megatron.checkpoint import latest_checkpoint
 from lorafusion_megatron.config import parse_config
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.executor import StopSignal
+from lorafusion_megatron.run_lock import run_lock
 from lorafusion_megatron.trainer import Trainer
 
 
@@ -179,6 +180,15 @@ def test_a_fresh_run_refuses_an_output_dir_with_checkpoints(make_config, tmp_pat
     Trainer(config, stop=StopAfter(2)).train()
     with pytest.raises(TrainerError, match="holds checkpoints of an earlier run: continue it with --resume"):
         Trainer(config).train()
+
+
+def test_a_second_run_into_the_same_output_dir_is_refused(make_config, tmp_path: Path) -> None:
+    """Two runs into one folder would interleave adapters, summaries and checkpoints; the lock is an flock."""
+    config = make_config(output_dir=str(tmp_path / "run"))
+    with run_lock(tmp_path / "run"), pytest.raises(TrainerError, match=r"run is in use by another run \(process \d+\)"):
+        Trainer(config).train()
+    Trainer(config).train()  # released: the run goes ahead
+    assert (tmp_path / "run" / "summary.json").is_file()
 
 
 def test_resume_without_a_checkpoint(make_config) -> None:

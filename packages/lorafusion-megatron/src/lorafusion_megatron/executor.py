@@ -69,7 +69,10 @@ def execute_plan(
 
 
 class StopSignal:
-    """Turns a signal (Ctrl-C by default) into a clean stop request, checked after each microbatch.
+    """Turns a signal (Ctrl-C or SIGTERM by default) into a clean stop request, checked after each microbatch.
+
+    SIGTERM is what a scheduler (SLURM, Kubernetes) sends before it preempts a job, so by default it
+    stops the run at a checkpoint like the first Ctrl-C.
 
     Outside the main thread (where signal handlers cannot be set) it only stops when
     :meth:`request` is called.
@@ -85,10 +88,10 @@ class StopSignal:
 
     def __init__(
         self,
-        signals: Sequence[signal.Signals] = (signal.SIGINT,),
+        signals: Sequence[signal.Signals] = (signal.SIGINT, signal.SIGTERM),
         *,
         repeat_aborts: bool = True,
-        message: str | None = "Ctrl-C: finishing this microbatch and writing a checkpoint; press Ctrl-C again to abort",
+        message: str | None = "{signal}: finishing this microbatch, then a checkpoint; press Ctrl-C again to abort",
     ) -> None:
         self.signals = tuple(signals)
         self.repeat_aborts = repeat_aborts

@@ -27,6 +27,7 @@ from lorafusion_megatron.executor import StopSignal, execute_plan
 from lorafusion_megatron.gc_tuning import start_up_objects_frozen
 from lorafusion_megatron.planning import check_plan, make_plan, plan_from_json
 from lorafusion_megatron.reporting import ProgressDisplay, TensorBoardLogger, summary_table
+from lorafusion_megatron.run_lock import run_lock
 from lorafusion_megatron.state import JobProgress, RunState
 
 if TYPE_CHECKING:
@@ -126,10 +127,15 @@ class Trainer:
 
         Raises:
             TrainerError: Bad data, unwritable folders, an earlier run's results without
-                ``overwrite``, no checkpoint to resume, or a checkpoint from a different config.
+                ``overwrite``, no checkpoint to resume, a checkpoint from a different config, or
+                another run writing to the same ``output_dir``.
         """
+        check_run_outputs(self.config)
+        with run_lock(Path(self.config.output_dir)):  # one run per output folder
+            return self._train(resume=resume, overwrite=overwrite)
+
+    def _train(self, *, resume: bool, overwrite: bool) -> TrainResult:
         config = self.config
-        check_run_outputs(config)
         check_fresh_run(config, resume=resume, overwrite=overwrite)
         checkpoint_path = checkpoint_to_resume(config.checkpoint_dir, resume=resume)
         prepared = prepare_data(config)
@@ -148,6 +154,8 @@ class Trainer:
         else:
             plan = make_plan(config, prepared.jobs)
             write_text_atomically(Path(config.output_dir) / "plan.json", plan.model_dump_json(indent=1))
+            # An earlier run's evaluations (train --overwrite): this run writes its own, or none.
+            (Path(config.output_dir) / EVAL_HISTORY).unlink(missing_ok=True)
             state = RunState(
                 position=0,
                 jobs={a.name: JobProgress(name=a.name, total_steps=a.num_global_batches) for a in plan.adapters},

@@ -85,7 +85,9 @@ def _start(
         )
     from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException, spawn
 
-    with tempfile.TemporaryDirectory(prefix="lorafusion-rendezvous-") as folder:
+    from lorafusion_megatron.run_lock import run_lock
+
+    with run_lock(Path(config.output_dir)), tempfile.TemporaryDirectory(prefix="lorafusion-rendezvous-") as folder:
         init_method = Path(folder, "store").as_uri()
         context = spawn(  # type: ignore[no-untyped-call]
             _spawned_rank,
