@@ -245,6 +245,17 @@ def test_demo_writes_base_config_and_adapters(tmp_path: Path, capsys: pytest.Cap
     assert data.read_bytes() == before, "refused before writing anything"
 
 
+@pytest.mark.parametrize("flag", ["--samples-per-job", "--epochs"])
+def test_demo_refuses_counts_below_one_before_writing(
+    tmp_path: Path, flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--output", str(tmp_path / "demo"), flag, "0"])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: 0 is less than 1" in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists()
+
+
 def test_fresh_train_refuses_an_earlier_runs_results(
     tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -257,3 +268,34 @@ def test_fresh_train_refuses_an_earlier_runs_results(
     assert "adapters/second holds results of an earlier run" in err
     assert "--overwrite" in err
     assert adapter.read_text() == "{}"
+
+
+def test_a_job_folder_of_other_files_is_never_replaced(
+    tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--overwrite replaces adapters only: a folder without adapter_config.json (say, a dataset) is refused."""
+    data = config_dict()
+    data["jobs"][1]["output_dir"] = str(tmp_path / "shared")
+    notes = tmp_path / "shared" / "notes.jsonl"
+    notes.parent.mkdir()
+    notes.write_text('{"text": "mine"}\n')
+    config = _write(tmp_path / "run.yaml", data)
+    for flags in ([], ["--overwrite"]):
+        assert main(["train", str(config), *flags]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert "holds files that are not a PEFT adapter (no adapter_config.json)" in err
+    assert notes.read_text() == '{"text": "mine"}\n'
+
+
+def test_overwrite_names_the_checkpoints_it_keeps(
+    tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _write(tmp_path / "run.yaml", config_dict())
+    (tmp_path / "run" / "summary.json").parent.mkdir(parents=True)
+    (tmp_path / "run" / "summary.json").write_text("{}")
+    (tmp_path / "run" / "checkpoints" / "checkpoint-3").mkdir(parents=True)
+    assert main(["train", str(config)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "summary.json holds results of an earlier run" in err
+    assert "its checkpoints in" in err
+    assert "are kept by --overwrite too (delete them)" in err

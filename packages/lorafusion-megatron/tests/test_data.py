@@ -53,7 +53,7 @@ def test_first_record_reads_only_up_to_it_and_none_when_empty(tmp_path: Path) ->
     ("name", "content", "message"),
     [
         ("missing.jsonl", None, "does not exist"),
-        ("bad.jsonl", '{"prompt": 1}\nnot json\n', "bad.jsonl:2 is not a JSON object"),
+        ("bad.jsonl", '{"prompt": 1}\nnot json\n', r"bad.jsonl:2 is not a JSON object: Expecting value \(column 1\)"),
         ("list.jsonl", "[1, 2]\n", "record 0 is int"),
         ("data.csv", "a,b\n", "unknown kind '.csv'"),
         ("empty-folder", "", "not a folder written by datasets' save_to_disk"),

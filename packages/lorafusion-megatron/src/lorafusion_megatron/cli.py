@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.table import Table
 
 from lorafusion_megatron.__about__ import __version__
@@ -25,6 +26,17 @@ from lorafusion_megatron.pipeline.commands import add_parallel_arguments, parall
 __all__ = ["main"]
 
 _console = Console(stderr=True)
+
+
+def _at_least_one(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (refused before anything is written)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is less than 1")
+    return value
 
 
 def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
@@ -251,8 +263,8 @@ def _parser() -> argparse.ArgumentParser:
     profile.set_defaults(handler=_cmd_profile)
     demo = commands.add_parser("demo", help="4 jobs on a tiny random LLaMA, on the CPU, in about a minute")
     demo.add_argument("--output", required=True, type=Path, help="folder for the model, data, config and adapters")
-    demo.add_argument("--samples-per-job", type=int, default=128, help="records per job (default 128)")
-    demo.add_argument("--epochs", type=int, default=2, help="passes over each job's data (default 2)")
+    demo.add_argument("--samples-per-job", type=_at_least_one, default=128, help="records per job (default 128)")
+    demo.add_argument("--epochs", type=_at_least_one, default=2, help="passes over each job's data (default 2)")
     add_parallel_arguments(demo)
     demo.set_defaults(handler=_cmd_demo)
     export = commands.add_parser("export", help="merge an adapter into its base model's weights")
@@ -276,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         status: int = args.handler(args)
     except TrainerError as exc:
-        _console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+        _console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, markup=True, soft_wrap=True)
         return 2
     return status
 

@@ -28,7 +28,7 @@ def _read_jsonl(path: Path, *, first_only: bool = False) -> list[dict[str, Any]]
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise TrainerError(f"{path}:{number} is not a JSON object: {exc.msg}") from None
+                raise TrainerError(f"{path}:{number} is not a JSON object: {exc.msg} (column {exc.colno})") from None
             records.append(_as_record(row, path, number))
             if first_only:
                 break
