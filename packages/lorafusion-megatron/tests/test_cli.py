@@ -299,3 +299,23 @@ def test_overwrite_names_the_checkpoints_it_keeps(
     assert "summary.json holds results of an earlier run" in err
     assert "its checkpoints in" in err
     assert "are kept by --overwrite too (delete them)" in err
+
+
+def test_an_interrupted_train_prints_the_users_own_command_to_continue(
+    tmp_path: Path, config_dict, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With its --set overrides (a resume without them would look in another output_dir), not 'CONFIG'."""
+    import lorafusion_megatron.trainer as trainer_module
+    from lorafusion_megatron.executor import StopSignal
+
+    class StopAtOnce(StopSignal):
+        def __call__(self) -> bool:
+            return True
+
+    monkeypatch.setattr(trainer_module, "StopSignal", StopAtOnce)
+    config = _write(tmp_path / "my run.yaml", config_dict())
+    argv = ["train", str(config), "--set", f"output_dir={tmp_path / 'other'}", "--overwrite"]
+    assert main(argv) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    quoted = f"'{tmp_path / 'my run.yaml'}'"
+    assert f"Continue with: lorafusion-megatron train {quoted} --set output_dir={tmp_path / 'other'} --resume" in err

@@ -191,6 +191,17 @@ def test_a_second_run_into_the_same_output_dir_is_refused(make_config, tmp_path:
     assert (tmp_path / "run" / "summary.json").is_file()
 
 
+def test_a_killed_runs_checkpoint_staging_is_removed_at_the_next_start(make_config, tmp_path: Path) -> None:
+    """kill -9 while a checkpoint is written leaves its staging folder; the resumed run deletes it."""
+    config = make_config(output_dir=str(tmp_path / "run"))
+    Trainer(config, stop=StopAfter(2)).train()
+    stale = config.checkpoint_dir / ".checkpoint-9.tmp-abc123"
+    (stale / "adapters").mkdir(parents=True)
+    Trainer(config).train(resume=True)
+    assert not stale.exists()
+    assert latest_checkpoint(config.checkpoint_dir) is not None
+
+
 def test_resume_without_a_checkpoint(make_config) -> None:
     with pytest.raises(TrainerError, match="--resume: no checkpoint in"):
         Trainer(make_config()).train(resume=True)

@@ -46,6 +46,7 @@ __all__ = [
     "load_checkpoint",
     "prune_checkpoints",
     "read_checkpoint_meta",
+    "remove_stale_staging",
     "save_checkpoint",
 ]
 
@@ -101,6 +102,22 @@ def checkpoint_to_resume(directory: Path, *, resume: bool) -> Path | None:
             "choose another output_dir (or delete that folder) to start afresh"
         )
     return found
+
+
+def remove_stale_staging(directory: Path) -> list[Path]:
+    """Delete the staging folders (``.checkpoint-<n>.tmp-*``) that a killed run left in ``directory``.
+
+    A checkpoint is written under such a name and renamed when complete, so one that is left is
+    incomplete and never read. Call it only under the run lock
+    (:func:`lorafusion_megatron.run_lock.run_lock`): then no other run is writing one.
+
+    Returns:
+        The folders deleted.
+    """
+    stale = sorted(directory.glob(".checkpoint-*.tmp-*")) if directory.is_dir() else []
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)
+    return stale
 
 
 def prune_checkpoints(directory: Path, keep: int) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -145,6 +146,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resume_command(args: argparse.Namespace) -> str:
+    """The user's own ``train`` command line with ``--resume`` (and without ``--overwrite``), quoted for a shell."""
+    words = [word for word in args.argv if word != "--overwrite"]
+    return shlex.join(["lorafusion-megatron", *words, *([] if "--resume" in words else ["--resume"])])
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from lorafusion_megatron.adapters_io import check_fresh_run, check_run_outputs
     from lorafusion_megatron.model import resolve_device
@@ -169,10 +176,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if parallel.needs_pipeline_runtime or under_torchrun():
         from lorafusion_megatron.pipeline import commands
 
-        return commands.train(config, parallel, _console, resume=args.resume)
+        return commands.train(config, parallel, _console, resume=args.resume, resume_command=_resume_command(args))
     from lorafusion_megatron.trainer import Trainer
 
-    result = Trainer(config, console=_console).train(resume=args.resume, overwrite=args.overwrite)
+    trainer = Trainer(config, console=_console, resume_command=_resume_command(args))
+    result = trainer.train(resume=args.resume, overwrite=args.overwrite)
     return 1 if result.interrupted else 0
 
 
@@ -203,7 +211,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     _console.print(f"Building the demo in {output}: tiny LLaMA with random weights, 4 jobs, CPU")
     config = build_demo(output, samples_per_job=args.samples_per_job, epochs=args.epochs)
-    result = Trainer(config, console=_console).train()
+    resume = shlex.join(["lorafusion-megatron", "train", str(output / "demo.yaml"), "--resume"])
+    result = Trainer(config, console=_console, resume_command=resume).train()
     if not result.interrupted:
         _console.print(f"Adapters: {output / 'adapters'}; config: {output / 'demo.yaml'}")
     return 1 if result.interrupted else 0
@@ -280,6 +289,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(message)s",

@@ -18,7 +18,12 @@ from rich.console import Console
 
 from lorafusion_megatron.adapters_io import check_fresh_run, check_run_outputs, save_adapter
 from lorafusion_megatron.atomic_files import write_json_atomically, write_text_atomically
-from lorafusion_megatron.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
+from lorafusion_megatron.checkpoint import (
+    checkpoint_to_resume,
+    load_checkpoint,
+    remove_stale_staging,
+    save_checkpoint,
+)
 from lorafusion_megatron.config import TrainerConfig, config_fingerprint
 from lorafusion_megatron.data.job_data import JobData, load_job_data
 from lorafusion_megatron.dropout_seeds import drawing_for, install_dropout_seeding
@@ -109,14 +114,24 @@ class Trainer:
         console: Where the progress bar and the summary go (stderr by default).
         stop: Polled after every microbatch; by default the first Ctrl-C stops after the current
             microbatch and writes a checkpoint.
+        resume_command: The command an interrupted run prints to continue (the CLI passes the
+            user's own command line).
     """
 
-    def __init__(self, config: TrainerConfig, *, console: Console | None = None, stop: StopSignal | None = None):
+    def __init__(
+        self,
+        config: TrainerConfig,
+        *,
+        console: Console | None = None,
+        stop: StopSignal | None = None,
+        resume_command: str = "lorafusion-megatron train CONFIG --resume",
+    ):
         from lorafusion_megatron.profiler.run import with_profiled_choices
 
         self.config = with_profiled_choices(config)
         self.console = console or Console(stderr=True)
         self.stop = stop or StopSignal()
+        self.resume_command = resume_command
 
     def train(self, *, resume: bool = False, overwrite: bool = False) -> TrainResult:
         """Run (or continue, with ``resume``) the whole plan and write each job's adapter.
@@ -132,6 +147,7 @@ class Trainer:
         """
         check_run_outputs(self.config)
         with run_lock(Path(self.config.output_dir)):  # one run per output folder
+            remove_stale_staging(self.config.checkpoint_dir)
             return self._train(resume=resume, overwrite=overwrite)
 
     def _train(self, *, resume: bool, overwrite: bool) -> TrainResult:
@@ -175,7 +191,7 @@ class Trainer:
         if position < len(plan.microbatches):
             path = session.save_checkpoint()
             self.console.print(f"Stopped at microbatch {position}/{len(plan.microbatches)}; checkpoint: {path}")
-            self.console.print("Continue with: lorafusion-megatron train CONFIG --resume")
+            self.console.print(f"Continue with: {self.resume_command}", soft_wrap=True, markup=False)
             return TrainResult(state=session.state, adapters={}, checkpoint=path)
         outputs = session.save_adapters()
         self._write_summary(session.state, outputs, session.eval_history)

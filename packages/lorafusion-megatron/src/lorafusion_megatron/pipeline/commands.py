@@ -64,10 +64,13 @@ def summary_table(summary: dict[str, Any]) -> Table:
     return table
 
 
-def report(summary: dict[str, Any], output_dir: Path, console: Console) -> int:
+_RESUME = "lorafusion-megatron train CONFIG --resume (same parallel settings)"
+
+
+def report(summary: dict[str, Any], output_dir: Path, console: Console, *, resume_command: str = _RESUME) -> int:
     """Print a run's summary: throughput, each job's counters and adapter; returns the exit status.
 
-    A run stopped by Ctrl-C prints where it stopped and how to continue, and returns 1.
+    A run stopped by Ctrl-C prints where it stopped and how to continue (``resume_command``), and returns 1.
     """
     from lorafusion_megatron import reporting
     from lorafusion_megatron.state import RunState
@@ -80,13 +83,20 @@ def report(summary: dict[str, Any], output_dir: Path, console: Console) -> int:
             f"Stopped at microbatch {summary['position']}/{summary['num_microbatches']}; "
             f"checkpoint: {summary['checkpoint']}"
         )
-        console.print("Continue with: lorafusion-megatron train CONFIG --resume (same parallel settings)")
+        console.print(f"Continue with: {resume_command}", soft_wrap=True, markup=False)
         return 1
     console.print(reporting.summary_table(state, adapters, output_dir))
     return 0
 
 
-def train(config: TrainerConfig, parallel: ParallelConfig, console: Console, *, resume: bool = False) -> int:
+def train(
+    config: TrainerConfig,
+    parallel: ParallelConfig,
+    console: Console,
+    *,
+    resume: bool = False,
+    resume_command: str = _RESUME,
+) -> int:
     """``lorafusion-megatron train [--resume]`` on ``parallel``; prints the summary on rank 0.
 
     Returns:
@@ -95,7 +105,7 @@ def train(config: TrainerConfig, parallel: ParallelConfig, console: Console, *, 
     from lorafusion_megatron.pipeline.launch import launch
 
     summary = launch(config, parallel, resume=resume)
-    return 0 if summary is None else report(summary, Path(config.output_dir), console)
+    return 0 if summary is None else report(summary, Path(config.output_dir), console, resume_command=resume_command)
 
 
 def profile(

@@ -85,9 +85,11 @@ def _start(
         )
     from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException, spawn
 
+    from lorafusion_megatron.checkpoint import remove_stale_staging
     from lorafusion_megatron.run_lock import run_lock
 
     with run_lock(Path(config.output_dir)), tempfile.TemporaryDirectory(prefix="lorafusion-rendezvous-") as folder:
+        remove_stale_staging(config.checkpoint_dir)
         init_method = Path(folder, "store").as_uri()
         context = spawn(  # type: ignore[no-untyped-call]
             _spawned_rank,
