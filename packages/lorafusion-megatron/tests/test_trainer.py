@@ -354,6 +354,33 @@ def test_the_single_process_trainer_refuses_a_pipeline_checkpoint(tmp_path: Path
         load_checkpoint(folder, fingerprint="f", adapter_parameters={}, optimizers={})
 
 
+def test_fingerprints_compare_config_then_data(tmp_path: Path) -> None:
+    """Same config, other samples under the same path: named as data. A checkpoint of an older
+    version (config part only) is checked on that part."""
+    from lorafusion_megatron.checkpoint import read_checkpoint_meta
+
+    folder = tmp_path / "checkpoint-8"
+    folder.mkdir()
+    (folder / "trainer_state.json").write_text(json.dumps({"fingerprint": "cfg/data-a"}))
+    with pytest.raises(TrainerError, match="was written for other data: a dataset of this config holds other"):
+        read_checkpoint_meta(folder, fingerprint="cfg/data-b")
+    with pytest.raises(TrainerError, match="different config"):
+        read_checkpoint_meta(folder, fingerprint="cfg2/data-a")
+    assert read_checkpoint_meta(folder, fingerprint="cfg/data-a")
+    (folder / "trainer_state.json").write_text(json.dumps({"fingerprint": "cfg"}))
+    assert read_checkpoint_meta(folder, fingerprint="cfg/data-b")
+
+
+def test_a_resume_after_the_data_changed_is_refused(make_config, tmp_path: Path) -> None:
+    """Same path, same lengths, other text: the config's fingerprint cannot see it, the data's does."""
+    config = make_config(output_dir=str(tmp_path / "run"))
+    Trainer(config, stop=StopAfter(2)).train()
+    path = tmp_path / "data" / "first.jsonl"
+    path.write_text(path.read_text().upper().replace('"PROMPT"', '"prompt"').replace('"RESPONSE"', '"response"'))
+    with pytest.raises(TrainerError, match="was written for other data"):
+        Trainer(config).train(resume=True)
+
+
 def test_a_profile_written_after_the_checkpoint_is_named(tmp_path: Path) -> None:
     """``profile`` after a run changes an ``auto`` capacity: the refusal says so, not just "different config"."""
     from lorafusion_megatron.checkpoint import read_checkpoint_meta

@@ -7,7 +7,7 @@ itself (re-planning could differ: the MILP runs under a time limit), and the RNG
 
 Layout of ``<output_dir>/checkpoints/checkpoint-<total optimizer steps>/``::
 
-    trainer_state.json     position, per-job counters, config fingerprint
+    trainer_state.json     position, per-job counters, config and data fingerprint
     plan.json              the plan being executed
     lora.safetensors       "param:<name>" and "grad:<name>" of every adapter tensor
     optimizer.pt           per-job AdamW + schedule state (torch.save, loaded with weights_only)
@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     import torch
     from peft import PeftModel
 
+    from lorafusion_megatron.config import TrainerConfig
+    from lorafusion_megatron.data.job_data import JobData
     from lorafusion_megatron.optim import AdapterOptimizer
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "prune_checkpoints",
     "read_checkpoint_meta",
     "remove_stale_staging",
+    "run_fingerprint",
     "save_checkpoint",
 ]
 
@@ -136,13 +139,32 @@ def read_checkpoint_meta(path: Path, *, fingerprint: str) -> dict[str, Any]:
         meta: dict[str, Any] = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise TrainerError(f"checkpoint {path} is unreadable ({exc}): delete it or resume from another") from None
-    if meta.get("fingerprint") != fingerprint:
+    stored_config, _, stored_data = str(meta.get("fingerprint")).partition("/")
+    config_part, _, data_part = fingerprint.partition("/")
+    if stored_config == config_part and stored_data and data_part and stored_data != data_part:
+        raise TrainerError(
+            f"checkpoint {path} was written for other data: a dataset of this config holds other samples "
+            "than when the run started (same path, other content or tokenizer): restore it, or train "
+            "without --resume into a new output_dir"
+        )
+    if stored_config != config_part:
         raise TrainerError(
             f"checkpoint {path} was written by a run with a different config (model, jobs, data, scheduler or "
             "runtime settings changed): restore that config, or train without --resume into a new output_dir"
             + _profile_hint(path)
         )
     return meta
+
+
+def run_fingerprint(config: TrainerConfig, jobs: Mapping[str, JobData]) -> str:
+    """``<config fingerprint>/<data fingerprint>``: what a checkpoint must match to be resumed.
+
+    A checkpoint of an older version holds the config's part only, and is checked on that part.
+    """
+    from lorafusion_megatron.config import config_fingerprint
+    from lorafusion_megatron.data.job_data import data_fingerprint
+
+    return f"{config_fingerprint(config)}/{data_fingerprint(jobs)}"
 
 
 def _profile_hint(checkpoint: Path) -> str:
@@ -177,7 +199,7 @@ def save_checkpoint(
         directory: The run's checkpoint folder.
         state: Position and counters.
         plan_json: The plan being executed.
-        fingerprint: :func:`lorafusion_megatron.config.config_fingerprint` of the config.
+        fingerprint: :func:`run_fingerprint` of the run (its config and its data).
         model: The PEFT model (for the PEFT-format copies).
         adapter_parameters: Each adapter's trainable tensors by name.
         optimizers: Each adapter's optimizer.

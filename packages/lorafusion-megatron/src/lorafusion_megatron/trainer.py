@@ -22,9 +22,10 @@ from lorafusion_megatron.checkpoint import (
     checkpoint_to_resume,
     load_checkpoint,
     remove_stale_staging,
+    run_fingerprint,
     save_checkpoint,
 )
-from lorafusion_megatron.config import TrainerConfig, config_fingerprint
+from lorafusion_megatron.config import TrainerConfig
 from lorafusion_megatron.data.job_data import JobData, load_job_data
 from lorafusion_megatron.dropout_seeds import drawing_for, install_dropout_seeding
 from lorafusion_megatron.eval_reporting import EVAL_HISTORY, EvalHistory, eval_table
@@ -159,7 +160,7 @@ class Trainer:
         if checkpoint_path is not None:
             loaded = load_checkpoint(
                 checkpoint_path,
-                fingerprint=config_fingerprint(config),
+                fingerprint=session.fingerprint,
                 adapter_parameters=session.parameters,
                 optimizers=session.optimizers,
             )
@@ -225,6 +226,7 @@ class _Session:
     ) -> None:
         self.config = config
         self.data = data
+        self.fingerprint = run_fingerprint(config, data)  # what a resume of this run's checkpoints must match
         self.model = model
         self.runner = runner
         self.parameters = parameters
@@ -446,7 +448,7 @@ class _Session:
             self.config.checkpoint_dir,
             state=self.state,
             plan_json=self._plan_json,
-            fingerprint=config_fingerprint(self.config),
+            fingerprint=self.fingerprint,
             model=self.model,
             adapter_parameters=self.parameters,
             optimizers=self.optimizers,

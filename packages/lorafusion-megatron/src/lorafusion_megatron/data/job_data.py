@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -207,3 +207,21 @@ def load_job_data(
         global_batch_size=job.global_batch_size,
         eval_samples=eval_samples,
     )
+
+
+def data_fingerprint(jobs: Mapping[str, JobData]) -> str:
+    """Hash of every job's training samples (token ids and targets) in training order.
+
+    A checkpoint stores it beside the config's fingerprint, so a resume notices a dataset whose
+    content changed under the same path (which the config's fingerprint, holding only the path,
+    cannot). Evaluation samples are left out, as the config's fingerprint leaves out eval datasets.
+    """
+    digest = hashlib.sha256()
+    for name in sorted(jobs):
+        job = jobs[name]
+        digest.update(f"{name}:{job.global_batch_size}:{len(job)}".encode())
+        digest.update(np.ascontiguousarray(job.order, dtype=np.int64).tobytes())
+        for sample in job.samples:
+            digest.update(np.ascontiguousarray(sample.input_ids, dtype=np.int64).tobytes())
+            digest.update(np.ascontiguousarray(sample.targets, dtype=np.int64).tobytes())
+    return digest.hexdigest()[:16]

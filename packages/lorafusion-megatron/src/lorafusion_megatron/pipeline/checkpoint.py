@@ -68,7 +68,7 @@ def save_pipeline_checkpoint(
         optimizers: This stage's optimizer of each adapter.
         engine_state: :meth:`StageEngine.state_dict`.
         plan_json: The plan being executed.
-        fingerprint: The config's fingerprint.
+        fingerprint: The run's fingerprint (config and data: :func:`~lorafusion_megatron.checkpoint.run_fingerprint`).
         parallel: Stages, replicas and schedule (a resume must use the same).
         keep: Keep this many newest checkpoints (``None``: all).
 

@@ -8,6 +8,7 @@ because the scheduler's MILP runs under a time limit and two ranks could otherwi
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -319,6 +320,13 @@ class _RankSession:
         phases.done("optimizers")
         return cls(config, parallel, layout, plan, program, data, stage, optimizers, engine)
 
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """What a resume of this run's checkpoints must match: the config and the training data."""
+        from lorafusion_megatron.checkpoint import run_fingerprint
+
+        return run_fingerprint(self.config, self.data)
+
     @property
     def reports(self) -> bool:
         """Whether this rank shows the progress: the last stage of replica 0, which has the losses."""
@@ -329,11 +337,10 @@ class _RankSession:
 
     def restore(self, checkpoint: Path) -> int:
         """Load this rank's state from ``checkpoint``; returns the program position to continue at."""
-        from lorafusion_megatron.config import config_fingerprint
         from lorafusion_megatron.pipeline.checkpoint import load_rank_state, read_run_state
         from lorafusion_megatron.state import RunState
 
-        meta = read_run_state(checkpoint, fingerprint=config_fingerprint(self.config), parallel=self.parallel)
+        meta = read_run_state(checkpoint, fingerprint=self.fingerprint, parallel=self.parallel)
         engine_state = load_rank_state(
             checkpoint, layout=self.layout, parameters=self._parameters(), optimizers=self.optimizers
         )
@@ -373,7 +380,6 @@ class _RankSession:
 
     def save_checkpoint(self, position: int) -> Path:
         """Write a checkpoint at program position ``position`` (collective; once per position)."""
-        from lorafusion_megatron.config import config_fingerprint
         from lorafusion_megatron.pipeline.checkpoint import save_pipeline_checkpoint
 
         if self._saved is not None and self._saved[0] == position:
@@ -390,7 +396,7 @@ class _RankSession:
             optimizers=self.optimizers,
             engine_state=engine_state,
             plan_json=self.plan.model_dump_json(),
-            fingerprint=config_fingerprint(self.config),
+            fingerprint=self.fingerprint,
             parallel=self.parallel,
             keep=self.config.save_total_limit,
         )
