@@ -319,3 +319,18 @@ def test_an_interrupted_train_prints_the_users_own_command_to_continue(
     err = " ".join(capsys.readouterr().err.split())
     quoted = f"'{tmp_path / 'my run.yaml'}'"
     assert f"Continue with: lorafusion-megatron train {quoted} --set output_dir={tmp_path / 'other'} --resume" in err
+
+
+def test_a_ctrl_c_outside_training_is_a_message_not_a_traceback(
+    tmp_path: Path, config_dict, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import lorafusion_megatron.trainer as trainer_module
+
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer_module, "prepare_data", interrupted)
+    assert main(["train", str(_write(tmp_path / "run.yaml", config_dict()))]) == 130
+    err = " ".join(capsys.readouterr().err.split())
+    assert "interrupted at once: checkpoints are written whole or not at all" in err
+    assert "Traceback" not in err

@@ -132,6 +132,25 @@ def test_an_adapter_folder_holds_nothing_the_run_needs(config_dict, tmp_path: Pa
     assert message in _error(data)
 
 
+@pytest.mark.parametrize(
+    ("where", "value", "message"),
+    [
+        ("target_modules", "q_proj", "jobs.0.target_modules: write a list, e.g. [q_proj]"),
+        ("dataset", "data/x.jsonl", "jobs.0.dataset: write a mapping, e.g. dataset: {path: data/x.jsonl}"),
+        ("base_model", "tiny", "base_model: write a mapping, e.g. base_model: {model_name_or_path: tiny}"),
+    ],
+)
+def test_a_string_where_a_list_or_mapping_goes_says_how_to_write_it(
+    config_dict, where: str, value: str, message: str
+) -> None:
+    data = config_dict()
+    if where == "base_model":
+        data["base_model"] = value
+    else:
+        data["jobs"][0][where] = value
+    assert message in _error(data)
+
+
 def test_capacity_must_be_a_multiple_of_padding(config_dict) -> None:
     message = _error(config_dict(scheduler={"capacity": 100, "padding_multiple": 64}))
     assert "capacity = 100 is not a multiple of padding_multiple = 64: use 64 or 128" in message

@@ -1,7 +1,8 @@
 """``lorafusion-megatron``: validate, plan, train, demo and export.
 
 ``validate`` needs neither torch nor a GPU. Every command turns a :class:`TrainerError` into one
-clear message and exit status 2 (1 for an interrupted run that wrote a checkpoint).
+clear message and exit status 2 (1 for an interrupted run that wrote a checkpoint, 130 for a Ctrl-C
+that stopped it at once).
 """
 
 from __future__ import annotations
@@ -300,6 +301,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TrainerError as exc:
         _console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, markup=True, soft_wrap=True)
         return 2
+    except KeyboardInterrupt:  # a Ctrl-C before training started, or a second one during it
+        _console.print(
+            "[bold red]interrupted[/] at once: checkpoints are written whole or not at all, so the newest one "
+            "(if any) is intact; `train ... --resume` continues from it",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return 130
     return status
 
 

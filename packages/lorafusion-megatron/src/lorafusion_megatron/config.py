@@ -31,7 +31,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.pipeline.options import ParallelConfig
@@ -229,6 +238,20 @@ class JobConfig(BaseModel):
             )
         return value
 
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _targets_listed(cls, value: object) -> object:
+        if isinstance(value, str) and value != "all-linear":
+            raise ValueError(f"write a list, e.g. [{value}] (brackets even for one module), or all-linear")
+        return value
+
+    @field_validator("dataset", "eval_dataset", mode="before")
+    @classmethod
+    def _dataset_mapping(cls, value: object, info: ValidationInfo) -> object:
+        if isinstance(value, str):
+            raise ValueError(f"write a mapping, e.g. {info.field_name}: {{path: {value}}}")
+        return value
+
     @field_validator("target_modules")
     @classmethod
     def _targets_not_empty(cls, value: list[str] | str) -> list[str] | str:
@@ -381,6 +404,13 @@ class TrainerConfig(BaseModel):
 
     jobs: list[JobConfig] = Field(min_length=1)
     """The LoRA jobs trained together (names must be unique)."""
+
+    @field_validator("base_model", mode="before")
+    @classmethod
+    def _model_mapping(cls, value: object) -> object:
+        if isinstance(value, str):
+            raise ValueError(f"write a mapping, e.g. base_model: {{model_name_or_path: {value}}}")
+        return value
 
     scheduler: SchedulerConfig = SchedulerConfig()
     """Microbatch packing."""
