@@ -405,13 +405,6 @@ class TrainerConfig(BaseModel):
     jobs: list[JobConfig] = Field(min_length=1)
     """The LoRA jobs trained together (names must be unique)."""
 
-    @field_validator("base_model", mode="before")
-    @classmethod
-    def _model_mapping(cls, value: object) -> object:
-        if isinstance(value, str):
-            raise ValueError(f"write a mapping, e.g. base_model: {{model_name_or_path: {value}}}")
-        return value
-
     scheduler: SchedulerConfig = SchedulerConfig()
     """Microbatch packing."""
 
@@ -478,6 +471,13 @@ class TrainerConfig(BaseModel):
                 "(pipeline_stages: 1, data_parallel: 1, schedule: lorafusion), or remove val_size, eval_dataset "
                 "and eval_steps from those jobs"
             )
+
+    @field_validator("base_model", mode="before")
+    @classmethod
+    def _model_mapping(cls, value: object) -> object:
+        if isinstance(value, str):
+            raise ValueError(f"write a mapping, e.g. base_model: {{model_name_or_path: {value}}}")
+        return value
 
     @model_validator(mode="after")
     def _distinct_outputs(self) -> TrainerConfig:
