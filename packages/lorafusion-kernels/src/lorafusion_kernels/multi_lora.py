@@ -158,7 +158,7 @@ def _per_adapter(value: float | Sequence[float], n: int, name: str) -> tuple[flo
         value = value.tolist()
     if value is None or isinstance(value, (int, float, str)):
         check_finite(value, name)
-        return (float(value),) * n  # type: ignore[arg-type]
+        return (float(value),) * n
     for v in value:
         check_finite(v, name)
     out = tuple(float(v) for v in value)
