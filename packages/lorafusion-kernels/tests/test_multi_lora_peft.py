@@ -486,6 +486,8 @@ def per_segment_reference(
     return torch.cat(pieces)
 
 
+# The instance-level base forward below is itself a wrapped base layer (named once, per process).
+@pytest.mark.filterwarnings("ignore:lorafusion. mixed-adapter batches run per segment")
 @pytest.mark.parametrize(
     ("args", "kwargs"), [((0.5,), {}), ((), {"scale": 2.0})], ids=["positional-arg", "keyword-arg"]
 )
@@ -526,6 +528,29 @@ def test_layers_wrapped_before_patching_route_per_segment() -> None:
     with torch.no_grad():
         with multi_lora_batch(batch, names):
             got = model(x)
+        expected = per_segment_reference(model, model, x, batch, names)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_hooks_on_a_layers_parts_run_in_mixed_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward hook on a LoRA module (activation capture, say): the layer runs per segment with PEFT's
+    modules, so the hook fires once per segment, and the output is the per-segment result."""
+    from lorafusion_kernels import multi_lora_routing
+    from lorafusion_kernels.errors import OnceWarnings
+
+    monkeypatch.setattr(multi_lora_routing, "_WARNED_HOOKED", OnceWarnings())  # warned once per process
+    model = two_layer_model()
+    patch_peft_model(model)
+    fired: list[int] = []
+    model.base_model.model.up.lora_A["other"].register_forward_hook(lambda _m, inputs, _o: fired.append(len(inputs[0])))
+    x = torch.randn(15, 12, generator=torch.Generator().manual_seed(4))
+    batch, names = MultiLoRABatch.from_segments([6, 4, 5], [1, 0, 1]), ["default", "other"]
+    hooked = "per segment with PEFT's modules on layers with forward"
+    with torch.no_grad(), pytest.warns(LoRAFusionKernelsWarning, match=hooked), multi_lora_batch(batch, names):
+        got = model(x)
+    assert fired == [6, 5], "once per segment of 'other'"
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", LoRAFusionKernelsWarning)  # the reference's own single-adapter calls
         expected = per_segment_reference(model, model, x, batch, names)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 

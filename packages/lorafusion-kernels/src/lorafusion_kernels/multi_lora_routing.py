@@ -18,10 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lorafusion_kernels._kernels._common import MAX_RANK, runs_triton
+from lorafusion_kernels._kernels._common import MAX_RANK
 from lorafusion_kernels.autocast import call_as_linear, linear_compute_dtype
 from lorafusion_kernels.errors import LoRAFusionKernelsError, OnceWarnings
 from lorafusion_kernels.metadata import MultiLoRABatch
+from lorafusion_kernels.module_hooks import parts_wrapped
 from lorafusion_kernels.multi_lora import fused_multi_lora_linear
 from lorafusion_kernels.peft_siblings import sibling_forward
 
@@ -331,6 +332,13 @@ def peft_multi_lora_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: A
             )
         if layer.training and torch.is_grad_enabled() and not layer.lora_A[name].weight.requires_grad:
             _warn_frozen_adapter(name)
+    if parts_wrapped(layer, filter(None, present)):
+        _WARNED_HOOKED.warn(
+            "lorafusion: mixed-adapter batches run per segment with PEFT's modules on layers with forward hooks "
+            "on their base layer or LoRA modules (e.g. accelerate offloading), which the fused ops would skip",
+            stacklevel=4,
+        )
+        return _eager_layer_forward(layer, x, batch, present, args, kwargs)
     if not args and not kwargs:
         grouped = sibling_forward(layer, x, batch, names)
         if grouped is not None:
@@ -341,6 +349,7 @@ def peft_multi_lora_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: A
 
 
 _WARNED_FROZEN = OnceWarnings()
+_WARNED_HOOKED = OnceWarnings()
 
 
 def _warn_frozen_adapter(name: str) -> None:
@@ -371,8 +380,6 @@ def _fusable(
         return False
     compute = linear_compute_dtype(x, base.weight)
     if compute is None:
-        return False
-    if runs_triton(x, compute) and not x.is_cuda and compute == torch.bfloat16:
         return False
     for name in filter(None, present):
         if layer.lora_B[name].bias is not None:

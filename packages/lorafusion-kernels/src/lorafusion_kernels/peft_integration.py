@@ -40,6 +40,7 @@ from lorafusion_kernels._kernels._common import runs_triton
 from lorafusion_kernels.autocast import autocast_dtype, call_as_linear, linear_compute_dtype
 from lorafusion_kernels.errors import OnceWarnings
 from lorafusion_kernels.lora import fused_lora_linear
+from lorafusion_kernels.module_hooks import parts_wrapped
 from lorafusion_kernels.multi_lora_routing import install_peft_mixed_batches, uninstall_peft_mixed_batches
 from lorafusion_kernels.peft_siblings import unfuse_sibling_layers
 
@@ -110,17 +111,6 @@ _HOOKED = (
 )
 
 
-def _wrapped(module: nn.Module) -> bool:
-    """Whether ``module`` has forward hooks, or a ``forward`` replaced on the instance (accelerate's hooks)."""
-    return bool(module._forward_hooks or module._forward_pre_hooks) or "forward" in vars(module)
-
-
-def _hooked(layer: Any, name: str) -> bool:
-    """Whether a module that PEFT's forward would call for adapter ``name``, and the fused op does not, is wrapped."""
-    parts = (layer.get_base_layer(), layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name])
-    return any(_wrapped(part) for part in parts)
-
-
 def single_adapter_router(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -> Route:
     """The default router: one active plain-LoRA adapter on a supported tensor runs fused."""
     if kwargs.get("adapter_names") is not None:
@@ -142,7 +132,7 @@ def single_adapter_router(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -
         return Route(None, structural)
     if not isinstance(layer.lora_dropout[name], nn.Dropout | nn.Identity):
         return Route(None, f"dropout modules of type {type(layer.lora_dropout[name]).__name__}")
-    if _hooked(layer, name):
+    if parts_wrapped(layer, (name,)):
         return Route(None, _HOOKED)
     weight = layer.get_base_layer().weight
     compute = linear_compute_dtype(x, weight)
