@@ -23,7 +23,7 @@ from lorafusion_sched.packing.pool import solve_in_workers
 from lorafusion_sched.packing.problem import Packing, PackingProblem, round_up
 from lorafusion_sched.packing.solve import TaskResult, pack_greedy, pack_with_milp
 from lorafusion_sched.sequence import Slot, insert_noops, step_rounds
-from lorafusion_sched.verify import verify
+from lorafusion_sched.verify import derived_stats, verify
 
 __all__ = ["Progress", "default_workers", "plan"]
 
@@ -215,37 +215,21 @@ def _sequence(
 
 def _stats(
     microbatches: Sequence[Microbatch],
-    jobs: Sequence[AdapterJob],
-    lengths: Sequence[Sequence[int]],
-    batches: Sequence[int],
+    adapters: Sequence[AdapterInfo],
     phases: Sequence[Sequence[tuple[int, ...]]],
     packed: Sequence[TaskResult],
     options: PlanOptions,
 ) -> PlanStats:
-    compute = [mb for mb in microbatches if not mb.noop]
-    volume = 0
-    for a, job in enumerate(jobs):
-        gbs = job.global_batch_size
-        for g in range(batches[a]):
-            volume += round_up(sum(lengths[a][g * gbs : (g + 1) * gbs]), options.padding_multiple)
-    denominator = max(1, len(compute) * options.capacity)
     return PlanStats(
-        num_microbatches=len(microbatches),
-        num_noops=len(microbatches) - len(compute),
-        lower_bound=-(-volume // options.capacity),
-        fill_ratio=sum(mb.padded_tokens for mb in compute) / denominator,
-        token_ratio=sum(mb.tokens for mb in compute) / denominator,
+        **derived_stats(options.capacity, options.padding_multiple, adapters, microbatches),
         num_groups=sum(len(groups) for groups in phases),
-        groups=tuple(tuple(jobs[a].name for a in group) for group in (phases[0] if phases else [])),
+        groups=tuple(tuple(adapters[a].name for a in group) for group in (phases[0] if phases else [])),
         num_tasks=len(packed),
         greedy_at_bound=sum(r.at_bound for r in packed),
         milp_runs=sum(r.milp_ran for r in packed),
         milp_wins=sum(r.milp_won for r in packed),
         milp_timeouts=sum(r.timeouts for r in packed),
         merged_samples=0,
-        dropped_samples=sum(
-            len(lengths[a]) - min(len(lengths[a]), batches[a] * j.global_batch_size) for a, j in enumerate(jobs)
-        ),
         workers=1,
         solve_seconds=0.0,
     )
@@ -295,23 +279,24 @@ def plan(jobs: Iterable[AdapterJob], options: PlanOptions, *, progress: Progress
         )
         for index, slot in enumerate(final)
     ]
-    stats = _stats(microbatches, jobs, lengths, batches, phases, packed, options)
+    adapters = tuple(
+        AdapterInfo(
+            name=job.name,
+            global_batch_size=job.global_batch_size,
+            num_samples=len(job.sample_tokens),
+            num_global_batches=batches[a],
+            sample_tokens=tuple(lengths[a]),
+            truncated_samples=truncated[a],
+        )
+        for a, job in enumerate(jobs)
+    )
+    stats = _stats(microbatches, adapters, phases, packed, options)
     result = Plan(
         capacity=options.capacity,
         pipeline_stages=options.pipeline_stages,
         padding_multiple=options.padding_multiple,
         data_parallel=d,
-        adapters=tuple(
-            AdapterInfo(
-                name=job.name,
-                global_batch_size=job.global_batch_size,
-                num_samples=len(job.sample_tokens),
-                num_global_batches=batches[a],
-                sample_tokens=tuple(lengths[a]),
-                truncated_samples=truncated[a],
-            )
-            for a, job in enumerate(jobs)
-        ),
+        adapters=adapters,
         stats=stats,
         microbatches=tuple(microbatches),
     )

@@ -18,7 +18,10 @@ The runtime calls :func:`verify` before training and refuses a plan with violati
 
 from __future__ import annotations
 
-from lorafusion_sched.models import Plan, Violation
+from collections.abc import Sequence
+from typing import TypedDict, cast
+
+from lorafusion_sched.models import AdapterInfo, Microbatch, Plan, Violation
 from lorafusion_sched.packing.problem import round_up
 
 __all__ = ["verify"]
@@ -59,27 +62,49 @@ def _check_shape(plan: Plan, out: list[Violation]) -> None:
             )
 
 
-def _check_stats(plan: Plan, out: list[Violation]) -> None:
-    """The statistics that can be recomputed from the plan, against the ones it states."""
-    compute = [mb for mb in plan.microbatches if not mb.noop]
+class DerivedStats(TypedDict):
+    """The :class:`PlanStats` fields that follow from the plan itself."""
+
+    num_microbatches: int
+    num_noops: int
+    dropped_samples: int
+    lower_bound: int
+    fill_ratio: float
+    token_ratio: float
+
+
+def derived_stats(
+    capacity: int, padding_multiple: int, adapters: Sequence[AdapterInfo], microbatches: Sequence[Microbatch]
+) -> DerivedStats:
+    """The :class:`PlanStats` fields that follow from the plan itself (``plan()`` states them, ``verify`` checks them).
+
+    ``lower_bound = ceil(sum over adapter global batches of padded tokens / capacity)``; the ratios
+    divide by the non-no-op microbatches times the capacity.
+    """
+    compute = [mb for mb in microbatches if not mb.noop]
     volume = 0
-    for a in plan.adapters:
+    for a in adapters:
         gbs = a.global_batch_size
         for g in range(a.num_global_batches):
-            volume += round_up(sum(a.sample_tokens[g * gbs : (g + 1) * gbs]), plan.padding_multiple)
-    denominator = max(1, len(compute) * plan.capacity)
-    expected: dict[str, float] = {
-        "num_microbatches": len(plan.microbatches),
-        "num_noops": len(plan.microbatches) - len(compute),
+            volume += round_up(sum(a.sample_tokens[g * gbs : (g + 1) * gbs]), padding_multiple)
+    denominator = max(1, len(compute) * capacity)
+    return {
+        "num_microbatches": len(microbatches),
+        "num_noops": len(microbatches) - len(compute),
         "dropped_samples": sum(
-            a.num_samples - min(a.num_samples, a.num_global_batches * a.global_batch_size) for a in plan.adapters
+            a.num_samples - min(a.num_samples, a.num_global_batches * a.global_batch_size) for a in adapters
         ),
-        "lower_bound": -(-volume // plan.capacity),
+        "lower_bound": -(-volume // capacity),
         "fill_ratio": sum(mb.padded_tokens for mb in compute) / denominator,
         "token_ratio": sum(mb.tokens for mb in compute) / denominator,
     }
-    for name, want in expected.items():
-        stated = getattr(plan.stats, name)
+
+
+def _check_stats(plan: Plan, out: list[Violation]) -> None:
+    """The statistics that can be recomputed from the plan, against the ones it states."""
+    expected = derived_stats(plan.capacity, plan.padding_multiple, plan.adapters, plan.microbatches)
+    for name, value in expected.items():
+        stated, want = getattr(plan.stats, name), cast(float, value)
         if abs(stated - want) > 1e-9 * max(1.0, abs(want)):
             out.append(Violation(kind="stats", message=f"stats.{name} = {stated}, but the plan gives {want}"))
 
