@@ -146,14 +146,13 @@ def single_adapter_router(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -
             f"{x.device.type} tensors of {compute} (the fused kernels serve CUDA fp16/bf16, "
             "and CPU fp16/fp32 under TRITON_INTERPRET=1)",
         )
-    forward = _FUSED_SINGLE.get(name)
-    if forward is None:
-        forward = _FUSED_SINGLE[name] = functools.partial(_fused_single_adapter, name=name)
-    return Route(forward)
+    return Route(_fused_forward_for(name))
 
 
-_FUSED_SINGLE: dict[str, Callable[[Any, torch.Tensor], torch.Tensor]] = {}
-"""The single-adapter route's ``(layer, x)`` forward per adapter name, made once per name."""
+@functools.cache
+def _fused_forward_for(name: str) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """The single-adapter route's ``(layer, x)`` forward for adapter ``name``, made once per name."""
+    return functools.partial(_fused_single_adapter, name=name)
 
 
 _ROUTERS: list[Router] = [single_adapter_router]

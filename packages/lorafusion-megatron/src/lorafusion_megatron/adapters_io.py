@@ -92,15 +92,14 @@ def check_fresh_run(config: TrainerConfig, *, resume: bool, overwrite: bool) -> 
     """
     for job in config.jobs:
         _refuse_other_files(config.job_output_dir(job), job.name)
-    if resume:
+    if resume or overwrite:
         return
-    checkpoints = config.checkpoint_dir if holds_files(config.checkpoint_dir) else None
-    found = [] if overwrite else [p for p in (Path(config.output_dir) / n for n in _RESULTS) if p.is_file()]
-    if not overwrite:
-        found += [folder for folder in map(config.job_output_dir, config.jobs) if holds_files(folder)]
+    found = [p for p in (Path(config.output_dir) / n for n in _RESULTS) if p.is_file()]
+    found += [folder for folder in map(config.job_output_dir, config.jobs) if holds_files(folder)]
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        also = f"; its checkpoints in {checkpoints} are kept by --overwrite too (delete them)" if checkpoints else ""
+        kept = config.checkpoint_dir
+        also = f"; its checkpoints in {kept} are kept by --overwrite too (delete them)" if holds_files(kept) else ""
         raise TrainerError(
             f"{found[0]}{more} holds results of an earlier run: choose another output_dir, delete them, "
             f"or pass --overwrite to replace them{also}"

@@ -107,20 +107,15 @@ def checkpoint_to_resume(directory: Path, *, resume: bool) -> Path | None:
     return found
 
 
-def remove_stale_staging(directory: Path) -> list[Path]:
+def remove_stale_staging(directory: Path) -> None:
     """Delete the staging folders (``.checkpoint-<n>.tmp-*``) that a killed run left in ``directory``.
 
     A checkpoint is written under such a name and renamed when complete, so one that is left is
     incomplete and never read. Call it only under the run lock
     (:func:`lorafusion_megatron.run_lock.run_lock`): then no other run is writing one.
-
-    Returns:
-        The folders deleted.
     """
-    stale = sorted(directory.glob(".checkpoint-*.tmp-*")) if directory.is_dir() else []
-    for folder in stale:
+    for folder in directory.glob(".checkpoint-*.tmp-*"):
         shutil.rmtree(folder, ignore_errors=True)
-    return stale
 
 
 def prune_checkpoints(directory: Path, keep: int) -> None:
