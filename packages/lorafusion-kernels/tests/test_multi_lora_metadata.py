@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -117,6 +118,12 @@ def test_tables_are_cached_and_moved() -> None:
     assert "total_tokens=13" in repr(batch)
 
 
+def test_numpy_and_tensor_integers_accepted() -> None:
+    batch = MultiLoRABatch.from_segments([np.int64(3), torch.tensor(2)], [np.int32(0), 1])
+    assert batch.segment_lengths == (3, 2)
+    assert batch.segment_adapters == (0, 1)
+
+
 @pytest.mark.parametrize(
     ("lengths", "adapters", "kwargs", "message"),
     [
@@ -126,6 +133,9 @@ def test_tables_are_cached_and_moved() -> None:
         ([1, 2], [0, -1], {}, "must be >= 0"),
         ([1, 2], [0, 3], {"num_adapters": 2}, "refers to adapter 3"),
         ([1.5], [0], {}, "must hold integers"),
+        ([4.0], [0], {}, "must hold integers"),  # a float, even a whole one, is a caller's bug
+        (["4"], [0], {}, "must hold integers"),
+        ([True], [0], {}, "must hold integers"),
     ],
 )
 def test_invalid_segments_raise(lengths: list, adapters: list, kwargs: dict, message: str) -> None:

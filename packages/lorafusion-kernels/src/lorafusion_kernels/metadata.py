@@ -28,6 +28,7 @@ one program loops over consecutive rows with no table read per step.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -97,9 +98,12 @@ def _as_int_list(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
         return [int(v) for v in values.tolist()]
     out = []
     for v in values:
-        if isinstance(v, bool) or int(v) != v:
-            raise LoRAFusionKernelsError(f"{name} must hold integers, got {v!r}")
-        out.append(int(v))
+        try:
+            if isinstance(v, bool):
+                raise TypeError
+            out.append(operator.index(v))  # ints, numpy integers and 0-d integer tensors; never 4.0
+        except TypeError:
+            raise LoRAFusionKernelsError(f"{name} must hold integers, got {v!r}") from None
     return out
 
 
