@@ -56,6 +56,7 @@ __all__ = [
     "SchedulerConfig",
     "TrainerConfig",
     "config_fingerprint",
+    "fingerprinted_config",
     "load_config",
     "parse_config",
 ]
@@ -527,19 +528,25 @@ class TrainerConfig(BaseModel):
         return Path(self.output_dir) / "checkpoints"
 
 
-def config_fingerprint(config: TrainerConfig) -> str:
-    """Hash of everything that decides the trained weights (a resume must match it).
+def fingerprinted_config(config: TrainerConfig) -> dict[str, Any]:
+    """Everything in ``config`` that decides the trained weights, as JSON data (what a resume must match).
 
     Logging, checkpoint and evaluation cadence, evaluation datasets and output folders are left out:
     they may change between a run and its resume without changing the result. ``val_size`` stays in:
-    it decides which samples are trained on.
+    it decides which samples are trained on. Checkpoints store this data beside its hash
+    (:func:`config_fingerprint`), so a refused resume can name the keys that changed.
     """
     data = config.model_dump(mode="json", exclude={"logging": True, "save_steps": True, "save_total_limit": True})
     data.pop("output_dir")
     for job in data["jobs"]:
         for key in ("output_dir", "eval_dataset", "eval_steps"):
             job.pop(key)
-    blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return data
+
+
+def config_fingerprint(config: TrainerConfig) -> str:
+    """16 hex digits of the sha256 of :func:`fingerprinted_config` (compact JSON, sorted keys)."""
+    blob = json.dumps(fingerprinted_config(config), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
