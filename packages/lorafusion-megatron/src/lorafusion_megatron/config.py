@@ -214,7 +214,8 @@ class JobConfig(BaseModel):
     val_size: float | None = Field(default=None, gt=0)
     """Hold this much of ``dataset`` out of training as the job's evaluation set: a fraction below 1
     (``0.1``: 10%, rounded up) or a whole number of samples (``200``). Which samples is fixed by
-    ``runtime.seed`` and the job name, so a re-run or a resume holds out the same ones."""
+    ``runtime.seed`` and the job name, so a re-run or a resume holds out the same ones. It must leave
+    samples to train on (``validate`` counts the records)."""
 
     eval_dataset: DatasetConfig | None = None
     """Evaluate on this dataset instead of a held-out part of ``dataset`` (same formats and fields;
@@ -336,7 +337,8 @@ class RuntimeConfig(BaseModel):
     model_config = _STRICT
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """``auto``: the GPU when there is one, else the CPU."""
+    """``auto``: the GPU when there is one, else the CPU; ``cuda`` on a host without one: ``validate``
+    warns (the run may train elsewhere), ``train`` refuses."""
 
     fused_kernels: bool = True
     """Run LoRA layers through ``lorafusion_kernels`` (one pass per mixed microbatch); ``false``: plain
@@ -386,7 +388,9 @@ class LoggingConfig(BaseModel):
     many of its optimizer steps, and at its last step."""
 
     tensorboard_dir: str | None = None
-    """TensorBoard event folder (one sub-folder per job); ``null``: no TensorBoard."""
+    """TensorBoard event folder (one sub-folder per job); ``null``: no TensorBoard. Needs
+    ``pip install "lorafusion-megatron[tensorboard]"``; without it ``validate`` and ``train`` warn and
+    the run goes on without scalars."""
 
     progress_bar: bool = True
     """Show a rich progress bar with per-job loss and tokens/s."""
