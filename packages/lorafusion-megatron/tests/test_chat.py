@@ -68,7 +68,10 @@ def test_a_chat_without_an_assistant_turn_has_no_target(chat_tokenizer) -> None:
 
 
 def test_a_tokenizer_without_a_chat_template_is_refused() -> None:
-    with pytest.raises(TrainerError, match="the tokenizer has no chat template: use a tokenizer that has one"):
+    with pytest.raises(
+        TrainerError,
+        match=r"the tokenizer \(a byte-level tokenizer\) has no chat template: use a tokenizer that has one",
+    ):
         tokenize_chats([CHAT], byte_level_tokenizer(), source="t")
 
 
@@ -113,3 +116,30 @@ def test_a_job_trains_on_a_chat_dataset_with_its_tokenizer(config_dict, chat_tok
     data = load_job_data(config, config.jobs[0], tokenizer, 512)
     replies = [chat_tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("hello</s>\n", "4</s>\n")]
     assert sorted(s.num_targets for s in data.samples) == [len(replies[0]), len(replies[0]) + len(replies[1])]
+
+
+def test_declares_chat_template_reads_the_files_as_transformers_does(tmp_path: Path) -> None:
+    """validate judges from the files (without transformers); loading the tokenizer must agree."""
+    from transformers import AutoTokenizer
+
+    from lorafusion_megatron.data.tokenizer import declares_chat_template
+
+    plain = tmp_path / "plain"
+    byte_level_tokenizer().save_pretrained(plain)
+    saved = tmp_path / "saved"
+    tokenizer = byte_level_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(saved)
+    legacy = tmp_path / "legacy"  # older tokenizers keep the template in tokenizer_config.json
+    byte_level_tokenizer().save_pretrained(legacy)
+    config = json.loads((legacy / "tokenizer_config.json").read_text())
+    (legacy / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    named = tmp_path / "named"  # only named templates
+    byte_level_tokenizer().save_pretrained(named)
+    (named / "additional_chat_templates").mkdir()
+    (named / "additional_chat_templates" / "tool_use.jinja").write_text(TEMPLATE)
+    expected = {plain: False, saved: True, legacy: True, named: True}
+    for folder, declared in expected.items():
+        assert declares_chat_template(folder) is declared, folder.name
+        assert (AutoTokenizer.from_pretrained(folder).chat_template is not None) is declared, folder.name
+    assert declares_chat_template(None) is False  # a preset's byte-level tokenizer

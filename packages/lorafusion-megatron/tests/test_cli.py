@@ -334,3 +334,89 @@ def test_a_ctrl_c_outside_training_is_a_message_not_a_traceback(
     err = " ".join(capsys.readouterr().err.split())
     assert "interrupted at once: checkpoints are written whole or not at all" in err
     assert "Traceback" not in err
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+
+
+def test_validate_refuses_chats_for_a_tokenizer_without_a_chat_template(
+    tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Training would stop at tokenizing; validate names the dataset and the tokenizer first."""
+    from lorafusion_megatron.data.tokenizer import byte_level_tokenizer
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps(CHAT) + "\n")
+    data = config_dict()
+    data["jobs"][0]["dataset"] = {"path": str(chats)}
+    assert main(["validate", str(_write(tmp_path / "chat.yaml", data))]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "jobs.0 (first).dataset: dataset" in err
+    assert "chats.jsonl holds chats, but the tokenizer (a byte-level tokenizer) has no chat template" in err
+    plain, templated = tmp_path / "plain-tokenizer", tmp_path / "chat-tokenizer"
+    tokenizer = byte_level_tokenizer()
+    tokenizer.save_pretrained(plain)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tokenizer.save_pretrained(templated)
+    data["base_model"]["tokenizer_name_or_path"] = str(plain)
+    assert main(["validate", str(_write(tmp_path / "chat.yaml", data))]) == 2
+    assert f"the tokenizer ({plain}) has no chat template" in " ".join(capsys.readouterr().err.split())
+    data["base_model"]["tokenizer_name_or_path"] = str(templated)
+    assert main(["validate", str(_write(tmp_path / "chat.yaml", data))]) == 0
+
+
+def test_validate_refuses_a_val_size_that_leaves_nothing_to_train_on(
+    tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Counted from the records (max_samples applied) or a synthetic dataset's num_samples, as training splits."""
+    rows = tmp_path / "four.jsonl"
+    rows.write_text("".join(json.dumps({"text": f"sample {i}"}) + "\n" for i in range(4)))
+    data = config_dict()
+    data["jobs"][0].update(dataset={"path": str(rows)}, val_size=4)
+    data["jobs"][1]["val_size"] = 20
+    assert main(["validate", str(_write(tmp_path / "val.yaml", data))]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "four.jsonl: val_size = 4 holds out 4 of its 4 samples, leaving none to train on" in err
+    assert "jobs.1 (second).val_size: dataset synthetic wikisum (num_samples: 12): val_size = 20 asks to" in err
+    assert "hold out 20 samples, but it has 12, leaving none to train on: lower val_size (a count below 12" in err
+    data["jobs"][0].update(val_size=3, dataset={"path": str(rows), "max_samples": 3})
+    data["jobs"][1]["val_size"] = 0.5
+    assert main(["validate", str(_write(tmp_path / "val.yaml", data))]) == 2
+    assert "four.jsonl (max_samples: 3): val_size = 3 holds out 3 of its 3" in " ".join(capsys.readouterr().err.split())
+    data["jobs"][0]["dataset"].pop("max_samples")
+    assert main(["validate", str(_write(tmp_path / "val.yaml", data))]) == 0
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_validate_warns_that_device_cuda_has_no_gpu_here(
+    tmp_path: Path, config_dict, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], gpu: bool
+) -> None:
+    """A warning, not an error: validate runs on login nodes, which often have no GPU; train refuses it."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    data = config_dict(runtime={"device": "cuda"})
+    assert main(["validate", str(_write(tmp_path / "cuda.yaml", data))]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert ("warning: runtime.device is cuda but this host has no GPU that torch can use" in err) is not gpu
+
+
+def test_validate_and_train_say_once_that_tensorboard_is_not_installed(
+    tmp_path: Path,
+    config_dict,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from lorafusion_megatron import host_checks
+
+    monkeypatch.setattr(host_checks, "_tensorboard_installed", lambda: False)
+    path = _write(tmp_path / "tb.yaml", config_dict(logging={"progress_bar": False, "tensorboard_dir": "tb"}))
+    assert main(["validate", str(path)]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "warning: logging.tensorboard_dir is set but TensorBoard is not installed" in err
+    assert '`pip install "lorafusion-megatron[tensorboard]"`' in err
+    assert main(["train", str(path)]) == 0
+    assert " ".join(capsys.readouterr().err.split()).count("TensorBoard is not installed") == 1
+    assert not [record for record in caplog.records if "TensorBoard" in record.getMessage()]
+    assert not (tmp_path / "tb").exists()

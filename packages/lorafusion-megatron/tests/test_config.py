@@ -250,3 +250,16 @@ def test_config_module_imports_no_torch() -> None:
         "assert not heavy, sorted(heavy)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_fingerprint_is_the_hash_of_the_fingerprinted_data_unchanged_since_earlier_versions(config_dict) -> None:
+    """Checkpoints store both; a change of either format would refuse every earlier checkpoint."""
+    import hashlib
+    import json
+
+    from lorafusion_megatron.config import fingerprinted_config
+
+    config = parse_config(config_dict())
+    data = fingerprinted_config(config)
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    assert config_fingerprint(config) == hashlib.sha256(blob).hexdigest()[:16] == "7f65f2a84e89ef6a"

@@ -198,3 +198,26 @@ def test_tokenizer_must_fit_the_vocabulary(config_dict) -> None:
     config = parse_config(config_dict())
     with pytest.raises(TrainerError, match="the tokenizer has 259 tokens but the model's vocabulary only 100"):
         load_tokenizer(config.base_model, vocab_size=100)
+
+
+def test_record_count_reads_no_more_than_it_needs(tmp_path: Path) -> None:
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from lorafusion_megatron.data.records import record_count
+
+    (tmp_path / "d.jsonl").write_text("\n" + "".join(json.dumps(r) + "\n\n" for r in ROWS) + "not json, counted\n")
+    (tmp_path / "d.json").write_text(json.dumps(ROWS))
+    pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "d.parquet")
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(tmp_path / "dict"))
+    datasets.Dataset.from_dict({"prompt": []}).save_to_disk(str(tmp_path / "saved-empty"))
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    counts = {name: record_count(tmp_path / name) for name in ("d.json", "d.parquet", "saved", "dict")}
+    assert counts == {"d.json": 2, "d.parquet": 2, "saved": 2, "dict": 2}
+    assert record_count(tmp_path / "d.jsonl") == 3  # lines are counted, not parsed: training refuses the bad one
+    assert record_count(tmp_path / "saved-empty") == record_count(tmp_path / "blank.jsonl") == 0
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(TrainerError, match="not a readable Parquet file"):
+        record_count(tmp_path / "broken.parquet")

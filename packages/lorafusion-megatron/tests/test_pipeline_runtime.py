@@ -200,6 +200,28 @@ def test_resume_refuses_another_layout(tiny_base: Path, tmp_path: Path) -> None:
         )
 
 
+def test_resume_of_a_pipeline_checkpoint_names_the_changed_keys(tiny_base: Path, tmp_path: Path) -> None:
+    from lorafusion_megatron.errors import TrainerError
+    from lorafusion_megatron.pipeline.worker import run_rank
+
+    config = _config(tiny_base, tmp_path / "run").model_copy(update={"save_steps": 3})
+    run_rank(config, ParallelConfig(), backend="gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
+    first = config.jobs[0]
+    changed = config.model_copy(update={"jobs": [first.model_copy(update={"r": first.r * 2}), *config.jobs[1:]]})
+    with pytest.raises(
+        TrainerError, match=rf"different config \(changed: jobs\[{first.name}\]\.r: {first.r} -> {first.r * 2}\)"
+    ):
+        run_rank(
+            changed,
+            ParallelConfig(),
+            resume=True,
+            backend="gloo",
+            init_method=(tmp_path / "again").as_uri(),
+            rank=0,
+            world_size=1,
+        )
+
+
 @pytest.fixture(scope="module")
 def four_layer_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny LLaMA with 4 decoder layers, saved as a local folder (enough for 4 stages)."""

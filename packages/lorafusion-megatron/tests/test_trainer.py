@@ -171,7 +171,9 @@ def test_resume_refuses_a_checkpoint_of_another_config(make_config, tmp_path: Pa
     config = make_config(output_dir=str(tmp_path / "run"))
     Trainer(config, stop=StopAfter(2)).train()
     changed = config.model_copy(update={"runtime": config.runtime.model_copy(update={"seed": 7})})
-    with pytest.raises(TrainerError, match="written by a run with a different config"):
+    with pytest.raises(
+        TrainerError, match=r"written by a run with a different config \(changed: runtime\.seed: 0 -> 7\)"
+    ):
         Trainer(changed).train(resume=True)
 
 
@@ -344,31 +346,52 @@ def test_the_run_clock_starts_after_the_start_up_collection(make_config, monkeyp
 
 def test_the_single_process_trainer_refuses_a_pipeline_checkpoint(tmp_path: Path) -> None:
     """Resuming a pipeline run without its --pipeline-stages: an error that says so, not a missing file."""
-    from lorafusion_megatron.checkpoint import load_checkpoint
+    from lorafusion_megatron.checkpoint import RunFingerprint, load_checkpoint
 
     folder = tmp_path / "checkpoint-8"
     folder.mkdir()
     state = {"fingerprint": "f", "format": "pipeline-1", "parallel": {"pipeline_stages": 2}}
     (folder / "trainer_state.json").write_text(json.dumps(state))
     with pytest.raises(TrainerError, match=r"written by a pipeline run .* resume it with the same --pipeline-stages"):
-        load_checkpoint(folder, fingerprint="f", adapter_parameters={}, optimizers={})
+        load_checkpoint(folder, fingerprint=RunFingerprint("f", {}), adapter_parameters={}, optimizers={})
 
 
 def test_fingerprints_compare_config_then_data(tmp_path: Path) -> None:
     """Same config, other samples under the same path: named as data. A checkpoint of an older
     version (config part only) is checked on that part."""
-    from lorafusion_megatron.checkpoint import read_checkpoint_meta
+    from lorafusion_megatron.checkpoint import RunFingerprint, read_checkpoint_meta
 
     folder = tmp_path / "checkpoint-8"
     folder.mkdir()
     (folder / "trainer_state.json").write_text(json.dumps({"fingerprint": "cfg/data-a"}))
     with pytest.raises(TrainerError, match="was written for other data: a dataset of this config holds other"):
-        read_checkpoint_meta(folder, fingerprint="cfg/data-b")
+        read_checkpoint_meta(folder, fingerprint=RunFingerprint("cfg/data-b", {}))
     with pytest.raises(TrainerError, match="different config"):
-        read_checkpoint_meta(folder, fingerprint="cfg2/data-a")
-    assert read_checkpoint_meta(folder, fingerprint="cfg/data-a")
+        read_checkpoint_meta(folder, fingerprint=RunFingerprint("cfg2/data-a", {}))
+    assert read_checkpoint_meta(folder, fingerprint=RunFingerprint("cfg/data-a", {}))
     (folder / "trainer_state.json").write_text(json.dumps({"fingerprint": "cfg"}))
-    assert read_checkpoint_meta(folder, fingerprint="cfg/data-b")
+    assert read_checkpoint_meta(folder, fingerprint=RunFingerprint("cfg/data-b", {}))
+
+
+def test_a_refused_resume_names_the_changed_keys_when_the_checkpoint_stores_its_config(tmp_path: Path) -> None:
+    """Five changes are named, the rest counted; a checkpoint without its config gets the general message."""
+    from lorafusion_megatron.checkpoint import RunFingerprint, read_checkpoint_meta
+
+    folder = tmp_path / "checkpoint-8"
+    folder.mkdir()
+    old = {"scheduler": {"capacity": 4096}, "jobs": [{"name": "sum", "r": 16, "lora_alpha": 32}]}
+    new = {"scheduler": {"capacity": 8192}, "jobs": [{"name": "sum", "r": 32, "lora_alpha": 32}]}
+    (folder / "trainer_state.json").write_text(json.dumps({"fingerprint": "old/data", "config": old}))
+    with pytest.raises(TrainerError) as refused:
+        read_checkpoint_meta(folder, fingerprint=RunFingerprint("new/data", new))
+    assert "different config (changed: scheduler.capacity: 4096 -> 8192; jobs[sum].r: 16 -> 32)" in str(refused.value)
+    many = {"scheduler": {f"key{i}": i for i in range(7)}}
+    (folder / "trainer_state.json").write_text(json.dumps({"fingerprint": "old/data", "config": {"scheduler": {}}}))
+    with pytest.raises(TrainerError, match=r"scheduler\.key4: \(absent\) -> 4; and 2 more\)"):
+        read_checkpoint_meta(folder, fingerprint=RunFingerprint("new/data", many))
+    (folder / "trainer_state.json").write_text(json.dumps({"fingerprint": "old/data"}))
+    with pytest.raises(TrainerError, match=r"different config \(model, jobs, data, scheduler or runtime settings"):
+        read_checkpoint_meta(folder, fingerprint=RunFingerprint("new/data", new))
 
 
 def test_a_resume_after_the_data_changed_is_refused(make_config, tmp_path: Path) -> None:
@@ -383,17 +406,17 @@ def test_a_resume_after_the_data_changed_is_refused(make_config, tmp_path: Path)
 
 def test_a_profile_written_after_the_checkpoint_is_named(tmp_path: Path) -> None:
     """``profile`` after a run changes an ``auto`` capacity: the refusal says so, not just "different config"."""
-    from lorafusion_megatron.checkpoint import read_checkpoint_meta
+    from lorafusion_megatron.checkpoint import RunFingerprint, read_checkpoint_meta
 
     folder = tmp_path / "run" / "checkpoints" / "checkpoint-8"
     folder.mkdir(parents=True)
     (folder / "trainer_state.json").write_text(json.dumps({"fingerprint": "old"}))
     with pytest.raises(TrainerError) as plain:
-        read_checkpoint_meta(folder, fingerprint="new")
+        read_checkpoint_meta(folder, fingerprint=RunFingerprint("new", {}))
     assert "profile.json" not in str(plain.value)
     profile = tmp_path / "run" / "profile.json"
     profile.write_text("{}")
     state_time = (folder / "trainer_state.json").stat().st_mtime
     os.utime(profile, (state_time + 10, state_time + 10))
     with pytest.raises(TrainerError, match=r"profile\.json was written after this checkpoint"):
-        read_checkpoint_meta(folder, fingerprint="new")
+        read_checkpoint_meta(folder, fingerprint=RunFingerprint("new", {}))

@@ -7,7 +7,7 @@ itself (re-planning could differ: the MILP runs under a time limit), and the RNG
 
 Layout of ``<output_dir>/checkpoints/checkpoint-<total optimizer steps>/``::
 
-    trainer_state.json     position, per-job counters, config and data fingerprint
+    trainer_state.json     position, per-job counters, config and data fingerprint, fingerprinted config
     plan.json              the plan being executed
     lora.safetensors       "param:<name>" and "grad:<name>" of every adapter tensor
     optimizer.pt           per-job AdamW + schedule state (torch.save, loaded with weights_only)
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LoadedCheckpoint",
+    "RunFingerprint",
     "checkpoint_to_resume",
     "latest_checkpoint",
     "load_checkpoint",
@@ -70,6 +71,26 @@ class LoadedCheckpoint:
     path: Path
     state: RunState
     plan_json: str
+
+
+@dataclass(frozen=True)
+class RunFingerprint:
+    """What a checkpoint must match to be resumed, and what it records to say why it does not.
+
+    Attributes:
+        value: ``<config fingerprint>/<data fingerprint>`` (16 hex digits each): the hash of
+            ``config`` and the hash of every job's tokenized training samples.
+        config: The config's data that ``value``'s first part hashes
+            (:func:`~lorafusion_megatron.config.fingerprinted_config`); a checkpoint stores it, so a
+            resume with another config can be told which keys changed.
+    """
+
+    value: str
+    config: Mapping[str, Any]
+
+    def to_meta(self) -> dict[str, Any]:
+        """The ``fingerprint`` and ``config`` entries of a checkpoint's ``trainer_state.json``."""
+        return {"fingerprint": self.value, "config": dict(self.config)}
 
 
 def _checkpoints(directory: Path) -> list[tuple[int, Path]]:
@@ -124,18 +145,19 @@ def prune_checkpoints(directory: Path, keep: int) -> None:
         shutil.rmtree(old)
 
 
-def read_checkpoint_meta(path: Path, *, fingerprint: str) -> dict[str, Any]:
-    """``trainer_state.json`` of checkpoint ``path``, checked to come from a run of this config.
+def read_checkpoint_meta(path: Path, *, fingerprint: RunFingerprint) -> dict[str, Any]:
+    """``trainer_state.json`` of checkpoint ``path``, checked to come from a run of this config and data.
 
     Raises:
-        TrainerError: The file is unreadable, or the checkpoint was written for a different config.
+        TrainerError: The file is unreadable, or the checkpoint was written for other data or a
+            different config (naming the changed keys when the checkpoint stores its config).
     """
     try:
         meta: dict[str, Any] = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise TrainerError(f"checkpoint {path} is unreadable ({exc}): delete it or resume from another") from None
     stored_config, _, stored_data = str(meta.get("fingerprint")).partition("/")
-    config_part, _, data_part = fingerprint.partition("/")
+    config_part, _, data_part = fingerprint.value.partition("/")
     if stored_config == config_part and stored_data and data_part and stored_data != data_part:
         raise TrainerError(
             f"checkpoint {path} was written for other data: a dataset of this config holds other samples "
@@ -144,22 +166,32 @@ def read_checkpoint_meta(path: Path, *, fingerprint: str) -> dict[str, Any]:
         )
     if stored_config != config_part:
         raise TrainerError(
-            f"checkpoint {path} was written by a run with a different config (model, jobs, data, scheduler or "
-            "runtime settings changed): restore that config, or train without --resume into a new output_dir"
-            + _profile_hint(path)
+            f"checkpoint {path} was written by a run with a different config ({_what_changed(meta, fingerprint)}): "
+            "restore that config, or train without --resume into a new output_dir" + _profile_hint(path)
         )
     return meta
 
 
-def run_fingerprint(config: TrainerConfig, jobs: Mapping[str, JobData]) -> str:
-    """``<config fingerprint>/<data fingerprint>``: what a checkpoint must match to be resumed.
+def run_fingerprint(config: TrainerConfig, jobs: Mapping[str, JobData]) -> RunFingerprint:
+    """What a checkpoint of this run records and a resume must match: the config and the training data.
 
-    A checkpoint of an older version holds the config's part only, and is checked on that part.
+    A checkpoint of an older version holds the config's part of the value only, and is checked on that part.
     """
-    from lorafusion_megatron.config import config_fingerprint
+    from lorafusion_megatron.config import config_fingerprint, fingerprinted_config
     from lorafusion_megatron.data.job_data import data_fingerprint
 
-    return f"{config_fingerprint(config)}/{data_fingerprint(jobs)}"
+    return RunFingerprint(
+        value=f"{config_fingerprint(config)}/{data_fingerprint(jobs)}", config=fingerprinted_config(config)
+    )
+
+
+def _what_changed(meta: Mapping[str, Any], fingerprint: RunFingerprint) -> str:
+    """The keys that differ from the checkpoint's stored config, or a general list where it stores none."""
+    from lorafusion_megatron.config_diff import describe_changes
+
+    stored = meta.get("config")
+    changes = describe_changes(stored, fingerprint.config) if isinstance(stored, dict) else ""
+    return f"changed: {changes}" if changes else "model, jobs, data, scheduler or runtime settings changed"
 
 
 def _profile_hint(checkpoint: Path) -> str:
@@ -182,7 +214,7 @@ def save_checkpoint(
     *,
     state: RunState,
     plan_json: str,
-    fingerprint: str,
+    fingerprint: RunFingerprint,
     model: PeftModel,
     adapter_parameters: Mapping[str, Mapping[str, torch.nn.Parameter]],
     optimizers: Mapping[str, AdapterOptimizer],
@@ -225,7 +257,7 @@ def save_checkpoint(
         (staging / "plan.json").write_text(plan_json, encoding="utf-8")
         for adapter in adapter_parameters:
             save_adapter(model, adapter, staging / "adapters" / adapter)
-        meta = {"format": _FORMAT, "fingerprint": fingerprint, "state": state.to_json()}
+        meta = {"format": _FORMAT, **fingerprint.to_meta(), "state": state.to_json()}
         (staging / "trainer_state.json").write_text(json.dumps(meta, indent=2, sort_keys=True), encoding="utf-8")
         replace_dir(staging, target)
     finally:
@@ -239,7 +271,7 @@ def save_checkpoint(
 def load_checkpoint(
     path: Path,
     *,
-    fingerprint: str,
+    fingerprint: RunFingerprint,
     adapter_parameters: Mapping[str, Mapping[str, torch.nn.Parameter]],
     optimizers: Mapping[str, AdapterOptimizer],
 ) -> LoadedCheckpoint:

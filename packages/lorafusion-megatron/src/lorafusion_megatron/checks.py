@@ -1,7 +1,8 @@
 """Checks of a config against the file system, without torch (``lorafusion-megatron validate``).
 
 The pydantic models check each value on its own; these checks look at what the values point to:
-the model folder, the datasets, the target modules of known architectures, the output folders.
+the model folder, the datasets (readable, with the config's fields, a chat template for chats,
+enough samples for ``val_size``), the target modules of known architectures, the output folders.
 Training runs the same checks again, more thoroughly, once the model is loaded.
 """
 
@@ -61,19 +62,25 @@ def _writable_ancestor(path: Path) -> bool:
     return False
 
 
-def _layout_problem(dataset: DatasetConfig, path: Path) -> str | None:
-    """Why a dataset cannot train, judged from its first record: unreadable, empty, or without the config's fields.
+def _dataset_problem(
+    config: TrainerConfig, dataset: DatasetConfig, path: Path, *, val_size: float | None
+) -> str | None:
+    """Why a dataset file or folder cannot train, judged without tokenizing it.
 
-    Training's own rule (``record_layout``), on the first record only; training reads them all.
+    Unreadable, empty or without the config's fields (training's own rule, ``record_layout``, on the
+    first record; training reads them all); chats for a tokenizer without a chat template; and a
+    ``val_size`` (the job's, for its ``dataset``) that leaves no sample to train on.
     """
-    from lorafusion_megatron.data.records import first_record
+    from lorafusion_megatron.data.chat import no_chat_template_message
+    from lorafusion_megatron.data.records import first_record, record_count
     from lorafusion_megatron.data.samples import record_layout
+    from lorafusion_megatron.data.tokenizer import declares_chat_template, tokenizer_folder
 
     try:
         first = first_record(path)
         if first is None:
             return f"dataset {path} has no records"
-        record_layout(
+        layout = record_layout(
             first,
             prompt_field=dataset.prompt_field,
             response_field=dataset.response_field,
@@ -81,6 +88,27 @@ def _layout_problem(dataset: DatasetConfig, path: Path) -> str | None:
             messages_field=dataset.messages_field,
             source=str(path),
         )
+        tokenizer = tokenizer_folder(config.base_model)
+        # A missing tokenizer folder is a problem of its own (named by the caller), not of the dataset.
+        known_tokenizer = tokenizer is None or Path(tokenizer).is_dir()
+        if layout == "chat" and known_tokenizer and not declares_chat_template(tokenizer):
+            return no_chat_template_message(str(path), tokenizer or "a byte-level tokenizer")
+        if val_size is not None:
+            records = record_count(path)
+            if dataset.max_samples is not None and dataset.max_samples < records:
+                return _held_out_problem(dataset.max_samples, val_size, f"{path} (max_samples: {dataset.max_samples})")
+            return _held_out_problem(records, val_size, str(path))
+    except TrainerError as exc:
+        return str(exc)
+    return None
+
+
+def _held_out_problem(num_samples: int, val_size: float, source: str) -> str | None:
+    """Why ``val_size`` leaves none of ``num_samples`` samples to train on (training's own rule), if it does."""
+    from lorafusion_megatron.data.eval_split import held_out_count
+
+    try:
+        held_out_count(num_samples, val_size, source=source)
     except TrainerError as exc:
         return str(exc)
     return None
@@ -108,9 +136,15 @@ def _problems(config: TrainerConfig, pipeline_stages: int) -> list[str]:
             elif Path(path).is_file() and Path(path).suffix not in _DATASET_SUFFIXES:
                 problems.append(f"{where}.{key}.path: {path} is not .jsonl, .json, .parquet or a save_to_disk folder")
             elif dataset is not None:
-                layout = _layout_problem(dataset, Path(path))
-                if layout is not None:
-                    problems.append(f"{where}.{key}: {layout}")
+                val_size = job.val_size if key == "dataset" else None
+                problem = _dataset_problem(config, dataset, Path(path), val_size=val_size)
+                if problem is not None:
+                    problems.append(f"{where}.{key}: {problem}")
+        if job.val_size is not None and job.dataset.synthetic is not None:
+            source = f"synthetic {job.dataset.synthetic} (num_samples: {job.dataset.num_samples})"
+            held_out = _held_out_problem(job.dataset.num_samples, job.val_size, source)
+            if held_out is not None:
+                problems.append(f"{where}.val_size: {held_out}")
         if known is not None and isinstance(job.target_modules, list):
             unknown = sorted(set(job.target_modules) - set(known))
             if unknown:

@@ -1,8 +1,9 @@
 """``lorafusion-megatron``: validate, plan, train, demo and export.
 
-``validate`` needs neither torch nor a GPU. Every command turns a :class:`TrainerError` into one
-clear message and exit status 2 (1 for an interrupted run that wrote a checkpoint, 130 for a Ctrl-C
-that stopped it at once).
+``validate`` needs no GPU, and no torch unless ``runtime.device`` is ``cuda`` (then it asks torch
+for a GPU); what this host lacks it prints as warnings (:mod:`lorafusion_megatron.host_checks`).
+Every command turns a :class:`TrainerError` into one clear message and exit status 2 (1 for an
+interrupted run that wrote a checkpoint, 130 for a Ctrl-C that stopped it at once).
 """
 
 from __future__ import annotations
@@ -62,8 +63,16 @@ def _load(args: argparse.Namespace) -> Any:
     return config
 
 
+def _warn(message: str) -> None:
+    _console.print(f"[bold yellow]warning:[/] {escape(message)}", highlight=False, markup=True, soft_wrap=True)
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
+    from lorafusion_megatron.host_checks import host_warnings
+
     config = _load(args)
+    for warning in host_warnings(config):
+        _warn(warning)
     table = Table(title=f"{args.config}: valid")
     for header in ("job", "dataset", "r / alpha", "lr", "batch", "length"):
         table.add_column(header)
@@ -155,11 +164,18 @@ def _resume_command(args: argparse.Namespace) -> str:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from lorafusion_megatron.adapters_io import check_fresh_run, check_run_outputs
+    from lorafusion_megatron.host_checks import tensorboard_missing
     from lorafusion_megatron.model import resolve_device
     from lorafusion_megatron.pipeline.launch import under_torchrun
     from lorafusion_megatron.profiler.run import profile_due
 
     config = _load(args)
+    missing = tensorboard_missing(config.logging.tensorboard_dir)
+    if missing is not None:
+        # Said here, before the data and the model load, rather than when the first scalar is due;
+        # the run goes on without TensorBoard as before, and no process of it says so again.
+        _warn(missing)
+        config = config.model_copy(update={"logging": config.logging.model_copy(update={"tensorboard_dir": None})})
     parallel = parallel_from_args(args, config.parallel)
     config.check_evaluation_supported(parallel, under_torchrun=under_torchrun())
     check_fresh_run(config, resume=args.resume, overwrite=args.overwrite)
@@ -246,9 +262,9 @@ def _parser() -> argparse.ArgumentParser:
         )
         return sub
 
-    with_config("validate", "check a config and what it points to (no GPU, no torch)").set_defaults(
-        handler=_cmd_validate
-    )
+    with_config(
+        "validate", "check a config and what it points to (no GPU; no torch unless runtime.device is cuda)"
+    ).set_defaults(handler=_cmd_validate)
     plan = with_config("plan", "dry run: plan the microbatches and print the plan's statistics")
     plan.add_argument("-o", "--output", type=Path, help="also write the plan JSON here")
     add_parallel_arguments(plan)

@@ -56,6 +56,7 @@ __all__ = [
     "SchedulerConfig",
     "TrainerConfig",
     "config_fingerprint",
+    "fingerprinted_config",
     "load_config",
     "parse_config",
 ]
@@ -213,7 +214,8 @@ class JobConfig(BaseModel):
     val_size: float | None = Field(default=None, gt=0)
     """Hold this much of ``dataset`` out of training as the job's evaluation set: a fraction below 1
     (``0.1``: 10%, rounded up) or a whole number of samples (``200``). Which samples is fixed by
-    ``runtime.seed`` and the job name, so a re-run or a resume holds out the same ones."""
+    ``runtime.seed`` and the job name, so a re-run or a resume holds out the same ones. It must leave
+    samples to train on (``validate`` counts the records)."""
 
     eval_dataset: DatasetConfig | None = None
     """Evaluate on this dataset instead of a held-out part of ``dataset`` (same formats and fields;
@@ -335,7 +337,8 @@ class RuntimeConfig(BaseModel):
     model_config = _STRICT
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """``auto``: the GPU when there is one, else the CPU."""
+    """``auto``: the GPU when there is one, else the CPU; ``cuda`` on a host without one: ``validate``
+    warns (the run may train elsewhere), ``train`` refuses."""
 
     fused_kernels: bool = True
     """Run LoRA layers through ``lorafusion_kernels`` (one pass per mixed microbatch); ``false``: plain
@@ -385,7 +388,9 @@ class LoggingConfig(BaseModel):
     many of its optimizer steps, and at its last step."""
 
     tensorboard_dir: str | None = None
-    """TensorBoard event folder (one sub-folder per job); ``null``: no TensorBoard."""
+    """TensorBoard event folder (one sub-folder per job); ``null``: no TensorBoard. Needs
+    ``pip install "lorafusion-megatron[tensorboard]"``; without it ``validate`` and ``train`` warn and
+    the run goes on without scalars."""
 
     progress_bar: bool = True
     """Show a rich progress bar with per-job loss and tokens/s."""
@@ -527,19 +532,25 @@ class TrainerConfig(BaseModel):
         return Path(self.output_dir) / "checkpoints"
 
 
-def config_fingerprint(config: TrainerConfig) -> str:
-    """Hash of everything that decides the trained weights (a resume must match it).
+def fingerprinted_config(config: TrainerConfig) -> dict[str, Any]:
+    """Everything in ``config`` that decides the trained weights, as JSON data (what a resume must match).
 
     Logging, checkpoint and evaluation cadence, evaluation datasets and output folders are left out:
     they may change between a run and its resume without changing the result. ``val_size`` stays in:
-    it decides which samples are trained on.
+    it decides which samples are trained on. Checkpoints store this data beside its hash
+    (:func:`config_fingerprint`), so a refused resume can name the keys that changed.
     """
     data = config.model_dump(mode="json", exclude={"logging": True, "save_steps": True, "save_total_limit": True})
     data.pop("output_dir")
     for job in data["jobs"]:
         for key in ("output_dir", "eval_dataset", "eval_steps"):
             job.pop(key)
-    blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return data
+
+
+def config_fingerprint(config: TrainerConfig) -> str:
+    """16 hex digits of the sha256 of :func:`fingerprinted_config` (compact JSON, sorted keys)."""
+    blob = json.dumps(fingerprinted_config(config), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

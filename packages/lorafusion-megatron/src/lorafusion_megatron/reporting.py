@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -10,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+
+from lorafusion_megatron.host_checks import tensorboard_missing
 
 if TYPE_CHECKING:
     from lorafusion_megatron.optim import StepStats
@@ -93,11 +94,9 @@ class TensorBoardLogger:
         self.interval = interval
         self._writers: dict[str, Any] = {}
         self._directory = Path(directory) if directory is not None else None
-        if self._directory is not None and importlib.util.find_spec("tensorboard") is None:
-            _log.warning(
-                "logging.tensorboard_dir is set but TensorBoard is not installed: `pip install tensorboard` "
-                "to get scalars; training goes on without them"
-            )
+        missing = tensorboard_missing(directory)
+        if missing is not None:
+            _log.warning("%s", missing)
             self._directory = None
 
     def _writer(self, job: str) -> Any:

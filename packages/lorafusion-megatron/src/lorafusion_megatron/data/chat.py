@@ -27,13 +27,22 @@ from lorafusion_megatron.errors import TrainerError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["TRAINED_ROLE", "tokenize_chats"]
+__all__ = ["TRAINED_ROLE", "no_chat_template_message", "tokenize_chats"]
 
 TRAINED_ROLE = "assistant"
 """The role whose turns the loss counts; every other role's tokens are masked."""
 
 Piece = tuple[str, bool]
 """A slice of a rendered chat and whether its tokens are trained."""
+
+
+def no_chat_template_message(source: str, tokenizer: str) -> str:
+    """Why dataset ``source`` cannot train with ``tokenizer`` (named for the message), and what to change."""
+    return (
+        f"dataset {source} holds chats, but the tokenizer ({tokenizer}) has no chat template: use a tokenizer "
+        "that has one (a `chat_template` in its tokenizer_config.json or a chat_template.jinja file; see "
+        "base_model.tokenizer_name_or_path), or give the records prompt/response fields"
+    )
 
 
 def _turns(chat: Any, where: str) -> list[dict[str, Any]]:
@@ -105,11 +114,8 @@ def tokenize_chats(chats: Sequence[Any], tokenizer: PreTrainedTokenizerBase, *, 
             refuses it or does not render its turns in place.
     """
     if getattr(tokenizer, "chat_template", None) is None:
-        raise TrainerError(
-            f"dataset {source} holds chats, but the tokenizer has no chat template: use a tokenizer that has one "
-            "(a `chat_template` in its tokenizer_config.json or a chat_template.jinja file; see "
-            "base_model.tokenizer_name_or_path), or give the records prompt/response fields"
-        )
+        name = getattr(tokenizer, "name_or_path", "") or "a byte-level tokenizer"
+        raise TrainerError(no_chat_template_message(source, name))
     per_chat = [
         _pieces(tokenizer, _turns(chat, f"dataset {source} record {index}"), f"dataset {source} record {index}")
         for index, chat in enumerate(chats)

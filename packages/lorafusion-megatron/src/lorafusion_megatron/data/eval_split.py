@@ -29,10 +29,16 @@ def held_out_count(num_samples: int, val_size: float, *, source: str) -> int:
     """
     count = math.ceil(val_size * num_samples) if val_size < 1 else int(val_size)
     if count >= num_samples:
-        raise TrainerError(
-            f"dataset {source}: val_size = {val_size:g} holds out {count} of its {num_samples} samples, leaving none "
-            "to train on: lower val_size"
+        if count == num_samples:
+            held = f"holds out {count} of its {num_samples} samples"
+        else:
+            held = f"asks to hold out {count} samples, but it has {num_samples}"
+        fix = (
+            f"lower val_size (a count below {num_samples}, or a smaller fraction)"
+            if num_samples > 1
+            else "holding a sample out needs at least 2"
         )
+        raise TrainerError(f"dataset {source}: val_size = {val_size:g} {held}, leaving none to train on: {fix}")
     return count
 
 

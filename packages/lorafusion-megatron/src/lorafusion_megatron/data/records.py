@@ -6,11 +6,14 @@ import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 from lorafusion_megatron.errors import TrainerError
 
-__all__ = ["first_record", "read_records"]
+__all__ = ["first_record", "read_records", "record_count"]
+
+T = TypeVar("T")
+Kind = Literal["jsonl", "parquet", "saved"]
 
 
 def _read_jsonl(path: Path, *, first_only: bool = False) -> list[dict[str, Any]]:
@@ -33,6 +36,19 @@ def _read_jsonl(path: Path, *, first_only: bool = False) -> list[dict[str, Any]]
             if first_only:
                 break
     return records
+
+
+def _count_jsonl(path: Path) -> int:
+    """Records of a JSON-lines file (its non-blank lines, not parsed) or of a JSON array (parsed whole)."""
+    with path.open(encoding="utf-8") as text:
+        lines = (line for line in text if line.strip())
+        head = next(lines, None)
+        if head is None:
+            return 0
+        if head.lstrip().startswith("["):
+            text.seek(0)
+            return len(_read_json_array(path, text.read()))
+        return 1 + sum(1 for _ in lines)
 
 
 def _read_json_array(path: Path, text: str) -> list[dict[str, Any]]:
@@ -62,12 +78,22 @@ def _read_parquet(path: Path, *, first_only: bool = False) -> list[dict[str, Any
     return rows
 
 
-def _read_saved_dataset(path: Path, *, first_only: bool = False) -> list[dict[str, Any]]:
-    """A ``save_to_disk`` folder's records (memory-mapped: the first alone reads little)."""
+def _count_parquet(path: Path) -> int:
+    """Rows of a Parquet file, from its footer."""
+    import pyarrow.parquet as pq
+
+    try:
+        return int(pq.ParquetFile(path).metadata.num_rows)
+    except Exception as exc:  # pyarrow raises several unrelated types for a bad file
+        raise TrainerError(f"{path} is not a readable Parquet file: {exc}") from None
+
+
+def _load_saved(path: Path) -> Any:
+    """A ``save_to_disk`` folder, memory-mapped (a ``DatasetDict``: its ``train`` split); None if it holds no data."""
     import datasets  # type: ignore[import-untyped]
 
     if _saved_without_data(path):
-        return []
+        return None
     try:
         loaded = datasets.load_from_disk(str(path))
     except (FileNotFoundError, ValueError) as exc:
@@ -76,9 +102,23 @@ def _read_saved_dataset(path: Path, *, first_only: bool = False) -> list[dict[st
         if "train" not in loaded:
             raise TrainerError(f"{path} holds splits {sorted(loaded)}; point `path` at one split's folder")
         loaded = loaded["train"]
+    return loaded
+
+
+def _read_saved_dataset(path: Path, *, first_only: bool = False) -> list[dict[str, Any]]:
+    """A ``save_to_disk`` folder's records (memory-mapped: the first alone reads little)."""
+    loaded = _load_saved(path)
+    if loaded is None:
+        return []
     if first_only:
         return [dict(loaded[0])] if len(loaded) else []
     return [dict(row) for row in loaded]
+
+
+def _count_saved(path: Path) -> int:
+    """Rows of a ``save_to_disk`` folder (memory-mapped, none read)."""
+    loaded = _load_saved(path)
+    return 0 if loaded is None else len(loaded)
 
 
 def _saved_without_data(path: Path) -> bool:
@@ -90,16 +130,27 @@ def _saved_without_data(path: Path) -> bool:
     return isinstance(state, dict) and state.get("_data_files") == []
 
 
-def _reader(path: Path, key: str) -> Callable[..., list[dict[str, Any]]]:
-    """The reader of ``path``'s kind (each takes ``first_only=``)."""
+_READERS: dict[Kind, Callable[..., list[dict[str, Any]]]] = {
+    "jsonl": _read_jsonl,
+    "parquet": _read_parquet,
+    "saved": _read_saved_dataset,
+}
+"""Each kind's reader (each takes ``first_only=``)."""
+
+_COUNTERS: dict[Kind, Callable[[Path], int]] = {"jsonl": _count_jsonl, "parquet": _count_parquet, "saved": _count_saved}
+"""Each kind's record count, reading as little as the kind allows."""
+
+
+def _kind(path: Path, key: str) -> Kind:
+    """What kind of dataset ``path`` is."""
     if not path.exists():
         raise TrainerError(f"dataset {path} does not exist: fix `{key}` (relative paths start at the config)")
     if path.is_dir():
-        return _read_saved_dataset
+        return "saved"
     if path.suffix in {".jsonl", ".json"}:
-        return _read_jsonl
+        return "jsonl"
     if path.suffix == ".parquet":
-        return _read_parquet
+        return "parquet"
     raise TrainerError(
         f"dataset {path}: unknown kind {path.suffix!r}; use .jsonl, .json, .parquet or a save_to_disk folder"
     )
@@ -142,10 +193,29 @@ def first_record(path: str | Path, *, key: str = "dataset.path") -> dict[str, An
     return records[0] if records else None
 
 
+def record_count(path: str | Path, *, key: str = "dataset.path") -> int:
+    """How many records a dataset holds (``validate``'s ``val_size`` check), without reading them all.
+
+    A JSON-lines file's non-blank lines are counted (not parsed: training refuses a bad one), a
+    Parquet file's footer is read, a ``save_to_disk`` folder is memory-mapped; a JSON array is parsed whole.
+
+    Raises:
+        TrainerError: As :func:`read_records`, for the part read.
+    """
+    path = Path(path)
+    counter = _COUNTERS[_kind(path, key)]
+    return _guarded(path, lambda: counter(path))
+
+
 def _read(path: Path, key: str, *, first_only: bool) -> list[dict[str, Any]]:
-    reader = _reader(path, key)
+    reader = _READERS[_kind(path, key)]
+    return _guarded(path, lambda: reader(path, first_only=first_only))
+
+
+def _guarded(path: Path, action: Callable[[], T]) -> T:
+    """``action()``, with a file that is not UTF-8 or cannot be read named in a :class:`TrainerError`."""
     try:
-        return reader(path, first_only=first_only)
+        return action()
     except UnicodeDecodeError as exc:
         raise TrainerError(f"dataset {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:

@@ -7,6 +7,7 @@ on its own generated text and saves it next to the model, as a real checkpoint w
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,7 +19,14 @@ if TYPE_CHECKING:
 
     from lorafusion_megatron.config import BaseModelConfig
 
-__all__ = ["SPECIAL_TOKENS", "byte_level_tokenizer", "load_tokenizer", "train_bpe_tokenizer"]
+__all__ = [
+    "SPECIAL_TOKENS",
+    "byte_level_tokenizer",
+    "declares_chat_template",
+    "load_tokenizer",
+    "tokenizer_folder",
+    "train_bpe_tokenizer",
+]
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 """Padding, beginning-of-sequence and end-of-sequence tokens (ids 0, 1, 2) of the local tokenizers."""
@@ -63,6 +71,36 @@ def byte_level_tokenizer() -> PreTrainedTokenizerFast:
     return train_bpe_tokenizer([], vocab_size=len(SPECIAL_TOKENS) + 256)
 
 
+def tokenizer_folder(config: BaseModelConfig) -> str | None:
+    """The folder the tokenizer is loaded from: the configured one, else the model's; None for a preset (bytes)."""
+    if config.tokenizer_name_or_path is not None or config.is_preset:
+        return config.tokenizer_name_or_path
+    return config.model_name_or_path
+
+
+def declares_chat_template(folder: str | Path | None) -> bool:
+    """Whether the tokenizer in ``folder`` comes with a chat template, judged from its files alone.
+
+    transformers 5 takes a tokenizer's templates from ``chat_template.jinja``, from
+    ``additional_chat_templates/*.jinja``, or from ``chat_template`` in ``tokenizer_config.json``;
+    this reads the same files without importing it (``validate`` runs without it). A
+    ``tokenizer_config.json`` that cannot be read counts as declaring one: loading the tokenizer
+    will say what is wrong with it. ``None`` (a preset's byte-level tokenizer) has none.
+    """
+    if folder is None:
+        return False
+    folder = Path(folder)
+    if (folder / "chat_template.jinja").is_file() or any((folder / "additional_chat_templates").glob("*.jinja")):
+        return True
+    try:
+        tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        return True
+    return not isinstance(tokenizer_config, dict) or tokenizer_config.get("chat_template") is not None
+
+
 def load_tokenizer(config: BaseModelConfig, vocab_size: int) -> PreTrainedTokenizerBase:
     """The tokenizer for ``config``'s model: its folder's, the configured one, or bytes for presets.
 
@@ -75,9 +113,7 @@ def load_tokenizer(config: BaseModelConfig, vocab_size: int) -> PreTrainedTokeni
     """
     from transformers import AutoTokenizer
 
-    path = config.tokenizer_name_or_path
-    if path is None and not config.is_preset:
-        path = config.model_name_or_path
+    path = tokenizer_folder(config)
     tokenizer: PreTrainedTokenizerBase
     if path is None:
         tokenizer = byte_level_tokenizer()

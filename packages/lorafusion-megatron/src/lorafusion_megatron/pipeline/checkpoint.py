@@ -7,7 +7,8 @@ which costs one fill and drain and changes no result. Every rank then writes its
 ``rank-<r>.pt``: its stage's LoRA weights and accumulated gradients (a checkpoint may fall inside
 a global batch, and replicas' gradients differ until the all-reduce), its optimizers, the engine's
 counters (on the last stage of replica 0 also the progress counters of :mod:`.progress`) and its
-RNG. Rank 0 adds ``plan.json`` and ``trainer_state.json`` (position, fingerprint, parallel layout)
+RNG. Rank 0 adds ``plan.json`` and ``trainer_state.json`` (position, fingerprint and the config it
+hashes, parallel layout)
 and renames the folder into place, so a crash never leaves a checkpoint that looks complete. The
 folders need a file system all ranks share (one node, or a shared mount). Ctrl-C writes one more,
 at the drain the ranks agree on (:mod:`.stopping`), named after the steps taken like the others.
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lorafusion_megatron.adapters_io import replace_dir
-from lorafusion_megatron.checkpoint import prune_checkpoints, read_checkpoint_meta
+from lorafusion_megatron.checkpoint import RunFingerprint, prune_checkpoints, read_checkpoint_meta
 from lorafusion_megatron.errors import TrainerError
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ def save_pipeline_checkpoint(
     optimizers: Mapping[str, StageOptimizer],
     engine_state: dict[str, Any],
     plan_json: str,
-    fingerprint: str,
+    fingerprint: RunFingerprint,
     parallel: ParallelConfig,
     keep: int | None,
 ) -> Path:
@@ -102,7 +103,7 @@ def save_pipeline_checkpoint(
             (folder / "plan.json").write_text(plan_json, encoding="utf-8")
             meta = {
                 "format": PIPELINE_FORMAT,
-                "fingerprint": fingerprint,
+                **fingerprint.to_meta(),
                 "parallel": parallel.model_dump(mode="json"),
                 "position": position,
                 "total_optimizer_steps": total_steps,
@@ -119,7 +120,7 @@ def save_pipeline_checkpoint(
     return target
 
 
-def read_run_state(path: Path, *, fingerprint: str, parallel: ParallelConfig) -> dict[str, Any]:
+def read_run_state(path: Path, *, fingerprint: RunFingerprint, parallel: ParallelConfig) -> dict[str, Any]:
     """``trainer_state.json`` of a pipeline checkpoint, checked against this run.
 
     Raises:

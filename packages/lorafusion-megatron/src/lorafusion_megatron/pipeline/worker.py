@@ -23,6 +23,7 @@ from lorafusion_megatron.pipeline.options import ParallelConfig
 if TYPE_CHECKING:
     import torch
 
+    from lorafusion_megatron.checkpoint import RunFingerprint
     from lorafusion_megatron.config import TrainerConfig
     from lorafusion_megatron.data.job_data import JobData
     from lorafusion_megatron.pipeline.engine import EngineStats, StageEngine
@@ -321,7 +322,7 @@ class _RankSession:
         return cls(config, parallel, layout, plan, program, data, stage, optimizers, engine)
 
     @functools.cached_property
-    def fingerprint(self) -> str:
+    def fingerprint(self) -> RunFingerprint:
         """What a resume of this run's checkpoints must match: the config and the training data."""
         from lorafusion_megatron.checkpoint import run_fingerprint
 
