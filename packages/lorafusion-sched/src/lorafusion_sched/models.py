@@ -31,6 +31,7 @@ __all__ = [
     "PlanOptions",
     "PlanStats",
     "RunStats",
+    "RuntimeSettings",
     "Segment",
     "SimulationResult",
     "Violation",
@@ -275,6 +276,36 @@ class Plan(BaseModel):
     microbatches: tuple[Microbatch, ...]
 
 
+class RuntimeSettings(BaseModel):
+    """The settings of the runtime that will execute a plan, for ``verify`` to check the plan against.
+
+    A field left ``None`` is not checked. A plan fits a runtime when its capacity is at most the
+    runtime's, its pipeline stages at least the runtime's, its data-parallel degree the runtime's,
+    and its padding multiple a multiple of the runtime's.
+    """
+
+    model_config = _FROZEN
+
+    capacity: OptionalWholeNumber = Field(
+        default=None,
+        ge=1,
+        description="Tokens per microbatch the runtime can hold; the plan's capacity must not exceed it.",
+    )
+    pipeline_stages: OptionalWholeNumber = Field(
+        default=None,
+        ge=1,
+        description="The runtime's pipeline stages; the plan's must be at least as many (the bubble lemma's distance).",
+    )
+    data_parallel: OptionalWholeNumber = Field(
+        default=None, ge=1, description="The runtime's data-parallel replicas; the plan's must be the same."
+    )
+    padding_multiple: OptionalWholeNumber = Field(
+        default=None,
+        ge=1,
+        description="The multiple the runtime pads each segment to; it must divide the plan's padding multiple.",
+    )
+
+
 class Violation(BaseModel):
     """One broken invariant found by ``verify``."""
 
@@ -282,6 +313,7 @@ class Violation(BaseModel):
 
     kind: Literal[
         "schema",
+        "settings",
         "sample_missing",
         "sample_repeated",
         "sample_wrong_batch",
