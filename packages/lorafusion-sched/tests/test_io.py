@@ -104,8 +104,8 @@ def test_load_jobs_yaml_with_a_lengths_file(tmp_path: Path) -> None:
             r"options.capacity: capacity = '4096': give a whole number \(4096\), not a string",
         ),
         (
-            {"adapters": [{"name": "a", "sample_tokens": [5, 6.0], "global_batch_size": 1}]},
-            r"adapters\[0\].sample_tokens: sample_tokens\[1\] = 6.0: give a whole number \(6\), not a float",
+            {"adapters": [{"name": "a", "sample_tokens": [5, 6.5], "global_batch_size": 1}]},
+            r"adapters\[0\].sample_tokens: sample_tokens\[1\] = 6.5: give a whole number, not a fraction",
         ),
         (
             {
@@ -136,11 +136,11 @@ def test_a_csv_lengths_file_of_strings_makes_whole_numbers(tmp_path: Path) -> No
     ("field", "value", "needle"),
     [
         ("capacity", "1024", r"capacity = '1024': give a whole number \(1024\), not a string"),
-        ("capacity", 1024.0, r"capacity = 1024.0: give a whole number \(1024\), not a float"),
-        ("schema_version", 1.0, r"schema_version = 1.0: give a whole number \(1\), not a float"),
+        ("capacity", 1024.5, r"capacity = 1024.5: give a whole number, not a fraction"),
+        ("schema_version", "1", r"schema_version = '1': give a whole number \(1\), not a string"),
     ],
 )
-def test_a_plan_file_with_a_string_or_float_count_is_refused(
+def test_a_plan_file_with_a_string_or_fractional_count_is_refused(
     tmp_path: Path, field: str, value: object, needle: str
 ) -> None:
     p = plan([make_job("a", [100, 900, 300, 50], gbs=2)], PlanOptions(capacity=1024, use_milp=False))

@@ -181,7 +181,7 @@ def test_settings_violations_come_first_one_per_setting(good: Plan) -> None:
     assert "step_after" in found[4:]
 
 
-@pytest.mark.parametrize("fields", [{"capacity": 0}, {"pipeline_stages": "4"}, {"padding_multiple": 64.0}])
+@pytest.mark.parametrize("fields", [{"capacity": 0}, {"pipeline_stages": "4"}, {"padding_multiple": 64.5}])
 def test_runtime_settings_are_whole_numbers_of_at_least_one(fields: dict[str, object]) -> None:
     with pytest.raises(ValidationError, match=next(iter(fields))):
         RuntimeSettings.model_validate(fields)

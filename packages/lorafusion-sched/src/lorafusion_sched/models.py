@@ -46,9 +46,10 @@ _FROZEN = ConfigDict(frozen=True, extra="forbid")
 def _whole_number(value: object, place: str) -> int:
     """``value`` as an ``int``, or a ``ValueError`` that names ``place`` and the value.
 
-    The JSON schema says ``integer``, so what pydantic's lax mode would also take is refused here:
-    strings (``"4096"``), floats (``4096.0``) and booleans (``True`` would be 1). Integer types
-    of other libraries (``numpy.int64``) are converted through ``__index__``.
+    Takes what the JSON schema's ``integer`` takes: integers, and floats with no fractional part
+    (``4096.0``, which JSON Schema counts as an integer). What pydantic's lax mode would also take
+    is refused: strings (``"4096"``), fractional floats and booleans (``True`` would be 1). Integer
+    types of other libraries (``numpy.int64``) are converted through ``__index__``.
     """
     if isinstance(value, bool):
         raise ValueError(f"{place} = {value}: give a whole number, not a boolean")
@@ -61,8 +62,9 @@ def _whole_number(value: object, place: str) -> int:
             hint = ""
         raise ValueError(f"{place} = {value!r}: give a whole number{hint}, not a string")
     if isinstance(value, float):
-        hint = f" ({int(value)})" if value.is_integer() else ""
-        raise ValueError(f"{place} = {value!r}: give a whole number{hint}, not a float")
+        if value.is_integer():
+            return int(value)
+        raise ValueError(f"{place} = {value!r}: give a whole number, not a fraction")
     try:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
@@ -85,7 +87,7 @@ def _check_whole_numbers(value: object, info: ValidationInfo) -> object:
 
 
 WholeNumber = Annotated[int, BeforeValidator(_check_whole_number)]
-"""An ``int`` field that takes no strings, floats or booleans (JSON schema ``integer``)."""
+"""An ``int`` field that takes no strings, fractions or booleans (JSON schema ``integer``)."""
 
 OptionalWholeNumber = Annotated[int | None, BeforeValidator(_check_whole_number)]
 """A :data:`WholeNumber` or ``None``."""
