@@ -156,3 +156,23 @@ def test_verify_prints_one_line_per_violation_when_piped(tmp_path: Path, capsys:
     lines = capsys.readouterr().out.splitlines()
     assert all(line.startswith("violation [") for line in lines[:-1]), lines
     assert any(len(line) > 80 for line in lines), "a long violation stays on one line"
+
+
+def test_verify_checks_the_runtime_settings_given(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan_path = tmp_path / "p.json"
+    args = ["demo", "--samples", "64", "--adapters", "2", "--stages", "4", "--capacity", "4096", "--padding", "64"]
+    assert main([*args, "--no-milp", "-o", str(plan_path)]) == 0
+    capsys.readouterr()
+    fitting = ["--capacity", "8192", "--stages", "4", "--data-parallel", "1", "--padding", "32"]
+    assert main(["verify", str(plan_path), *fitting]) == 0
+    assert "fits the runtime's capacity 8192, pipeline_stages 4, data_parallel 1, padding_multiple 32" in " ".join(
+        capsys.readouterr().out.split()
+    )
+    assert main(["verify", str(plan_path), "--capacity", "2048", "--stages", "8"]) == 1
+    out = capsys.readouterr().out
+    assert "violation [settings] capacity = 4096:" in out
+    assert "violation [settings] pipeline_stages = 4:" in out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["verify", str(plan_path), "--data-parallel", "0"])
+    assert exit_info.value.code == 2
+    assert "argument --data-parallel: 0 is less than 1" in capsys.readouterr().err

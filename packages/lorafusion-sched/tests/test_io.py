@@ -99,6 +99,17 @@ def test_load_jobs_yaml_with_a_lengths_file(tmp_path: Path) -> None:
         (
             {
                 "adapters": [{"name": "a", "sample_tokens": [5], "global_batch_size": 1}],
+                "options": {"capacity": "4096"},
+            },
+            r"options.capacity: capacity = '4096': give a whole number \(4096\), not a string",
+        ),
+        (
+            {"adapters": [{"name": "a", "sample_tokens": [5, 6.5], "global_batch_size": 1}]},
+            r"adapters\[0\].sample_tokens: sample_tokens\[1\] = 6.5: give a whole number, not a fraction",
+        ),
+        (
+            {
+                "adapters": [{"name": "a", "sample_tokens": [5], "global_batch_size": 1}],
                 "options": {"capacity": 64, "pipeline_stages": 0},
             },
             "pipeline_stages = 0",
@@ -110,6 +121,34 @@ def test_bad_jobs_files_name_field_and_value(tmp_path: Path, doc: dict[str, obje
     path.write_text(json.dumps(doc))
     with pytest.raises(SchedError, match=needle):
         load_jobs(path)
+
+
+def test_a_csv_lengths_file_of_strings_makes_whole_numbers(tmp_path: Path) -> None:
+    (tmp_path / "b.csv").write_text("tokens\n512\n1033\n")
+    (tmp_path / "jobs.yaml").write_text(
+        "adapters: [{name: b, lengths_file: b.csv, global_batch_size: 1}]\noptions: {capacity: 4096}\n"
+    )
+    jobs, _options = load_jobs(tmp_path / "jobs.yaml")
+    assert jobs[0].sample_tokens == (512, 1033)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("capacity", "1024", r"capacity = '1024': give a whole number \(1024\), not a string"),
+        ("capacity", 1024.5, r"capacity = 1024.5: give a whole number, not a fraction"),
+        ("schema_version", "1", r"schema_version = '1': give a whole number \(1\), not a string"),
+    ],
+)
+def test_a_plan_file_with_a_string_or_fractional_count_is_refused(
+    tmp_path: Path, field: str, value: object, needle: str
+) -> None:
+    p = plan([make_job("a", [100, 900, 300, 50], gbs=2)], PlanOptions(capacity=1024, use_milp=False))
+    doc = json.loads(p.model_dump_json())
+    doc[field] = value
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    with pytest.raises(SchedError, match=needle):
+        load_plan(tmp_path / "plan.json")
 
 
 def test_plan_json_round_trip(tmp_path: Path) -> None:

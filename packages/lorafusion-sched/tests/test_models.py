@@ -2,10 +2,20 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from lorafusion_sched import AdapterJob, Plan, PlanOptions, SchedError, plan
+from lorafusion_sched.models import (
+    AdapterInfo,
+    Microbatch,
+    PlanStats,
+    RunStats,
+    Segment,
+    SimulationResult,
+    Violation,
+)
 
 
 def test_models_are_frozen_and_refuse_unknown_fields() -> None:
@@ -45,6 +55,95 @@ def test_bad_job_names_field_and_value(kwargs: dict[str, object], needle: str) -
 def test_bad_options_name_field_and_value(kwargs: dict[str, object], needle: str) -> None:
     with pytest.raises(ValidationError, match=needle):
         PlanOptions.model_validate({"capacity": 1024} | kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"capacity": "4096"}, r"capacity = '4096': give a whole number \(4096\), not a string"),
+        ({"capacity": "4k"}, r"capacity = '4k': give a whole number, not a string"),
+        ({"capacity": 4096.5}, r"capacity = 4096.5: give a whole number, not a fraction"),
+        ({"capacity": True}, r"capacity = True: give a whole number, not a boolean"),
+        ({"workers": "2"}, r"workers = '2': give a whole number \(2\), not a string"),
+        ({"seed": [1]}, r"seed = \[1\]: give a whole number, not a list"),
+    ],
+)
+def test_options_refuse_strings_and_fractions_for_whole_numbers(kwargs: dict[str, object], needle: str) -> None:
+    with pytest.raises(ValidationError, match=needle):
+        PlanOptions.model_validate({"capacity": 4096} | kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"sample_tokens": [5, "7"]}, r"sample_tokens\[1\] = '7': give a whole number \(7\), not a string"),
+        ({"sample_tokens": (5.5,)}, r"sample_tokens\[0\] = 5.5: give a whole number, not a fraction"),
+        ({"global_batch_size": "2"}, r"global_batch_size = '2': give a whole number \(2\), not a string"),
+    ],
+)
+def test_jobs_refuse_strings_and_fractions_for_whole_numbers(kwargs: dict[str, object], needle: str) -> None:
+    fields: dict[str, object] = {"name": "a", "sample_tokens": (5,), "global_batch_size": 1} | kwargs
+    with pytest.raises(ValidationError, match=needle):
+        AdapterJob.model_validate(fields)
+
+
+def test_whole_numbers_take_lists_and_numpy_integers() -> None:
+    job = AdapterJob(name="a", sample_tokens=np.array([5, 6], dtype=np.int32), global_batch_size=np.int64(2))  # type: ignore[arg-type]
+    assert job.sample_tokens == (5, 6)
+    assert all(type(t) is int for t in (*job.sample_tokens, job.global_batch_size))
+    assert AdapterJob.model_validate({"name": "a", "sample_tokens": [5, 6], "global_batch_size": 1}).sample_tokens == (
+        5,
+        6,
+    )
+    assert PlanOptions(capacity=np.int64(64), workers=None).capacity == 64  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="not a fraction"):
+        AdapterJob(name="a", sample_tokens=np.array([5.5]), global_batch_size=1)  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="not a bool"):
+        PlanOptions(capacity=np.True_)  # type: ignore[arg-type]
+
+
+def test_whole_floats_are_integers_as_in_json_schema() -> None:
+    """JSON Schema counts 4096.0 as an integer, so the models take it too, as an int."""
+    options = PlanOptions.model_validate_json('{"capacity": 4096.0, "neighbourhood": 3.0}')
+    assert (options.capacity, options.neighbourhood) == (4096, 3)
+    assert type(options.capacity) is int
+    job = AdapterJob(name="a", sample_tokens=[5.0, 6], global_batch_size=np.float64(2.0))  # type: ignore[arg-type, list-item]
+    assert job.sample_tokens == (5, 6)
+    assert all(type(t) is int for t in (*job.sample_tokens, job.global_batch_size))
+
+
+def _integer_fields(model: type[BaseModel]) -> tuple[list[str], list[str], list[str]]:
+    """The model's fields whose JSON schema says integer, array of integers, and number."""
+    integers, arrays, numbers = [], [], []
+    for name, prop in model.model_json_schema()["properties"].items():
+        types = {prop.get("type")} | {option.get("type") for option in prop.get("anyOf", [])}
+        if "integer" in types:
+            integers.append(name)
+        if "number" in types:
+            numbers.append(name)
+        if prop.get("type") == "array" and prop["items"].get("type") == "integer":
+            arrays.append(name)
+    return integers, arrays, numbers
+
+
+@pytest.mark.parametrize(
+    "model",
+    [AdapterJob, PlanOptions, Segment, Microbatch, AdapterInfo, PlanStats, Plan, Violation, RunStats, SimulationResult],
+    ids=lambda m: m.__name__,
+)
+def test_every_schema_integer_refuses_strings_and_fractions(model: type[BaseModel]) -> None:
+    """What the JSON schema calls an integer, the model validates as one; a number still takes an int."""
+    integers, arrays, numbers = _integer_fields(model)
+    assert integers or arrays
+    for mode in ("python", "json"):
+        for bad in ("1", 1.5):
+            doc: dict[str, object] = dict.fromkeys(integers, bad) | dict.fromkeys(numbers, 1)
+            doc |= {name: [1, bad] for name in arrays}
+            with pytest.raises(ValidationError) as info:
+                model.model_validate_json(json.dumps(doc)) if mode == "json" else model.model_validate(doc)
+            refused = {str(e["loc"][0]) for e in info.value.errors() if "give a whole number" in e["msg"]}
+            assert refused == set(integers) | set(arrays), (mode, bad)
+            assert not {str(e["loc"][0]) for e in info.value.errors()} & set(numbers), (mode, bad)
 
 
 def test_plan_refuses_no_jobs_and_duplicate_names() -> None:

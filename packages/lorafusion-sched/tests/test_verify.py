@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
-from lorafusion_sched import AdapterJob, Microbatch, Plan, PlanOptions, Segment, plan, verify
+from lorafusion_sched import AdapterJob, Microbatch, Plan, PlanOptions, RuntimeSettings, Segment, plan, verify
 
 
 def make_job(name: str, lengths: list[int], gbs: int) -> AdapterJob:
@@ -125,3 +127,61 @@ def test_violation_message_names_the_microbatch(good: Plan) -> None:
     i = first_with(good, "a")
     text = str(verify(replace_mb(good, i, step_after=("nobody",)))[0])
     assert text.startswith(f"[step_after] microbatch {i}:")
+
+
+@pytest.mark.parametrize(
+    "runtime",
+    [
+        RuntimeSettings(),
+        RuntimeSettings(capacity=1024, pipeline_stages=2, data_parallel=1, padding_multiple=64),
+        RuntimeSettings(capacity=8192),  # a larger microbatch holds the plan's
+        RuntimeSettings(pipeline_stages=1),  # fewer stages need a shorter distance than the plan keeps
+        RuntimeSettings(padding_multiple=16),  # segments padded to 64 are padded to 16 too
+        RuntimeSettings(padding_multiple=1),
+    ],
+    ids=["none", "same", "larger-capacity", "fewer-stages", "padding-divides", "no-padding"],
+)
+def test_a_plan_fits_runtime_settings_it_was_made_for(good: Plan, runtime: RuntimeSettings) -> None:
+    assert verify(good, runtime=runtime) == []
+
+
+@pytest.mark.parametrize(
+    ("runtime", "needle"),
+    [
+        (RuntimeSettings(capacity=512), r"capacity = 1024: .* the runtime's capacity 512; .* capacity <= 512"),
+        (RuntimeSettings(pipeline_stages=3), r"pipeline_stages = 2: .* runtime's 3 pipeline stages .* >= 3"),
+        (RuntimeSettings(data_parallel=2), r"data_parallel = 1: .* to 1 replicas, the runtime has 2; .* = 2"),
+        (
+            RuntimeSettings(padding_multiple=128),
+            r"padding_multiple = 64: .* multiples of 128, which does not divide 64",
+        ),
+        (RuntimeSettings(padding_multiple=48), r"padding_multiple = 64: .* multiples of 48"),
+    ],
+    ids=["smaller-capacity", "more-stages", "other-data-parallel", "coarser-padding", "padding-not-dividing"],
+)
+def test_a_plan_made_for_other_settings_is_a_violation(good: Plan, runtime: RuntimeSettings, needle: str) -> None:
+    violations = verify(good, runtime=runtime)
+    assert [v.kind for v in violations] == ["settings"]
+    assert re.search(needle, str(violations[0])), str(violations[0])
+    assert str(violations[0]).startswith("[settings] ")
+
+
+def test_fewer_replicas_at_runtime_is_a_violation() -> None:
+    jobs = [make_job("a", [300, 200, 500, 100], gbs=2), make_job("b", [700, 800, 120, 90], gbs=2)]
+    p = plan(jobs, PlanOptions(capacity=1024, pipeline_stages=2, data_parallel=2, use_milp=False))
+    assert verify(p, runtime=RuntimeSettings(data_parallel=2)) == []
+    assert [v.kind for v in verify(p, runtime=RuntimeSettings(data_parallel=1))] == ["settings"]
+
+
+def test_settings_violations_come_first_one_per_setting(good: Plan) -> None:
+    broken = replace_mb(good, first_with(good, "a"), step_after=("nobody",))
+    runtime = RuntimeSettings(capacity=512, pipeline_stages=3, data_parallel=2, padding_multiple=128)
+    found = [v.kind for v in verify(broken, runtime=runtime)]
+    assert found[:4] == ["settings"] * 4
+    assert "step_after" in found[4:]
+
+
+@pytest.mark.parametrize("fields", [{"capacity": 0}, {"pipeline_stages": "4"}, {"padding_multiple": 64.5}])
+def test_runtime_settings_are_whole_numbers_of_at_least_one(fields: dict[str, object]) -> None:
+    with pytest.raises(ValidationError, match=next(iter(fields))):
+        RuntimeSettings.model_validate(fields)

@@ -20,7 +20,7 @@ from rich.table import Table
 from lorafusion_sched.__about__ import __version__
 from lorafusion_sched.errors import SchedError
 from lorafusion_sched.io import check_writable, describe_validation_error, load_jobs, load_plan, save_plan
-from lorafusion_sched.models import AdapterJob, CostModel, Plan, PlanOptions, SimulationResult
+from lorafusion_sched.models import AdapterJob, CostModel, Plan, PlanOptions, RuntimeSettings, SimulationResult
 from lorafusion_sched.planner import plan as make_plan
 from lorafusion_sched.simulate import simulate
 from lorafusion_sched.verify import verify
@@ -163,11 +163,19 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_verify(args: argparse.Namespace, console: Console) -> int:
     plan = load_plan(args.plan)
-    violations = verify(plan)
+    runtime = RuntimeSettings(
+        capacity=args.capacity,
+        pipeline_stages=args.stages,
+        data_parallel=args.data_parallel,
+        padding_multiple=args.padding,
+    )
+    violations = verify(plan, runtime=runtime)
     if not violations:
         where = escape(str(args.plan))
+        given = ", ".join(f"{name} {value}" for name, value in runtime.model_dump(exclude_none=True).items())
+        fits = f", fits the runtime's {given}" if given else ""
         console.print(
-            f"[green]ok[/green]: {where} verifies clean ({len(plan.microbatches):,} microbatches)", soft_wrap=True
+            f"[green]ok[/green]: {where} verifies clean ({len(plan.microbatches):,} microbatches{fits})", soft_wrap=True
         )
         return 0
     for v in violations[:50]:  # one line each, unwrapped (a path stays whole), for grep
@@ -284,8 +292,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or table")
     _add_solver_args(p)
 
-    v = sub.add_parser("verify", help="check every invariant of a plan JSON")
+    v = sub.add_parser("verify", help="check every invariant of a plan JSON, and that it fits the runtime's settings")
     v.add_argument("plan", type=Path)
+    runtime = v.add_argument_group("the runtime's settings (each one given is checked against the plan's)")
+    runtime.add_argument(
+        "--capacity", type=_positive_int, metavar="N", help="tokens per microbatch; the plan's must not exceed it"
+    )
+    runtime.add_argument("--stages", type=_positive_int, metavar="S", help="pipeline stages; the plan's must be >= S")
+    runtime.add_argument("--data-parallel", type=_positive_int, metavar="D", help="replicas; the plan's must equal D")
+    runtime.add_argument(
+        "--padding", type=_positive_int, metavar="M", help="segment padding multiple; M must divide the plan's"
+    )
 
     s = sub.add_parser("simulate", help="simulate a plan against the Megatron-style and mLoRA-style baselines")
     s.add_argument("plan", type=Path)

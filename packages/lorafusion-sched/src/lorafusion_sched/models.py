@@ -7,9 +7,19 @@ names the field and the offending value.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Iterable
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -21,6 +31,7 @@ __all__ = [
     "PlanOptions",
     "PlanStats",
     "RunStats",
+    "RuntimeSettings",
     "Segment",
     "SimulationResult",
     "Violation",
@@ -32,14 +43,60 @@ SCHEMA_VERSION = 1
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
-def _refuse_booleans(value: object, info: ValidationInfo) -> object:
-    """A ``before`` validator for whole-number fields: pydantic would take ``True`` as 1."""
-    items = value if isinstance(value, list | tuple) else None
-    for i, item in enumerate(items if items is not None else (value,)):
-        if isinstance(item, bool):
-            place = f"{info.field_name}[{i}]" if items is not None else info.field_name
-            raise ValueError(f"{place} = {item}: give a whole number, not a boolean")
-    return value
+def _whole_number(value: object, place: str) -> int:
+    """``value`` as an ``int``, or a ``ValueError`` that names ``place`` and the value.
+
+    Takes what the JSON schema's ``integer`` takes: integers, and floats with no fractional part
+    (``4096.0``, which JSON Schema counts as an integer). What pydantic's lax mode would also take
+    is refused: strings (``"4096"``), fractional floats and booleans (``True`` would be 1). Integer
+    types of other libraries (``numpy.int64``) are converted through ``__index__``.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{place} = {value}: give a whole number, not a boolean")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            hint = f" ({int(value)})"
+        except ValueError:
+            hint = ""
+        raise ValueError(f"{place} = {value!r}: give a whole number{hint}, not a string")
+    if isinstance(value, float):
+        if value.is_integer():
+            return int(value)
+        raise ValueError(f"{place} = {value!r}: give a whole number, not a fraction")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"{place} = {value!r}: give a whole number, not a {type(value).__name__}") from None
+
+
+def _check_whole_number(value: object, info: ValidationInfo) -> object:
+    """A ``before`` validator for a whole-number field; ``None`` passes on to the field's own type."""
+    return value if value is None else _whole_number(value, str(info.field_name))
+
+
+def _check_whole_numbers(value: object, info: ValidationInfo) -> object:
+    """A ``before`` validator for a tuple of whole numbers; each error names the item's index.
+
+    A string or mapping passes on unchanged for pydantic to refuse as a tuple.
+    """
+    if isinstance(value, str | bytes | dict) or not isinstance(value, Iterable):
+        return value
+    return [_whole_number(item, f"{info.field_name}[{i}]") for i, item in enumerate(value)]
+
+
+WholeNumber = Annotated[int, BeforeValidator(_check_whole_number)]
+"""An ``int`` field that takes no strings, fractions or booleans (JSON schema ``integer``)."""
+
+OptionalWholeNumber = Annotated[int | None, BeforeValidator(_check_whole_number)]
+"""A :data:`WholeNumber` or ``None``."""
+
+WholeNumbers = Annotated[tuple[int, ...], BeforeValidator(_check_whole_numbers)]
+"""A tuple of :data:`WholeNumber` (a list is fine in Python and JSON)."""
+
+PositiveWholeNumbers = Annotated[tuple[Annotated[int, Field(ge=1)], ...], BeforeValidator(_check_whole_numbers)]
+""":data:`WholeNumbers`, each at least 1."""
 
 
 class AdapterJob(BaseModel):
@@ -52,10 +109,8 @@ class AdapterJob(BaseModel):
     model_config = _FROZEN
 
     name: str = Field(min_length=1, description="Unique adapter name; the plan refers to the job by it.")
-    sample_tokens: tuple[int, ...] = Field(description="Token count of every sample, in training order.")
-    global_batch_size: int = Field(description="Samples per optimizer step of this adapter.")
-
-    _whole_numbers = field_validator("sample_tokens", "global_batch_size", mode="before")(_refuse_booleans)
+    sample_tokens: WholeNumbers = Field(description="Token count of every sample, in training order.")
+    global_batch_size: WholeNumber = Field(description="Samples per optimizer step of this adapter.")
 
     @field_validator("sample_tokens")
     @classmethod
@@ -81,17 +136,23 @@ class PlanOptions(BaseModel):
 
     model_config = _FROZEN
 
-    capacity: int = Field(description="Token capacity of one microbatch, padding included.")
-    pipeline_stages: int = Field(default=1, description="Pipeline stages S: the bubble lemma needs S-1 others between.")
-    padding_multiple: int = Field(default=1, description="Each adapter's segment is padded up to a multiple of this.")
-    data_parallel: int = Field(default=1, description="Data-parallel replicas d; microbatches go round-robin to them.")
+    capacity: WholeNumber = Field(description="Token capacity of one microbatch, padding included.")
+    pipeline_stages: WholeNumber = Field(
+        default=1, description="Pipeline stages S: the bubble lemma needs S-1 others between."
+    )
+    padding_multiple: WholeNumber = Field(
+        default=1, description="Each adapter's segment is padded up to a multiple of this."
+    )
+    data_parallel: WholeNumber = Field(
+        default=1, description="Data-parallel replicas d; microbatches go round-robin to them."
+    )
     drop_last: bool = Field(default=False, description="Drop an adapter's last global batch when it is partial.")
     truncate: bool = Field(
         default=False, description="Cut samples longer than the capacity to it instead of refusing them."
     )
     use_milp: bool = Field(default=True, description="Try the two-stage MILP where greedy misses a bound.")
     merge: bool = Field(default=True, description="Run the merge pass across consecutive global batches.")
-    neighbourhood: int | None = Field(
+    neighbourhood: OptionalWholeNumber = Field(
         default=3, ge=1, description="Least-filled greedy microbatches the MILP re-packs; None: all (slow)."
     )
     time_limit: float | None = Field(
@@ -99,27 +160,15 @@ class PlanOptions(BaseModel):
         gt=0,
         description="Wall-clock seconds per MILP solve; None: node_limit alone, the same plan on every run (slower).",
     )
-    node_limit: int = Field(default=10_000, ge=1, description="Branch-and-bound nodes per MILP solve.")
+    node_limit: WholeNumber = Field(default=10_000, ge=1, description="Branch-and-bound nodes per MILP solve.")
     mip_rel_gap: float = Field(default=0.0, ge=0, le=1, description="Relative gap at which a MILP solve stops.")
-    seed: int = Field(default=0, ge=0, description="Random seed handed to HiGHS.")
-    workers: int | None = Field(
+    seed: WholeNumber = Field(default=0, ge=0, description="Random seed handed to HiGHS.")
+    workers: OptionalWholeNumber = Field(
         default=None, ge=1, description="Processes solving global batches in parallel; default: the CPU count."
     )
     sigma_factor: float = Field(
         default=0.25, ge=0, description="Grouping: microbatch estimates use mean - k*std tokens per sample."
     )
-
-    _whole_numbers = field_validator(
-        "capacity",
-        "pipeline_stages",
-        "padding_multiple",
-        "data_parallel",
-        "neighbourhood",
-        "node_limit",
-        "seed",
-        "workers",
-        mode="before",
-    )(_refuse_booleans)
 
     @field_validator("capacity", "pipeline_stages", "padding_multiple", "data_parallel")
     @classmethod
@@ -145,10 +194,10 @@ class Segment(BaseModel):
     model_config = _FROZEN
 
     adapter: str = Field(description="Adapter name.")
-    global_batch: int = Field(ge=0, description="Index of the adapter's global batch these samples belong to.")
-    samples: tuple[int, ...] = Field(min_length=1, description="Indices into the adapter's sample_tokens.")
-    tokens: int = Field(ge=1, description="Real tokens: the sum of the samples' lengths.")
-    padded_tokens: int = Field(ge=1, description="tokens rounded up to the padding multiple.")
+    global_batch: WholeNumber = Field(ge=0, description="Index of the adapter's global batch these samples belong to.")
+    samples: WholeNumbers = Field(min_length=1, description="Indices into the adapter's sample_tokens.")
+    tokens: WholeNumber = Field(ge=1, description="Real tokens: the sum of the samples' lengths.")
+    padded_tokens: WholeNumber = Field(ge=1, description="tokens rounded up to the padding multiple.")
 
 
 class Microbatch(BaseModel):
@@ -161,7 +210,9 @@ class Microbatch(BaseModel):
     step_after: tuple[str, ...] = Field(
         default=(), description="Adapters whose optimizer steps once this microbatch's backward left every stage."
     )
-    replica: int | None = Field(default=None, ge=0, description="Data-parallel replica; None without data parallel.")
+    replica: OptionalWholeNumber = Field(
+        default=None, ge=0, description="Data-parallel replica; None without data parallel."
+    )
 
     @property
     def padded_tokens(self) -> int:
@@ -180,13 +231,11 @@ class AdapterInfo(BaseModel):
     model_config = _FROZEN
 
     name: str
-    global_batch_size: int = Field(ge=1)
-    num_samples: int = Field(ge=1, description="Samples in the job (before drop_last).")
-    num_global_batches: int = Field(ge=0, description="Global batches the plan schedules.")
-    sample_tokens: tuple[Annotated[int, Field(ge=1)], ...] = Field(
-        description="Lengths as scheduled (after truncation, if any)."
-    )
-    truncated_samples: int = Field(default=0, ge=0, description="Samples cut to the capacity.")
+    global_batch_size: WholeNumber = Field(ge=1)
+    num_samples: WholeNumber = Field(ge=1, description="Samples in the job (before drop_last).")
+    num_global_batches: WholeNumber = Field(ge=0, description="Global batches the plan schedules.")
+    sample_tokens: PositiveWholeNumbers = Field(description="Lengths as scheduled (after truncation, if any).")
+    truncated_samples: WholeNumber = Field(default=0, ge=0, description="Samples cut to the capacity.")
 
 
 class PlanStats(BaseModel):
@@ -194,21 +243,21 @@ class PlanStats(BaseModel):
 
     model_config = _FROZEN
 
-    num_microbatches: int = Field(description="All microbatches, no-ops included.")
-    num_noops: int = Field(description="No-op microbatches inserted for the bubble lemma or data parallel.")
-    lower_bound: int = Field(description="ceil(sum over adapter global batches of padded tokens / capacity).")
+    num_microbatches: WholeNumber = Field(description="All microbatches, no-ops included.")
+    num_noops: WholeNumber = Field(description="No-op microbatches inserted for the bubble lemma or data parallel.")
+    lower_bound: WholeNumber = Field(description="ceil(sum over adapter global batches of padded tokens / capacity).")
     fill_ratio: float = Field(description="Padded tokens / (non-no-op microbatches x capacity).")
     token_ratio: float = Field(description="Real tokens / (non-no-op microbatches x capacity).")
-    num_groups: int = Field(description="Adapter groups used (summed over phases when adapters run out).")
+    num_groups: WholeNumber = Field(description="Adapter groups used (summed over phases when adapters run out).")
     groups: tuple[tuple[str, ...], ...] = Field(description="Groups of the first phase, in execution order.")
-    num_tasks: int = Field(description="Packing problems: (group, global batch) pairs.")
-    greedy_at_bound: int = Field(description="Tasks where greedy met both lower bounds, so no MILP ran.")
-    milp_runs: int = Field(description="Tasks where the MILP ran.")
-    milp_wins: int = Field(description="Tasks where the MILP beat greedy (fewer or a smaller last microbatch).")
-    milp_timeouts: int = Field(description="MILP solves stopped by the time or node limit.")
-    merged_samples: int = Field(description="Samples moved into an earlier microbatch by the merge pass.")
-    dropped_samples: int = Field(description="Samples left out by drop_last.")
-    workers: int = Field(description="Processes that solved MILPs (1: in this process).")
+    num_tasks: WholeNumber = Field(description="Packing problems: (group, global batch) pairs.")
+    greedy_at_bound: WholeNumber = Field(description="Tasks where greedy met both lower bounds, so no MILP ran.")
+    milp_runs: WholeNumber = Field(description="Tasks where the MILP ran.")
+    milp_wins: WholeNumber = Field(description="Tasks where the MILP beat greedy (fewer or a smaller last microbatch).")
+    milp_timeouts: WholeNumber = Field(description="MILP solves stopped by the time or node limit.")
+    merged_samples: WholeNumber = Field(description="Samples moved into an earlier microbatch by the merge pass.")
+    dropped_samples: WholeNumber = Field(description="Samples left out by drop_last.")
+    workers: WholeNumber = Field(description="Processes that solved MILPs (1: in this process).")
     solve_seconds: float = Field(
         description="Wall time of plan(), seconds (the only field that differs between runs when time_limit is None)."
     )
@@ -219,14 +268,44 @@ class Plan(BaseModel):
 
     model_config = _FROZEN
 
-    schema_version: Literal[1] = 1
-    capacity: int = Field(ge=1)
-    pipeline_stages: int = Field(ge=1)
-    padding_multiple: int = Field(ge=1)
-    data_parallel: int = Field(default=1, ge=1)
+    schema_version: Annotated[Literal[1], BeforeValidator(_check_whole_number)] = 1
+    capacity: WholeNumber = Field(ge=1)
+    pipeline_stages: WholeNumber = Field(ge=1)
+    padding_multiple: WholeNumber = Field(ge=1)
+    data_parallel: WholeNumber = Field(default=1, ge=1)
     adapters: tuple[AdapterInfo, ...]
     stats: PlanStats
     microbatches: tuple[Microbatch, ...]
+
+
+class RuntimeSettings(BaseModel):
+    """The settings of the runtime that will execute a plan, for ``verify`` to check the plan against.
+
+    A field left ``None`` is not checked. A plan fits a runtime when its capacity is at most the
+    runtime's, its pipeline stages at least the runtime's, its data-parallel degree the runtime's,
+    and its padding multiple a multiple of the runtime's.
+    """
+
+    model_config = _FROZEN
+
+    capacity: OptionalWholeNumber = Field(
+        default=None,
+        ge=1,
+        description="Tokens per microbatch the runtime can hold; the plan's capacity must not exceed it.",
+    )
+    pipeline_stages: OptionalWholeNumber = Field(
+        default=None,
+        ge=1,
+        description="The runtime's pipeline stages; the plan's must be at least as many (the bubble lemma's distance).",
+    )
+    data_parallel: OptionalWholeNumber = Field(
+        default=None, ge=1, description="The runtime's data-parallel replicas; the plan's must be the same."
+    )
+    padding_multiple: OptionalWholeNumber = Field(
+        default=None,
+        ge=1,
+        description="The multiple the runtime pads each segment to; it must divide the plan's padding multiple.",
+    )
 
 
 class Violation(BaseModel):
@@ -236,6 +315,7 @@ class Violation(BaseModel):
 
     kind: Literal[
         "schema",
+        "settings",
         "sample_missing",
         "sample_repeated",
         "sample_wrong_batch",
@@ -249,7 +329,7 @@ class Violation(BaseModel):
         "replica",
         "stats",
     ]
-    microbatch: int | None = Field(default=None, description="Index of the offending microbatch, if one.")
+    microbatch: OptionalWholeNumber = Field(default=None, description="Index of the offending microbatch, if one.")
     adapter: str | None = None
     message: str
 
@@ -294,11 +374,11 @@ class RunStats(BaseModel):
     model_config = _FROZEN
 
     name: str
-    num_microbatches: int
+    num_microbatches: WholeNumber
     makespan_s: float
     bubble_ratio: float = Field(description="Mean over stages of idle time / makespan.")
     bubble_ratio_per_stage: tuple[float, ...]
-    tokens: int = Field(description="Real tokens trained.")
+    tokens: WholeNumber = Field(description="Real tokens trained.")
     tokens_per_s: float
 
 
@@ -307,7 +387,7 @@ class SimulationResult(BaseModel):
 
     model_config = _FROZEN
 
-    pipeline_stages: int
+    pipeline_stages: WholeNumber
     cost_model: CostModel
     runs: tuple[RunStats, ...] = Field(description="The plan first ('lorafusion'), then the baselines.")
 

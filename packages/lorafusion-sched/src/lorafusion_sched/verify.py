@@ -2,6 +2,12 @@
 
 The runtime calls :func:`verify` before training and refuses a plan with violations. The checks:
 
+* with the runtime's settings given (:class:`RuntimeSettings`), that the plan was made for them:
+  its capacity at most the runtime's (its microbatches then fit), its pipeline stages at least the
+  runtime's (the bubble lemma's distance is then long enough), the same data-parallel degree (the
+  replicas and ``step_after`` rounds depend on it), and a padding multiple that the runtime's
+  divides (its padded segments are then padded for the runtime too);
+
 * every scheduled sample appears exactly once, in a segment of its own global batch
   (``sample // global_batch_size``), and the segment's tokens and padded tokens are right;
 * a microbatch holds at most ``capacity`` padded tokens and at most one segment per adapter;
@@ -21,10 +27,38 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypedDict, cast
 
-from lorafusion_sched.models import AdapterInfo, Microbatch, Plan, Violation
+from lorafusion_sched.models import AdapterInfo, Microbatch, Plan, RuntimeSettings, Violation
 from lorafusion_sched.packing.problem import round_up
 
 __all__ = ["verify"]
+
+
+def _check_settings(plan: Plan, runtime: RuntimeSettings, out: list[Violation]) -> None:
+    """The plan's header against the settings of the runtime that will execute it."""
+    messages = []
+    if runtime.capacity is not None and plan.capacity > runtime.capacity:
+        messages.append(
+            f"capacity = {plan.capacity}: the plan fills microbatches up to {plan.capacity} padded tokens, more than "
+            f"the runtime's capacity {runtime.capacity}; plan again with capacity <= {runtime.capacity}"
+        )
+    if runtime.pipeline_stages is not None and plan.pipeline_stages < runtime.pipeline_stages:
+        messages.append(
+            f"pipeline_stages = {plan.pipeline_stages}: the plan keeps an adapter's global batches "
+            f"{plan.pipeline_stages} rounds apart, the runtime's {runtime.pipeline_stages} pipeline stages need "
+            f"{runtime.pipeline_stages}; plan again with pipeline_stages >= {runtime.pipeline_stages}"
+        )
+    if runtime.data_parallel is not None and plan.data_parallel != runtime.data_parallel:
+        messages.append(
+            f"data_parallel = {plan.data_parallel}: the plan deals microbatches to {plan.data_parallel} replicas, "
+            f"the runtime has {runtime.data_parallel}; plan again with data_parallel = {runtime.data_parallel}"
+        )
+    if runtime.padding_multiple is not None and plan.padding_multiple % runtime.padding_multiple:
+        messages.append(
+            f"padding_multiple = {plan.padding_multiple}: the runtime pads segments to multiples of "
+            f"{runtime.padding_multiple}, which does not divide {plan.padding_multiple}; plan again with "
+            f"padding_multiple a multiple of {runtime.padding_multiple}"
+        )
+    out.extend(Violation(kind="settings", message=message) for message in messages)
 
 
 def _check_shape(plan: Plan, out: list[Violation]) -> None:
@@ -242,16 +276,21 @@ def _check_lemma_and_steps(plan: Plan, spans: dict[str, dict[int, tuple[int, int
             )
 
 
-def verify(plan: Plan) -> list[Violation]:
+def verify(plan: Plan, *, runtime: RuntimeSettings | None = None) -> list[Violation]:
     """Every violated invariant of ``plan`` (empty when the plan is valid).
 
     Args:
         plan: A plan, e.g. from :func:`lorafusion_sched.plan` or read from JSON.
+        runtime: The settings of the runtime that will execute the plan; each one given that the
+            plan was not made for is a violation of kind ``settings`` (see :class:`RuntimeSettings`).
+            ``None``: the plan is checked against its own header only.
 
     Returns:
         Violations ordered by kind of check, then by microbatch.
     """
     out: list[Violation] = []
+    if runtime is not None:
+        _check_settings(plan, runtime, out)
     _check_shape(plan, out)
     spans = _check_segments(plan, out)
     _check_lemma_and_steps(plan, spans, out)
