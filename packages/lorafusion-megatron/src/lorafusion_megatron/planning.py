@@ -50,7 +50,7 @@ def make_plan(
         plan = lorafusion_sched.plan(jobs, options)
     except SchedError as exc:
         raise TrainerError(f"the scheduler refused the jobs: {exc}") from None
-    check_plan(plan, data, drop_last=config.scheduler.drop_last)
+    check_plan(plan, data, config, pipeline_stages=pipeline_stages, data_parallel=data_parallel)
     return plan
 
 
@@ -61,20 +61,32 @@ def plan_from_json(text: str) -> Plan:
     return Plan.model_validate_json(text)
 
 
-def check_plan(plan: Plan, data: Mapping[str, JobData], *, drop_last: bool) -> None:
-    """Refuse a plan that breaks an invariant or does not fit the jobs' data.
+def check_plan(
+    plan: Plan, data: Mapping[str, JobData], config: TrainerConfig, *, pipeline_stages: int = 1, data_parallel: int = 1
+) -> None:
+    """Refuse a plan that breaks an invariant, was made for other settings, or does not fit the jobs' data.
 
     Args:
         plan: The plan to execute.
         data: Every job's training data.
-        drop_last: Whether the run drops partial last global batches.
+        config: The run (its capacity, padding multiple and ``drop_last``).
+        pipeline_stages: The stages that execute the plan.
+        data_parallel: The replicas that execute the plan.
 
     Raises:
         TrainerError: Naming each violation, or the adapter whose samples do not match.
     """
     import lorafusion_sched
+    from lorafusion_sched.models import RuntimeSettings
 
-    violations = lorafusion_sched.verify(plan)
+    runtime = RuntimeSettings(
+        capacity=config.scheduler.resolved_capacity,
+        pipeline_stages=pipeline_stages,
+        data_parallel=data_parallel,
+        padding_multiple=config.scheduler.padding_multiple,
+    )
+    drop_last = config.scheduler.drop_last
+    violations = lorafusion_sched.verify(plan, runtime=runtime)
     if violations:
         listed = "\n".join(f"  - {v}" for v in violations[:20])
         more = f"\n  ... and {len(violations) - 20} more" if len(violations) > 20 else ""

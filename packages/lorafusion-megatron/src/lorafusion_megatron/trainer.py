@@ -165,7 +165,7 @@ class Trainer:
                 optimizers=session.optimizers,
             )
             plan = plan_from_json(loaded.plan_json)
-            check_plan(plan, prepared.jobs, drop_last=config.scheduler.drop_last)
+            check_plan(plan, prepared.jobs, config)
             state = loaded.state
             _log.info("resuming from %s at microbatch %d", checkpoint_path, state.position)
         else:

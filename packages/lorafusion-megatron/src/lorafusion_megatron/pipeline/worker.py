@@ -109,7 +109,7 @@ def shared_plan(
 
     plan_json, checkpoint = _rank_zero_decides(layout, decide)
     plan = plan_from_json(plan_json)
-    check_plan(plan, data, drop_last=config.scheduler.drop_last)
+    check_plan(plan, data, config, pipeline_stages=parallel.pipeline_stages, data_parallel=parallel.data_parallel)
     return plan, None if checkpoint is None else Path(checkpoint)
 
 
