@@ -9,6 +9,7 @@ from pydantic import BaseModel, ValidationError
 from lorafusion_sched import AdapterJob, Plan, PlanOptions, SchedError, plan
 from lorafusion_sched.models import (
     AdapterInfo,
+    CostModel,
     Microbatch,
     PlanStats,
     RunStats,
@@ -110,6 +111,31 @@ def test_whole_floats_are_integers_as_in_json_schema() -> None:
     job = AdapterJob(name="a", sample_tokens=[5.0, 6], global_batch_size=np.float64(2.0))  # type: ignore[arg-type, list-item]
     assert job.sample_tokens == (5, 6)
     assert all(type(t) is int for t in (*job.sample_tokens, job.global_batch_size))
+
+
+@pytest.mark.parametrize(
+    ("model", "fields", "needle"),
+    [
+        (PlanOptions, {"capacity": 64, "drop_last": "true"}, "drop_last"),
+        (PlanOptions, {"capacity": 64, "use_milp": 1}, "use_milp"),
+        (PlanOptions, {"capacity": 64, "time_limit": "0.5"}, "time_limit"),
+        (PlanOptions, {"capacity": 64, "sigma_factor": "0.25"}, "sigma_factor"),
+        (Microbatch, {"noop": "false"}, "noop"),
+        (CostModel, {"stage_factors": [1.0, "1.2"]}, "stage_factors"),
+    ],
+)
+def test_numbers_and_booleans_refuse_text(model: type[BaseModel], fields: dict[str, object], needle: str) -> None:
+    """A number or boolean field takes what the JSON schema's type takes, never its text."""
+    with pytest.raises(ValidationError, match=needle):
+        model.model_validate(fields)
+    with pytest.raises(ValidationError, match=needle):
+        model.model_validate_json(json.dumps(fields))
+
+
+def test_number_fields_take_integers_and_numpy_floats() -> None:
+    options = PlanOptions(capacity=64, time_limit=1, sigma_factor=np.float64(0.5))  # type: ignore[arg-type]
+    assert (options.time_limit, options.sigma_factor) == (1.0, 0.5)
+    assert CostModel.model_validate_json('{"stage_factors": [1, 1.5]}').stage_factors == (1.0, 1.5)
 
 
 def _integer_fields(model: type[BaseModel]) -> tuple[list[str], list[str], list[str]]:

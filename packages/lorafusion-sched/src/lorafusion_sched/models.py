@@ -2,7 +2,9 @@
 
 Everything inside the planner works on plain tuples and numpy arrays; only these models cross the
 public API and the JSON files. All are frozen and refuse unknown fields, and every validation error
-names the field and the offending value.
+names the field and the offending value. Each field takes what its type in the JSON schema takes:
+whole numbers (:data:`WholeNumber`), numbers (``StrictFloat``: ints and floats) and booleans
+(``StrictBool``), never their text (``"4096"``, ``"0.5"``, ``"true"``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictBool,
+    StrictFloat,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -146,27 +150,27 @@ class PlanOptions(BaseModel):
     data_parallel: WholeNumber = Field(
         default=1, description="Data-parallel replicas d; microbatches go round-robin to them."
     )
-    drop_last: bool = Field(default=False, description="Drop an adapter's last global batch when it is partial.")
-    truncate: bool = Field(
+    drop_last: StrictBool = Field(default=False, description="Drop an adapter's last global batch when it is partial.")
+    truncate: StrictBool = Field(
         default=False, description="Cut samples longer than the capacity to it instead of refusing them."
     )
-    use_milp: bool = Field(default=True, description="Try the two-stage MILP where greedy misses a bound.")
-    merge: bool = Field(default=True, description="Run the merge pass across consecutive global batches.")
+    use_milp: StrictBool = Field(default=True, description="Try the two-stage MILP where greedy misses a bound.")
+    merge: StrictBool = Field(default=True, description="Run the merge pass across consecutive global batches.")
     neighbourhood: OptionalWholeNumber = Field(
         default=3, ge=1, description="Least-filled greedy microbatches the MILP re-packs; None: all (slow)."
     )
-    time_limit: float | None = Field(
+    time_limit: StrictFloat | None = Field(
         default=0.02,
         gt=0,
         description="Wall-clock seconds per MILP solve; None: node_limit alone, the same plan on every run (slower).",
     )
     node_limit: WholeNumber = Field(default=10_000, ge=1, description="Branch-and-bound nodes per MILP solve.")
-    mip_rel_gap: float = Field(default=0.0, ge=0, le=1, description="Relative gap at which a MILP solve stops.")
+    mip_rel_gap: StrictFloat = Field(default=0.0, ge=0, le=1, description="Relative gap at which a MILP solve stops.")
     seed: WholeNumber = Field(default=0, ge=0, description="Random seed handed to HiGHS.")
     workers: OptionalWholeNumber = Field(
         default=None, ge=1, description="Processes solving global batches in parallel; default: the CPU count."
     )
-    sigma_factor: float = Field(
+    sigma_factor: StrictFloat = Field(
         default=0.25, ge=0, description="Grouping: microbatch estimates use mean - k*std tokens per sample."
     )
 
@@ -206,7 +210,7 @@ class Microbatch(BaseModel):
     model_config = _FROZEN
 
     segments: tuple[Segment, ...] = Field(default=(), description="Per-adapter segments; empty for a no-op.")
-    noop: bool = Field(default=False, description="True for an empty slot inserted to honour the bubble lemma.")
+    noop: StrictBool = Field(default=False, description="True for an empty slot inserted to honour the bubble lemma.")
     step_after: tuple[str, ...] = Field(
         default=(), description="Adapters whose optimizer steps once this microbatch's backward left every stage."
     )
@@ -246,8 +250,8 @@ class PlanStats(BaseModel):
     num_microbatches: WholeNumber = Field(description="All microbatches, no-ops included.")
     num_noops: WholeNumber = Field(description="No-op microbatches inserted for the bubble lemma or data parallel.")
     lower_bound: WholeNumber = Field(description="ceil(sum over adapter global batches of padded tokens / capacity).")
-    fill_ratio: float = Field(description="Padded tokens / (non-no-op microbatches x capacity).")
-    token_ratio: float = Field(description="Real tokens / (non-no-op microbatches x capacity).")
+    fill_ratio: StrictFloat = Field(description="Padded tokens / (non-no-op microbatches x capacity).")
+    token_ratio: StrictFloat = Field(description="Real tokens / (non-no-op microbatches x capacity).")
     num_groups: WholeNumber = Field(description="Adapter groups used (summed over phases when adapters run out).")
     groups: tuple[tuple[str, ...], ...] = Field(description="Groups of the first phase, in execution order.")
     num_tasks: WholeNumber = Field(description="Packing problems: (group, global batch) pairs.")
@@ -258,7 +262,7 @@ class PlanStats(BaseModel):
     merged_samples: WholeNumber = Field(description="Samples moved into an earlier microbatch by the merge pass.")
     dropped_samples: WholeNumber = Field(description="Samples left out by drop_last.")
     workers: WholeNumber = Field(description="Processes that solved MILPs (1: in this process).")
-    solve_seconds: float = Field(
+    solve_seconds: StrictFloat = Field(
         description="Wall time of plan(), seconds (the only field that differs between runs when time_limit is None)."
     )
 
@@ -348,10 +352,10 @@ class CostModel(BaseModel):
 
     model_config = _FROZEN
 
-    forward_fixed_s: float = Field(default=2e-3, ge=0)
-    forward_per_token_s: float = Field(default=2e-5, ge=0)
-    backward_factor: float = Field(default=2.0, gt=0)
-    stage_factors: tuple[float, ...] | None = Field(default=None, description="One positive factor per stage.")
+    forward_fixed_s: StrictFloat = Field(default=2e-3, ge=0)
+    forward_per_token_s: StrictFloat = Field(default=2e-5, ge=0)
+    backward_factor: StrictFloat = Field(default=2.0, gt=0)
+    stage_factors: tuple[StrictFloat, ...] | None = Field(default=None, description="One positive factor per stage.")
 
     @field_validator("stage_factors")
     @classmethod
@@ -375,11 +379,11 @@ class RunStats(BaseModel):
 
     name: str
     num_microbatches: WholeNumber
-    makespan_s: float
-    bubble_ratio: float = Field(description="Mean over stages of idle time / makespan.")
-    bubble_ratio_per_stage: tuple[float, ...]
+    makespan_s: StrictFloat
+    bubble_ratio: StrictFloat = Field(description="Mean over stages of idle time / makespan.")
+    bubble_ratio_per_stage: tuple[StrictFloat, ...]
     tokens: WholeNumber = Field(description="Real tokens trained.")
-    tokens_per_s: float
+    tokens_per_s: StrictFloat
 
 
 class SimulationResult(BaseModel):
