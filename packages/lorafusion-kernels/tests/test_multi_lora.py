@@ -625,6 +625,39 @@ def test_a_strided_bias_is_read_as_its_values(path: str, request: pytest.Fixture
 
 
 @pytest.mark.parametrize("path", [pytest.param("interpreter", marks=INTERPRET), "torch_path"])
+@pytest.mark.parametrize("layout", ["transposed", "column_strided"])
+def test_a_strided_weight_is_read_as_its_values(path: str, layout: str, request: pytest.FixtureRequest) -> None:
+    """A weight whose K stride is not 1 (a Conv1D-style ``W.t()``, a column slice) gives the contiguous results.
+
+    The multi-adapter kernels read ``W`` with unit stride along K; such a view used to be read as if
+    it had one: wrong outputs and dx, no error. The trainable weight's gradient reaches the view.
+    """
+    request.getfixturevalue(path)
+    inputs = make_inputs(MIXED, torch.float32)
+    dense = inputs["weight"].detach()
+    if layout == "transposed":
+        stored = dense.t().contiguous().requires_grad_(True)  # [K, N], as GPT-2's Conv1D keeps it
+        strided = stored.t()
+    else:
+        stored = torch.stack([dense, torch.zeros_like(dense)], dim=-1).requires_grad_(True)
+        strided = stored[..., 0]
+    packed = dense.clone().requires_grad_(True)
+    segments = {"segment_lengths": MIXED.lengths, "segment_adapters": MIXED.adapters, "scaling": MIXED.scaling}
+    dy = torch.randn(sum(MIXED.lengths), MIXED.n, generator=torch.Generator().manual_seed(5))
+    as_nk = {"transposed": lambda g: g.t(), "column_strided": lambda g: g[..., 0]}[layout]
+    grads = []
+    for weight, leaf, to_nk in ((strided, stored, as_nk), (packed, packed, lambda g: g)):
+        x = inputs["x"].detach().clone().requires_grad_(True)
+        lora_a = [a.detach().clone().requires_grad_(True) for a in inputs["lora_a"]]
+        lora_b = [b.detach().clone().requires_grad_(True) for b in inputs["lora_b"]]
+        y = fused_multi_lora_linear(x, weight, lora_a, lora_b, **segments)
+        y.backward(dy)
+        grads.append([y.detach(), x.grad, *[a.grad for a in lora_a], *[b.grad for b in lora_b], to_nk(leaf.grad)])
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("path", [pytest.param("interpreter", marks=INTERPRET), "torch_path"])
 def test_empty_batch_is_the_frozen_layer(path: str, request: pytest.FixtureRequest) -> None:
     request.getfixturevalue(path)
     inputs = make_inputs(dataclasses.replace(MIXED, lengths=(0, 0, 0, 0, 0, 0)), torch.float32)
@@ -738,6 +771,39 @@ def test_gpu_bf16_real_shapes(case: Case) -> None:
     ref_grads, eager_grads = grads(ref_in), grads(eager_in)
     for name, g in grads(gpu).items():
         assert_close_to_reference(name, g, ref_grads[name], eager_grads[name], factor=3.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::lorafusion_kernels.errors.LoRAFusionKernelsWarning")  # no config file for this GPU
+@pytest.mark.parametrize("adapters", [1, 3], ids=["fusedlora", "multi"])
+def test_gpu_a_transposed_weight_gives_the_contiguous_results(adapters: int) -> None:
+    """A Conv1D-style ``W [K, N]`` passed as ``W.t()`` in bf16 at a real width, on both ops' GPU paths.
+
+    One adapter takes FusedLoRA (whose kernels read any strides, without TMA); several take the
+    multi-adapter kernels (which copy such a view to unit K stride first).
+    """
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    t, n, k, r = 2048, 1024, 4096, 16
+
+    def rand(*shape: int, scale: float) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+
+    x, stored = rand(t, k, scale=1.0), rand(k, n, scale=k**-0.5)
+    lora_a = [rand(r, k, scale=k**-0.5) for _ in range(adapters)]
+    lora_b = [rand(n, r, scale=r**-0.5) for _ in range(adapters)]
+    dy = rand(t, n, scale=1.0)
+    lengths = [t // adapters] * (adapters - 1) + [t - (t // adapters) * (adapters - 1)]
+    results = []
+    for weight in (stored.t(), stored.t().contiguous()):
+        leaves = [x.clone().requires_grad_(), *(p.clone().requires_grad_() for p in (*lora_a, *lora_b))]
+        y = fused_multi_lora_linear(
+            leaves[0], weight, leaves[1 : 1 + adapters], leaves[1 + adapters :], segment_lengths=lengths,
+            segment_adapters=list(range(adapters)), scaling=2.0, dropout_p=0.1, seed=11,
+        )  # fmt: skip
+        y.backward(dy)
+        results.append([y.detach(), *(leaf.grad for leaf in leaves)])
+    for got, want in zip(*results, strict=True):
+        assert rel_rms(got.float(), want.float()) < 1e-2
 
 
 @pytest.mark.parametrize("interpreter", ["1", "0"], ids=["triton", "torch"])

@@ -336,6 +336,15 @@ def call_batch(
     return batch, _per_adapter(scaling, num_adapters, "scaling"), _per_adapter(dropout_p, num_adapters, "dropout_p")
 
 
+def unit_k_stride(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` with unit stride along ``K``, as the multi-adapter kernels read it.
+
+    A transposed or column-strided view is copied (differentiably, so a trainable weight still gets
+    its gradient); a weight that already has it, the usual ``nn.Linear`` weight, is returned as is.
+    """
+    return weight if weight.stride(-1) == 1 else weight.contiguous()
+
+
 def run_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -348,6 +357,7 @@ def run_triton(
     deterministic: bool | None,
 ) -> torch.Tensor:
     """``y [T, N]`` of the Triton path, differentiable: the autograd Function, or the custom op when compiling."""
+    weight = unit_k_stride(weight)
     if deterministic is None:
         deterministic = deterministic_mode()
     if torch.compiler.is_compiling():

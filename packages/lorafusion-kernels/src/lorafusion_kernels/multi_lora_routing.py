@@ -20,6 +20,7 @@ from torch import nn
 
 from lorafusion_kernels._kernels._common import MAX_RANK
 from lorafusion_kernels.autocast import call_as_linear, linear_compute_dtype
+from lorafusion_kernels.base_layers import base_weight
 from lorafusion_kernels.errors import LoRAFusionKernelsError, OnceWarnings
 from lorafusion_kernels.metadata import MultiLoRABatch
 from lorafusion_kernels.module_hooks import parts_wrapped
@@ -280,7 +281,7 @@ def peft_multi_lora_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: A
     The patched ``lora.Linear.forward`` calls this first, for every layer (fused or not), and returns
     its result when it is not None. It applies when :func:`multi_lora_batch` is active or PEFT passed
     ``adapter_names=`` (one name per row of ``x``; consecutive rows of one adapter form a segment).
-    Eligible layers (plain ``nn.Linear`` base in ``x``'s dtype, no ``fan_in_fan_out``, no
+    Eligible layers (plain ``nn.Linear`` or transformers ``Conv1D`` base in ``x``'s dtype, no
     ``lora_bias``, ranks the kernels take) run :func:`fused_multi_lora_linear`; others, and calls
     with extra arguments, run a per-segment eager loop with PEFT's own modules (the extra arguments
     go to the base layer, as in PEFT's forward). DoRA and other LoRA variants, and merged
@@ -375,10 +376,10 @@ def _dropout_p(layer: Any, name: str) -> float:
 def _fusable(
     layer: Any, x: torch.Tensor, present: list[str | None], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> bool:
-    base = layer.base_layer
-    if args or kwargs or type(base) is not nn.Linear or getattr(layer, "fan_in_fan_out", False):
+    weight = base_weight(layer)
+    if args or kwargs or weight is None:
         return False
-    compute = linear_compute_dtype(x, base.weight)
+    compute = linear_compute_dtype(x, weight)
     if compute is None:
         return False
     for name in filter(None, present):
@@ -393,11 +394,12 @@ def _fusable(
 
 def _fused_layer_forward(layer: Any, x: torch.Tensor, batch: MultiLoRABatch, present: list[str | None]) -> torch.Tensor:
     k_in = x.shape[-1]
-    base = layer.base_layer
+    base, weight = layer.base_layer, base_weight(layer)
+    assert weight is not None  # _fusable checked it
     lora_a, lora_b, scaling, ps = [], [], [], []
     for name in present:
         if name is None:
-            no_a, no_b = _no_adapter(k_in, base.out_features, x.dtype, x.device)
+            no_a, no_b = _no_adapter(k_in, weight.shape[0], x.dtype, x.device)
             lora_a.append(no_a)
             lora_b.append(no_b)
             scaling.append(0.0)
@@ -410,7 +412,7 @@ def _fused_layer_forward(layer: Any, x: torch.Tensor, batch: MultiLoRABatch, pre
             scaling.append(float(layer.scaling[name]))
             ps.append(_dropout_p(layer, name))
     return call_as_linear(
-        fused_multi_lora_linear, x, base.weight, lora_a, lora_b, scaling=scaling, dropout_p=ps, bias=base.bias,
+        fused_multi_lora_linear, x, weight, lora_a, lora_b, scaling=scaling, dropout_p=ps, bias=base.bias,
         batch=batch,
     )  # fmt: skip
 

@@ -11,11 +11,12 @@ wins) whether this call can run fused: CUDA fp16/bf16 activations matching the b
 fp32 model under ``torch.autocast`` to one of them (which the fused op then follows: see
 :mod:`lorafusion_kernels.autocast`), or CPU fp16/fp32 under ``TRITON_INTERPRET=1``; one active
 adapter on the layer, no DoRA or other LoRA variant, no ``lora_bias``, an unquantized
-``nn.Linear`` base layer, and no forward hooks on it or on the LoRA modules (the fused op does not
-call them). Anything else runs PEFT's own forward, with one warning per reason and per
-``patch_peft_model`` call. A trainable base weight gets its gradient on either path.
-Nothing in the state dict changes, so ``save_pretrained`` still writes plain PEFT adapter files;
-:func:`unpatch_peft_model` removes the instance attribute again.
+``nn.Linear`` base layer or transformers' ``Conv1D`` (GPT-2: :mod:`lorafusion_kernels.base_layers`),
+and no forward hooks on it or on the LoRA modules (the fused op does not call them). Anything else
+runs PEFT's own forward, with one warning per reason and per ``patch_peft_model`` call. A trainable
+base weight gets its gradient on either path. Nothing in the state dict changes, so
+``save_pretrained`` still writes plain PEFT adapter files; :func:`unpatch_peft_model` removes the
+instance attribute again.
 
 Why not ``LoraConfig._register_custom_module``: PEFT does not persist that mapping (every load
 must re-register it and pass ``config=``), it replaces the layer class at creation time only, and
@@ -38,6 +39,7 @@ from torch import nn
 
 from lorafusion_kernels._kernels._common import runs_triton
 from lorafusion_kernels.autocast import autocast_dtype, call_as_linear, linear_compute_dtype
+from lorafusion_kernels.base_layers import base_weight, unsupported_base
 from lorafusion_kernels.errors import OnceWarnings
 from lorafusion_kernels.lora import fused_lora_linear
 from lorafusion_kernels.module_hooks import parts_wrapped
@@ -80,29 +82,20 @@ def _warn_once(reason: str) -> None:
 
 def _fused_single_adapter(layer: Any, x: torch.Tensor, name: str) -> torch.Tensor:
     """Adapter ``name`` of a PEFT ``lora.Linear`` through :func:`fused_lora_linear` (autocast: as nn.Linear)."""
-    base = layer.get_base_layer()
+    base, weight = layer.get_base_layer(), base_weight(layer)
+    assert weight is not None  # the router checked unsupported_base
     dropout = layer.lora_dropout[name]
     p = float(dropout.p) if isinstance(dropout, nn.Dropout) and dropout.training else 0.0
     return call_as_linear(
         fused_lora_linear,
         x,
-        base.weight,
+        weight,
         layer.lora_A[name].weight,
         layer.lora_B[name].weight,
         scaling=float(layer.scaling[name]),
         dropout_p=p,
         bias=base.bias,
     )
-
-
-def _unsupported_structure(layer: Any) -> str | None:
-    """Why this layer can never run fused (checked at patch time too), or None."""
-    base = layer.get_base_layer()
-    if getattr(layer, "fan_in_fan_out", False):
-        return "fan_in_fan_out=True layers (Conv1D-style weights)"
-    if type(base) is not nn.Linear:
-        return f"base layers of type {type(base).__name__} (quantized, Conv1D, or another nn.Linear subclass)"
-    return None
 
 
 _HOOKED = (
@@ -127,7 +120,7 @@ def single_adapter_router(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -
         return Route(None, "DoRA and other LoRA variants")
     if getattr(layer, "lora_bias", {}).get(name, False):
         return Route(None, "adapters with lora_bias=True")
-    structural = _unsupported_structure(layer)
+    structural = unsupported_base(layer)
     if structural is not None:
         return Route(None, structural)
     if not isinstance(layer.lora_dropout[name], nn.Dropout | nn.Identity):
@@ -197,7 +190,7 @@ def _lora_linear_class() -> type[nn.Module]:
 def patch_peft_model(model: nn.Module) -> int:
     """Route every PEFT ``lora.Linear`` in ``model`` through the fused op; returns how many were patched.
 
-    Layers that can never run fused (quantized base, ``fan_in_fan_out``, other LoRA layer types,
+    Layers that can never run fused (quantized base, other LoRA layer types,
     a ``forward`` already overridden on the instance or its base layer by hooks) are left alone
     with one warning per reason. Patching twice is harmless. LoRA layers created later
     (``add_adapter`` or ``load_adapter`` on new target modules) are not patched: call this again.
@@ -219,7 +212,7 @@ def patch_peft_model(model: nn.Module) -> int:
         if getattr(module, _PATCHED, False):
             patched += 1
             continue
-        structural = _unsupported_structure(module)
+        structural = unsupported_base(module)
         if structural is not None:
             _warn_once(structural)
             continue
