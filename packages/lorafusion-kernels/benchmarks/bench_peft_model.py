@@ -35,37 +35,47 @@ import peft
 import torch
 import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig
 
 import lorafusion_kernels
 
-PRESETS: dict[str, dict[str, float | int]] = {
-    "llama-3.1-8b": {
-        "vocab_size": 128256,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "max_position_embeddings": 16384,
-        "rope_theta": 500000.0,
-    },
-    "tiny": {
-        "vocab_size": 512,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-    },
+PRESETS: dict[str, tuple[type[PretrainedConfig], dict[str, float | int]]] = {
+    "llama-3.1-8b": (
+        LlamaConfig,
+        {
+            "vocab_size": 128256,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 16384,
+            "rope_theta": 500000.0,
+        },
+    ),
+    # GPT-2's attention and MLP are transformers' Conv1D layers (W [K, N]): PEFT's fan_in_fan_out.
+    "gpt2-xl": (GPT2Config, {"vocab_size": 50257, "n_embd": 1600, "n_layer": 48, "n_head": 25, "n_positions": 1024}),
+    "tiny": (
+        LlamaConfig,
+        {
+            "vocab_size": 512,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 512,
+        },
+    ),
+    "tiny-gpt2": (GPT2Config, {"vocab_size": 512, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 512}),
 }
 MODES = ("frozen", "peft", "lorafusion")
 
 
 def build_model(args: argparse.Namespace, device: torch.device) -> PeftModel:
-    """The preset's LLaMA in bf16 with random weights, one LoRA adapter on every linear layer."""
-    config = LlamaConfig(**PRESETS[args.preset], attn_implementation="sdpa")
+    """The preset's model in bf16 with random weights, one LoRA adapter on every linear (or Conv1D) layer."""
+    config_class, fields = PRESETS[args.preset]
+    config = config_class(**fields, attn_implementation="sdpa")
     torch.manual_seed(0)
     with device:
         base = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -137,7 +147,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     device = torch.device(args.device)
     model = build_model(args, device)
     gen = torch.Generator().manual_seed(1)
-    vocab = int(PRESETS[args.preset]["vocab_size"])
+    vocab = int(model.config.vocab_size)
     batches = [torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(device) for _ in range(args.steps)]
     time_fn = timer(device)
     fallbacks: set[str] = set()

@@ -15,7 +15,8 @@ SCRIPT = Path(__file__).parents[1] / "benchmarks" / "bench_peft_model.py"
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
-def test_the_whole_model_benchmark_runs_every_mode(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt2"])
+def test_the_whole_model_benchmark_runs_every_mode(preset: str, capsys: pytest.CaptureFixture[str]) -> None:
     spec = importlib.util.spec_from_file_location("bench_peft_model", SCRIPT)
     assert spec is not None
     assert spec.loader is not None
@@ -24,7 +25,7 @@ def test_the_whole_model_benchmark_runs_every_mode(capsys: pytest.CaptureFixture
     spec.loader.exec_module(module)
     result = module.measure(
         module.build_parser().parse_args(
-            ["--preset", "tiny", "--device", "cpu", "--seq", "32", "--steps", "1", "--rounds", "1"]
+            ["--preset", preset, "--device", "cpu", "--seq", "32", "--steps", "1", "--rounds", "1"]
         )
     )
     assert set(result["modes"]) == {"frozen", "peft", "lorafusion"}
