@@ -200,6 +200,23 @@ def test_resume_refuses_another_layout(tiny_base: Path, tmp_path: Path) -> None:
         )
 
 
+def test_resume_on_other_replicas_is_refused_for_its_parallel_settings(tiny_base: Path, tmp_path: Path) -> None:
+    """Not with the plan's "plan again with data_parallel = 2", which a resume cannot do."""
+    from lorafusion_megatron.errors import TrainerError
+    from lorafusion_megatron.pipeline.groups import parallel_layout
+    from lorafusion_megatron.pipeline.worker import run_rank, shared_plan
+    from lorafusion_megatron.trainer import prepare_data
+
+    config = _config(tiny_base, tmp_path / "run").model_copy(update={"save_steps": 3})
+    run_rank(config, ParallelConfig(), backend="gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
+    data = prepare_data(config).jobs
+    with (
+        parallel_layout(1, backend="gloo", init_method=(tmp_path / "again").as_uri(), rank=0, world_size=1) as layout,
+        pytest.raises(TrainerError, match=r"written with parallel settings .*'data_parallel': 1.*'data_parallel': 2"),
+    ):
+        shared_plan(config, data, ParallelConfig(data_parallel=2), layout, resume=True)
+
+
 def test_resume_of_a_pipeline_checkpoint_names_the_changed_keys(tiny_base: Path, tmp_path: Path) -> None:
     from lorafusion_megatron.errors import TrainerError
     from lorafusion_megatron.pipeline.worker import run_rank

@@ -92,10 +92,14 @@ def shared_plan(
 
     Rank 0 checks the output folders, then plans (or finds the newest checkpoint, whose plan is
     kept: re-planning could pack differently), and broadcasts; every rank re-checks the plan. A
-    fresh run refuses a folder holding checkpoints, as the single-process trainer does.
+    fresh run refuses a folder holding checkpoints, as the single-process trainer does; a resume
+    refuses a checkpoint of another config or other parallel settings before its plan is checked
+    (a plan for other stages or replicas would be refused too, but with advice to plan again,
+    which a resume cannot do).
     """
     from lorafusion_megatron.adapters_io import check_run_outputs
-    from lorafusion_megatron.checkpoint import checkpoint_to_resume
+    from lorafusion_megatron.checkpoint import checkpoint_to_resume, run_fingerprint
+    from lorafusion_megatron.pipeline.checkpoint import read_run_state
     from lorafusion_megatron.planning import check_plan, plan_from_json
 
     def decide() -> tuple[str, str | None]:
@@ -105,6 +109,7 @@ def shared_plan(
             plan_json = make_pipeline_plan(config, data, parallel).model_dump_json()
             write_text_atomically(Path(config.output_dir, "plan.json"), plan_json)
             return plan_json, None
+        read_run_state(found, fingerprint=run_fingerprint(config, data), parallel=parallel)
         return (found / "plan.json").read_text(encoding="utf-8"), str(found)
 
     plan_json, checkpoint = _rank_zero_decides(layout, decide)
