@@ -85,6 +85,29 @@ def _rank_zero_decides(layout: Layout, decide: Callable[[], Any]) -> Any:
     return value
 
 
+@contextlib.contextmanager
+def _run_lock_on_rank_zero(config: TrainerConfig, layout: Layout) -> Iterator[None]:
+    """The output folder's run lock, held by global rank 0 inside the block; a refusal is raised on every rank.
+
+    Under ``torchrun`` no launcher process of this package holds it, so rank 0 does, and deletes
+    the staging folders a killed run left (as the local launcher and the single-process trainer do).
+
+    Raises:
+        TrainerError: Another run holds the lock (on every rank).
+    """
+    from lorafusion_megatron.checkpoint import remove_stale_staging
+    from lorafusion_megatron.run_lock import run_lock
+
+    with contextlib.ExitStack() as held:
+
+        def take() -> None:
+            held.enter_context(run_lock(Path(config.output_dir)))
+            remove_stale_staging(config.checkpoint_dir)
+
+        _rank_zero_decides(layout, take)
+        yield
+
+
 def shared_plan(
     config: TrainerConfig, data: dict[str, JobData], parallel: ParallelConfig, layout: Layout, resume: bool
 ) -> tuple[Plan, Path | None]:
@@ -204,14 +227,19 @@ def run_rank(
     Returns:
         The summary on global rank 0, else ``None``.
 
+    Under ``torchrun`` global rank 0 holds the output folder's run lock for the run (the local
+    launcher holds it for its ranks).
+
     Raises:
-        TrainerError: Unwritable outputs, a refused plan, no or a mismatching checkpoint.
+        TrainerError: Unwritable outputs, a refused plan, no or a mismatching checkpoint, another
+            run in the output folder.
     """
     import torch
     import torch.distributed as dist
 
     from lorafusion_megatron.gc_tuning import start_up_objects_frozen
     from lorafusion_megatron.pipeline.groups import parallel_layout
+    from lorafusion_megatron.pipeline.launch import under_torchrun
     from lorafusion_megatron.pipeline.programs import build_program, split_for_checkpoints
     from lorafusion_megatron.pipeline.stopping import RANK_STOP_MESSAGE, StopAgreement, rank_stop_signal
     from lorafusion_megatron.pipeline.trace import chrome_trace
@@ -225,6 +253,7 @@ def run_rank(
         parallel_layout(
             parallel.pipeline_stages, backend=backend, init_method=init_method, rank=rank, world_size=world_size
         ) as layout,
+        contextlib.ExitStack() as held,
     ):
         phases.done("capacity and process groups")
         if layout.rank == 0:
@@ -234,6 +263,8 @@ def run_rank(
                 f"{layout.world_size} processes make {layout.num_replicas} replicas of {layout.num_stages} stages, "
                 f"but parallel.data_parallel = {parallel.data_parallel}"
             )
+        if under_torchrun():  # the local launcher holds the run lock itself, for all its ranks
+            held.enter_context(_run_lock_on_rank_zero(config, layout))
         prepared = prepare_data(config)
         phases.done("data")
         plan, checkpoint = shared_plan(config, prepared.jobs, parallel, layout, resume)
