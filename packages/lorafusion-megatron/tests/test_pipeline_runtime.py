@@ -200,6 +200,46 @@ def test_resume_refuses_another_layout(tiny_base: Path, tmp_path: Path) -> None:
         )
 
 
+def test_resume_on_other_replicas_is_refused_for_its_parallel_settings(tiny_base: Path, tmp_path: Path) -> None:
+    """Not with the plan's "plan again with data_parallel = 2", which a resume cannot do."""
+    from lorafusion_megatron.errors import TrainerError
+    from lorafusion_megatron.pipeline.groups import parallel_layout
+    from lorafusion_megatron.pipeline.worker import run_rank, shared_plan
+    from lorafusion_megatron.trainer import prepare_data
+
+    config = _config(tiny_base, tmp_path / "run").model_copy(update={"save_steps": 3})
+    run_rank(config, ParallelConfig(), backend="gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
+    data = prepare_data(config).jobs
+    with (
+        parallel_layout(1, backend="gloo", init_method=(tmp_path / "again").as_uri(), rank=0, world_size=1) as layout,
+        pytest.raises(TrainerError, match=r"written with parallel settings .*'data_parallel': 1.*'data_parallel': 2"),
+    ):
+        shared_plan(config, data, ParallelConfig(data_parallel=2), layout, resume=True)
+
+
+def test_under_torchrun_rank_zero_holds_the_run_lock(
+    tiny_base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second run into the folder is refused on every rank; a finished run lets go of the lock."""
+    from lorafusion_megatron.errors import TrainerError
+    from lorafusion_megatron.pipeline.worker import run_rank
+    from lorafusion_megatron.run_lock import run_lock
+
+    monkeypatch.setenv("RANK", "0")  # what torchrun sets; the process group still meets through a file here
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    config = _config(tiny_base, tmp_path / "run")
+    output = Path(config.output_dir)
+    with run_lock(output), pytest.raises(TrainerError, match="is in use by another run"):
+        run_rank(config, ParallelConfig(), backend="gloo", init_method=(tmp_path / "a").as_uri(), rank=0, world_size=1)
+    assert not (output / "plan.json").exists()
+    stale = config.checkpoint_dir / ".checkpoint-3.tmp-killed"
+    stale.mkdir(parents=True)
+    run_rank(config, ParallelConfig(), backend="gloo", init_method=(tmp_path / "b").as_uri(), rank=0, world_size=1)
+    assert not stale.exists()
+    with run_lock(output):
+        pass
+
+
 def test_resume_of_a_pipeline_checkpoint_names_the_changed_keys(tiny_base: Path, tmp_path: Path) -> None:
     from lorafusion_megatron.errors import TrainerError
     from lorafusion_megatron.pipeline.worker import run_rank

@@ -22,7 +22,18 @@ if TYPE_CHECKING:
 
     from lorafusion_sched.models import Microbatch
 
-__all__ = ["lora_grads", "plan_microbatch", "random_job", "tiny_peft_model", "two_job_config"]
+__all__ = [
+    "INJECTED_FAILURE",
+    "lora_grads",
+    "plan_microbatch",
+    "random_job",
+    "run_rank_failing_in_first_forward",
+    "tiny_peft_model",
+    "two_job_config",
+]
+
+INJECTED_FAILURE = "rank 1 fails in its first forward (injected by a test)"
+"""The message of the error :func:`run_rank_failing_in_first_forward` raises."""
 
 
 def two_job_config(
@@ -132,3 +143,31 @@ def plan_microbatch(*segments: tuple[str, int, tuple[int, ...]], step_after: tup
 def lora_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Copies of every LoRA gradient, by parameter name."""
     return {n: p.grad.clone() for n, p in model.named_parameters() if "lora_" in n and p.grad is not None}
+
+
+def run_rank_failing_in_first_forward(config: Any, parallel: Any, **kwargs: Any) -> dict[str, Any] | None:
+    """:func:`~lorafusion_megatron.pipeline.worker.run_rank`, except that global rank 1 raises in its first forward.
+
+    For tests of the launcher: patch ``lorafusion_megatron.pipeline.worker.run_rank`` with this,
+    then call ``launch`` (the ranks, started afresh, import this module and run the real
+    ``run_rank``). Rank 1 raises ``RuntimeError(INJECTED_FAILURE)`` and, once its process groups
+    are torn down, waits 2 s before its process exits, so that its neighbour, which fails on
+    losing it, exits first.
+    """
+    import time
+
+    from lorafusion_megatron.pipeline.engine import StageEngine
+    from lorafusion_megatron.pipeline.worker import run_rank
+
+    if kwargs.get("rank") != 1:
+        return run_rank(config, parallel, **kwargs)
+
+    def fail(*args: Any, **options: Any) -> Any:
+        raise RuntimeError(INJECTED_FAILURE)
+
+    StageEngine._forward = fail  # type: ignore[method-assign]  # this rank's own process
+    try:
+        return run_rank(config, parallel, **kwargs)
+    except RuntimeError:
+        time.sleep(2)
+        raise

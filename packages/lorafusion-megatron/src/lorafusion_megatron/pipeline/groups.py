@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lorafusion_megatron.errors import TrainerError
+from lorafusion_megatron.pipeline.failures import note_failure
 
 if TYPE_CHECKING:
     import torch
@@ -119,6 +120,9 @@ def parallel_layout(
         rank: Global rank (with ``init_method``).
         world_size: Processes in all (with ``init_method``).
 
+    An exception raised inside the block is written down for the local launcher before the groups
+    are torn down (:func:`~lorafusion_megatron.pipeline.failures.note_failure`).
+
     Raises:
         TrainerError: The world size is not a multiple of ``pipeline_stages``.
     """
@@ -148,7 +152,7 @@ def parallel_layout(
     try:
         stage = parallel_state.get_pipeline_model_parallel_rank()
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        yield Layout(
+        layout = Layout(
             rank=dist.get_rank(),
             world_size=world,
             stage=stage,
@@ -163,6 +167,13 @@ def parallel_layout(
             control_group=control_group,
             world_control_group=world_control_group,
         )
+        try:
+            yield layout
+        except Exception as error:
+            # Before the groups go: tearing them down makes the peers fail too, and the launcher must
+            # tell the first failure from theirs (:mod:`.failures`).
+            note_failure(error, rank=layout.rank, stage=layout.stage, replica=layout.replica)
+            raise
     finally:
         for group in (control_group, world_control_group):
             dist.destroy_process_group(group)

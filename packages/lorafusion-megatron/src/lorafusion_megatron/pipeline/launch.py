@@ -8,6 +8,8 @@ the summary rank 0 wrote. While it waits, the first SIGINT or SIGTERM it receive
 rank as SIGTERM (a signal sent to this process alone reaches the ranks; the ranks take the copy a
 terminal's Ctrl-C also sends them as the same request): they stop at their next optimizer step and
 write a checkpoint (:mod:`.stopping`). A second one kills the ranks at once, without a checkpoint.
+When a rank fails, the others are stopped within seconds and the error names the rank that failed
+first, not a peer that failed because of it (:mod:`.failures`).
 """
 
 from __future__ import annotations
@@ -53,9 +55,13 @@ def _spawned_rank(
     backend: str,
     init_method: str,
     world: int,
+    failures: str,
 ) -> None:
     import logging
 
+    from lorafusion_megatron.pipeline.failures import record_failures_in
+
+    record_failures_in(Path(failures))
     os.environ["LOCAL_RANK"] = str(rank)
     if backend == "gloo":
         import torch
@@ -83,9 +89,10 @@ def _start(
             f"{world} processes ({parallel.pipeline_stages} stages x {parallel.data_parallel} replicas) need "
             f"{world} GPUs; {torch.cuda.device_count()} are visible"
         )
-    from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException, spawn
+    from torch.multiprocessing.spawn import spawn
 
     from lorafusion_megatron.checkpoint import remove_stale_staging
+    from lorafusion_megatron.pipeline.failures import supervise
     from lorafusion_megatron.run_lock import run_lock
 
     with run_lock(Path(config.output_dir)), tempfile.TemporaryDirectory(prefix="lorafusion-rendezvous-") as folder:
@@ -93,23 +100,35 @@ def _start(
         init_method = Path(folder, "store").as_uri()
         context = spawn(  # type: ignore[no-untyped-call]
             _spawned_rank,
-            args=(entry, config, parallel, backend, init_method, world),
+            args=(entry, config, parallel, backend, init_method, world, folder),
             nprocs=world,
             join=False,
         )
         try:
-            with _SignalForwarder(context.processes):
-                while not context.join():
-                    pass
-        except ProcessRaisedException as exc:
-            raise TrainerError(f"a pipeline rank failed:\n{exc}") from None
-        except ProcessExitedException as exc:
-            raise TrainerError(
-                f"pipeline rank {exc.error_index} exited with {exc.signal_name or f'code {exc.exit_code}'} "
-                "(before it could take a stop request, or killed): no checkpoint was written by this run"
-            ) from None
+            with _SignalForwarder(context.processes) as forwarder:
+                supervise(
+                    context.processes,
+                    Path(folder),
+                    errors=functools.partial(_spawn_error, context.error_files),
+                    signalled=lambda: forwarder.received > 0,
+                )
+        finally:
+            for path in context.error_files:  # torch's spawn leaves them to its own join, not used here
+                Path(path).unlink(missing_ok=True)
     summary: dict[str, Any] = json.loads((Path(config.output_dir) / result).read_text(encoding="utf-8"))
     return summary
+
+
+def _spawn_error(error_files: Sequence[str], rank: int) -> str:
+    """The traceback torch's spawn wrapper saved of an exception ``rank`` raised (``""`` if none)."""
+    import pickle
+
+    try:
+        with open(error_files[rank], "rb") as file:
+            text = pickle.load(file)  # written by torch.multiprocessing.spawn in the rank's process
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return ""
+    return text if isinstance(text, str) else ""
 
 
 class _SignalForwarder:
@@ -121,13 +140,14 @@ class _SignalForwarder:
 
     def __init__(self, processes: Sequence[BaseProcess]) -> None:
         self._processes = processes
-        self._received = 0
+        self.received = 0
+        """Signals received so far."""
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self._received += 1
+        self.received += 1
         alive = [p for p in self._processes if p.is_alive()]
-        if self._received == 1:
+        if self.received == 1:
             _log.warning(
                 "%s: the ranks stop at their next optimizer step, drain the pipeline and write a checkpoint; "
                 "press Ctrl-C again to abort without one",

@@ -85,6 +85,29 @@ def _rank_zero_decides(layout: Layout, decide: Callable[[], Any]) -> Any:
     return value
 
 
+@contextlib.contextmanager
+def _run_lock_on_rank_zero(config: TrainerConfig, layout: Layout) -> Iterator[None]:
+    """The output folder's run lock, held by global rank 0 inside the block; a refusal is raised on every rank.
+
+    Under ``torchrun`` no launcher process of this package holds it, so rank 0 does, and deletes
+    the staging folders a killed run left (as the local launcher and the single-process trainer do).
+
+    Raises:
+        TrainerError: Another run holds the lock (on every rank).
+    """
+    from lorafusion_megatron.checkpoint import remove_stale_staging
+    from lorafusion_megatron.run_lock import run_lock
+
+    with contextlib.ExitStack() as held:
+
+        def take() -> None:
+            held.enter_context(run_lock(Path(config.output_dir)))
+            remove_stale_staging(config.checkpoint_dir)
+
+        _rank_zero_decides(layout, take)
+        yield
+
+
 def shared_plan(
     config: TrainerConfig, data: dict[str, JobData], parallel: ParallelConfig, layout: Layout, resume: bool
 ) -> tuple[Plan, Path | None]:
@@ -92,10 +115,14 @@ def shared_plan(
 
     Rank 0 checks the output folders, then plans (or finds the newest checkpoint, whose plan is
     kept: re-planning could pack differently), and broadcasts; every rank re-checks the plan. A
-    fresh run refuses a folder holding checkpoints, as the single-process trainer does.
+    fresh run refuses a folder holding checkpoints, as the single-process trainer does; a resume
+    refuses a checkpoint of another config or other parallel settings before its plan is checked
+    (a plan for other stages or replicas would be refused too, but with advice to plan again,
+    which a resume cannot do).
     """
     from lorafusion_megatron.adapters_io import check_run_outputs
-    from lorafusion_megatron.checkpoint import checkpoint_to_resume
+    from lorafusion_megatron.checkpoint import checkpoint_to_resume, run_fingerprint
+    from lorafusion_megatron.pipeline.checkpoint import read_run_state
     from lorafusion_megatron.planning import check_plan, plan_from_json
 
     def decide() -> tuple[str, str | None]:
@@ -105,6 +132,7 @@ def shared_plan(
             plan_json = make_pipeline_plan(config, data, parallel).model_dump_json()
             write_text_atomically(Path(config.output_dir, "plan.json"), plan_json)
             return plan_json, None
+        read_run_state(found, fingerprint=run_fingerprint(config, data), parallel=parallel)
         return (found / "plan.json").read_text(encoding="utf-8"), str(found)
 
     plan_json, checkpoint = _rank_zero_decides(layout, decide)
@@ -199,14 +227,19 @@ def run_rank(
     Returns:
         The summary on global rank 0, else ``None``.
 
+    Under ``torchrun`` global rank 0 holds the output folder's run lock for the run (the local
+    launcher holds it for its ranks).
+
     Raises:
-        TrainerError: Unwritable outputs, a refused plan, no or a mismatching checkpoint.
+        TrainerError: Unwritable outputs, a refused plan, no or a mismatching checkpoint, another
+            run in the output folder.
     """
     import torch
     import torch.distributed as dist
 
     from lorafusion_megatron.gc_tuning import start_up_objects_frozen
     from lorafusion_megatron.pipeline.groups import parallel_layout
+    from lorafusion_megatron.pipeline.launch import under_torchrun
     from lorafusion_megatron.pipeline.programs import build_program, split_for_checkpoints
     from lorafusion_megatron.pipeline.stopping import RANK_STOP_MESSAGE, StopAgreement, rank_stop_signal
     from lorafusion_megatron.pipeline.trace import chrome_trace
@@ -220,6 +253,7 @@ def run_rank(
         parallel_layout(
             parallel.pipeline_stages, backend=backend, init_method=init_method, rank=rank, world_size=world_size
         ) as layout,
+        contextlib.ExitStack() as held,
     ):
         phases.done("capacity and process groups")
         if layout.rank == 0:
@@ -229,6 +263,8 @@ def run_rank(
                 f"{layout.world_size} processes make {layout.num_replicas} replicas of {layout.num_stages} stages, "
                 f"but parallel.data_parallel = {parallel.data_parallel}"
             )
+        if under_torchrun():  # the local launcher holds the run lock itself, for all its ranks
+            held.enter_context(_run_lock_on_rank_zero(config, layout))
         prepared = prepare_data(config)
         phases.done("data")
         plan, checkpoint = shared_plan(config, prepared.jobs, parallel, layout, resume)

@@ -1,0 +1,86 @@
+"""A failing pipeline rank: the launcher names the rank that failed first, not a peer that failed after it.
+
+The choice of the cause from what the ranks wrote down and how their processes ended (cheap), and
+one real 2-process run over gloo in which rank 1 fails in its first forward and its neighbour,
+failing on losing it, exits first (about 10 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lorafusion_megatron.config import parse_config
+from lorafusion_megatron.errors import TrainerError
+from lorafusion_megatron.pipeline.failures import RankExit, RankFailure, first_failure
+from lorafusion_megatron.pipeline.options import ParallelConfig
+from lorafusion_megatron.testing import INJECTED_FAILURE, run_rank_failing_in_first_forward, two_job_config
+
+_CLOSED = "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:949"
+
+
+def _failure(rank: int, seconds: float, error: str, *, user_error: bool = False) -> RankFailure:
+    message = error.partition(": ")[2]
+    return RankFailure(
+        rank=rank,
+        stage=rank,
+        replica=0,
+        seconds=seconds,
+        error=error,
+        message=message,
+        traceback=f"Traceback (most recent call last):\n  File 'engine.py', line 1, in _run\n{error}\n",
+        user_error=user_error,
+    )
+
+
+def test_the_error_written_down_first_is_the_cause_when_a_peer_exited_first() -> None:
+    exits = [RankExit(0, 1), RankExit(1, 1)]  # rank 0's process ended first
+    failures = {0: _failure(0, 2.0, _CLOSED), 1: _failure(1, 1.0, "ValueError: a bad sample")}
+    message = first_failure(exits, failures)
+    assert message.startswith("pipeline rank 1 (stage 1, replica 0) failed, and the run stopped:\nTraceback")
+    assert "\nValueError: a bad sample\n" in message
+    assert message.endswith(f"the other ranks stopped after it (rank 0: {_CLOSED})")
+
+
+def test_a_rank_killed_by_a_signal_is_the_cause_over_its_peers_errors() -> None:
+    exits = [RankExit(0, 1), RankExit(1, -9)]
+    message = first_failure(exits, {0: _failure(0, 1.0, _CLOSED)}, killed=[2], grace_seconds=5)
+    assert message.startswith("pipeline rank 1 was killed by SIGKILL (the kernel's out-of-memory killer")
+    assert "`train ... --resume` continues from the newest one, if any" in message
+    assert message.endswith(f"(rank 0: {_CLOSED}; rank 2: killed, still running 5 s later)")
+
+
+def test_a_user_error_that_every_rank_raised_is_its_message_alone() -> None:
+    refusal = "TrainerError: checkpoint c was written with parallel settings {}: resume with the same stages"
+    failures = {rank: _failure(rank, 1.0 + rank, refusal, user_error=True) for rank in range(2)}
+    assert first_failure([RankExit(1, 1), RankExit(0, 1)], failures) == refusal.partition(": ")[2]
+    failures[1] = _failure(1, 0.5, "TrainerError: dataset d: no such file", user_error=True)
+    assert first_failure([RankExit(1, 1), RankExit(0, 1)], failures).startswith(
+        "pipeline rank 1 (stage 1, replica 0): dataset d: no such file\nthe other ranks stopped after it (rank 0: "
+    )
+
+
+def test_a_rank_that_failed_outside_its_process_groups_shows_the_spawned_traceback() -> None:
+    message = first_failure([RankExit(1, 1, "Traceback ...\nImportError: no module x\n")], {})
+    assert message == "pipeline rank 1 exited with status 1:\nTraceback ...\nImportError: no module x"
+
+
+def test_a_failing_rank_is_named_once_and_the_run_stops(
+    tiny_base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2 stages over gloo: rank 1 raises in its first forward, rank 0 fails on losing it and exits first."""
+    from lorafusion_megatron.pipeline import worker
+    from lorafusion_megatron.pipeline.launch import launch
+    from lorafusion_megatron.run_lock import run_lock
+
+    monkeypatch.setattr(worker, "run_rank", run_rank_failing_in_first_forward)
+    config = parse_config(two_job_config(tiny_base, tmp_path / "run", capacity=64))
+    with pytest.raises(TrainerError) as caught:
+        launch(config, ParallelConfig(pipeline_stages=2), backend="gloo")
+    message = str(caught.value)
+    assert message.startswith("pipeline rank 1 (stage 1, replica 0) failed, and the run stopped:\n"), message
+    assert message.count(INJECTED_FAILURE) == 1, message
+    assert f"\nRuntimeError: {INJECTED_FAILURE}\nthe other ranks stopped after it (rank 0: " in message, message
+    with run_lock(Path(config.output_dir)):  # released
+        pass
