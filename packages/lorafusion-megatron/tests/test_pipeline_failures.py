@@ -7,13 +7,23 @@ failing on losing it, exits first (about 10 s on 2 cores).
 
 from __future__ import annotations
 
+import multiprocessing
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
 from lorafusion_megatron.config import parse_config
 from lorafusion_megatron.errors import TrainerError
-from lorafusion_megatron.pipeline.failures import RankExit, RankFailure, first_failure
+from lorafusion_megatron.pipeline.failures import (
+    RankExit,
+    RankFailure,
+    first_failure,
+    note_failure,
+    record_failures_in,
+    supervise,
+)
 from lorafusion_megatron.pipeline.options import ParallelConfig
 from lorafusion_megatron.testing import INJECTED_FAILURE, run_rank_failing_in_first_forward, two_job_config
 
@@ -66,18 +76,53 @@ def test_a_rank_that_failed_outside_its_process_groups_shows_the_spawned_traceba
     assert message == "pipeline rank 1 exited with status 1:\nTraceback ...\nImportError: no module x"
 
 
+def _fail_then_block(folder: Path) -> None:
+    """A rank that writes its error down and then never exits (as a failed NCCL rank in its teardown)."""
+    record_failures_in(folder)
+    note_failure(RuntimeError(INJECTED_FAILURE), rank=1, stage=1, replica=0)
+    time.sleep(120)
+
+
+def test_a_failure_written_down_stops_ranks_that_never_exit(tmp_path: Path) -> None:
+    """No rank exits: the written-down failure starts the grace period, then both ranks are killed."""
+    context = multiprocessing.get_context("fork")
+    processes = [
+        context.Process(target=time.sleep, args=(120,), daemon=True),
+        context.Process(target=_fail_then_block, args=(tmp_path,), daemon=True),
+    ]
+    for process in processes:
+        process.start()
+    started = time.monotonic()
+    with pytest.raises(TrainerError) as caught:
+        supervise(processes, tmp_path, grace_seconds=0.5)
+    assert time.monotonic() - started < 10
+    assert all(process.exitcode == -signal.SIGKILL for process in processes)
+    message = str(caught.value)
+    assert message.startswith("pipeline rank 1 (stage 1, replica 0) failed, and the run stopped:\n"), message
+    assert message.endswith("the other ranks stopped after it (rank 0: killed, still running 0.5 s later)"), message
+
+
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.multigpu(gpus=2))])
 def test_a_failing_rank_is_named_once_and_the_run_stops(
-    tiny_base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
 ) -> None:
-    """2 stages over gloo: rank 1 raises in its first forward, rank 0 fails on losing it and exits first."""
+    """2 stages: rank 1 raises in its first forward; rank 0, failing on losing it or blocked on it, is stopped.
+
+    Over NCCL a rank blocked on a dead peer would wait for the collective timeout (30 minutes); the
+    launcher kills it after :data:`~lorafusion_megatron.pipeline.failures.FAILURE_GRACE_SECONDS`.
+    """
     from lorafusion_megatron.pipeline import worker
     from lorafusion_megatron.pipeline.launch import launch
     from lorafusion_megatron.run_lock import run_lock
 
     monkeypatch.setattr(worker, "run_rank", run_rank_failing_in_first_forward)
     config = parse_config(two_job_config(tiny_base, tmp_path / "run", capacity=64))
+    if backend == "nccl":
+        config = config.model_copy(update={"runtime": config.runtime.model_copy(update={"device": "cuda"})})
+    started = time.monotonic()
     with pytest.raises(TrainerError) as caught:
-        launch(config, ParallelConfig(pipeline_stages=2), backend="gloo")
+        launch(config, ParallelConfig(pipeline_stages=2), backend=backend)
+    assert time.monotonic() - started < 120
     message = str(caught.value)
     assert message.startswith("pipeline rank 1 (stage 1, replica 0) failed, and the run stopped:\n"), message
     assert message.count(INJECTED_FAILURE) == 1, message

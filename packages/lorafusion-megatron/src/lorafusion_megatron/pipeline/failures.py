@@ -7,10 +7,11 @@ reported in 2 of 7 runs), so the first exit does not name the cause. Each rank t
 launcher starts therefore writes its error down, with the time, while its process groups still
 stand (:func:`note_failure`, called by :func:`~lorafusion_megatron.pipeline.groups.parallel_layout`):
 no peer can fail because of it before that. The launcher (:func:`supervise`) waits for the ranks;
-at the first that fails it gives the others :data:`FAILURE_GRACE_SECONDS` to end on their own, kills
-those left (over NCCL a rank blocked on a dead peer would wait for the 30-minute collective
-timeout; a rank takes SIGTERM as a stop request, which a rank blocked in a transfer never reads),
-and names the cause (:func:`first_failure`).
+at the first failure (a rank's exit, or an error written down by a rank that has not exited: over
+NCCL the failed rank itself can block in its teardown) it gives the ranks
+:data:`FAILURE_GRACE_SECONDS` to end on their own, kills those left (over NCCL a rank blocked on a
+dead peer would wait for the 30-minute collective timeout; a rank takes SIGTERM as a stop request,
+which a rank blocked in a transfer never reads), and names the cause (:func:`first_failure`).
 
 Under ``torchrun`` nothing is written down: ``torchrun`` stops the other ranks itself, and every
 rank prints its own error.
@@ -53,6 +54,9 @@ FAILURE_GRACE_SECONDS = 5.0
 
 Over gloo a rank blocked on the failed one ends within about a second (measured on 2 CPU ranks);
 a rank that is not blocked ends at its next transfer."""
+
+_POLL_SECONDS = 1.0
+"""How often the launcher looks for a written-down failure while no rank has exited."""
 
 _folder: Path | None = None
 
@@ -209,8 +213,8 @@ def first_failure(
         return "the pipeline ranks failed without saying why"
     others = [f"rank {f.rank}: {_first_line(f.error)}" for f in sorted(failures.values(), key=lambda f: f.rank)]
     others += [f"rank {e.rank}: exited with {e.exitcode}" for e in exits if e.rank not in failures]
-    others = [line for line in others if not line.startswith(f"rank {rank}:")]
     others += [f"rank {r}: killed, still running {grace_seconds:g} s later" for r in killed]
+    others = [line for line in others if not line.startswith(f"rank {rank}:")]
     if others:
         text += f"\nthe other ranks stopped after it ({'; '.join(others)})"
     return text
@@ -226,6 +230,10 @@ def supervise(
 ) -> None:
     """Wait for the ranks; when one fails, stop the others and raise naming the rank that failed first.
 
+    The grace period starts at the first non-zero exit or the first error a rank wrote down,
+    whichever comes first: over NCCL a failed rank can block in tearing its process groups down
+    while its peer waits on it, so neither would exit (measured on 2 H100s: no exit in 90 s).
+
     Args:
         processes: The ranks' processes, by global rank.
         folder: Where the ranks write their failures (:func:`record_failures_in`).
@@ -240,10 +248,8 @@ def supervise(
     exits: list[RankExit] = []
     deadline: float | None = None
     while pending:
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        timeout = _POLL_SECONDS if deadline is None else max(0.0, deadline - time.monotonic())
         ready = multiprocessing.connection.wait(list(pending), timeout=timeout)
-        if not ready:
-            break  # the grace period is over
         for sentinel in ready:
             rank = pending.pop(sentinel)  # type: ignore[arg-type]  # wait() returns the int sentinels it was given
             processes[rank].join()
@@ -252,13 +258,18 @@ def supervise(
                 exits.append(RankExit(rank, exitcode, errors(rank) if exitcode > 0 else ""))
                 if deadline is None:
                     deadline = time.monotonic() + grace_seconds
-    if not exits:
+        if deadline is None and any(folder.glob("failure-rank-*.json")):
+            # A rank wrote its error down but has not exited: over NCCL, tearing its process groups
+            # down can block while a peer waits on it, so the failure, not an exit, starts the clock.
+            deadline = time.monotonic() + grace_seconds
+        if deadline is not None and time.monotonic() >= deadline:
+            break  # the grace period is over
+    failures = read_failures(folder)
+    if not exits and not failures:
         return
     killed = sorted(pending.values())
     for rank in killed:
         processes[rank].kill()
     for process in processes:
         process.join()
-    raise TrainerError(
-        first_failure(exits, read_failures(folder), killed, signalled=signalled(), grace_seconds=grace_seconds)
-    )
+    raise TrainerError(first_failure(exits, failures, killed, signalled=signalled(), grace_seconds=grace_seconds))
