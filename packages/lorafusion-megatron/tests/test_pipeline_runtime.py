@@ -200,6 +200,31 @@ def test_resume_refuses_another_layout(tiny_base: Path, tmp_path: Path) -> None:
         )
 
 
+def test_launch_refuses_a_mismatching_resume_before_any_rank_starts(
+    tiny_base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Other parallel settings or another config: refused from the checkpoint's files, no process spawned."""
+    import importlib
+
+    from lorafusion_megatron.errors import TrainerError
+    from lorafusion_megatron.pipeline.launch import launch
+    from lorafusion_megatron.pipeline.worker import run_rank
+
+    config = _config(tiny_base, tmp_path / "run").model_copy(update={"save_steps": 3})
+    run_rank(config, ParallelConfig(), backend="gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
+
+    def no_spawn(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a rank was started")
+
+    # The module, not the function torch.multiprocessing exports under the same name.
+    monkeypatch.setattr(importlib.import_module("torch.multiprocessing.spawn"), "spawn", no_spawn)
+    with pytest.raises(TrainerError, match=r"written with parallel settings .*'data_parallel': 1.*'data_parallel': 2"):
+        launch(config, ParallelConfig(data_parallel=2), backend="gloo", resume=True)
+    other = config.model_copy(update={"runtime": config.runtime.model_copy(update={"seed": 7})})
+    with pytest.raises(TrainerError, match=r"different config \(changed: runtime.seed: 0 -> 7\)"):
+        launch(other, ParallelConfig(), backend="gloo", resume=True)
+
+
 def test_resume_on_other_replicas_is_refused_for_its_parallel_settings(tiny_base: Path, tmp_path: Path) -> None:
     """Not with the plan's "plan again with data_parallel = 2", which a resume cannot do."""
     from lorafusion_megatron.errors import TrainerError

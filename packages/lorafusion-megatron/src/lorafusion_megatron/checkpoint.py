@@ -172,17 +172,18 @@ def read_checkpoint_meta(path: Path, *, fingerprint: RunFingerprint) -> dict[str
     return meta
 
 
-def run_fingerprint(config: TrainerConfig, jobs: Mapping[str, JobData]) -> RunFingerprint:
+def run_fingerprint(config: TrainerConfig, jobs: Mapping[str, JobData] | None) -> RunFingerprint:
     """What a checkpoint of this run records and a resume must match: the config and the training data.
 
-    A checkpoint of an older version holds the config's part of the value only, and is checked on that part.
+    A checkpoint of an older version holds the config's part of the value only, and is checked on
+    that part. ``jobs=None`` leaves the data's part empty, so a check compares the config alone
+    (before the data is read: the pipeline launcher refuses a mismatching resume before any rank starts).
     """
     from lorafusion_megatron.config import config_fingerprint, fingerprinted_config
     from lorafusion_megatron.data.job_data import data_fingerprint
 
-    return RunFingerprint(
-        value=f"{config_fingerprint(config)}/{data_fingerprint(jobs)}", config=fingerprinted_config(config)
-    )
+    data = "" if jobs is None else data_fingerprint(jobs)
+    return RunFingerprint(value=f"{config_fingerprint(config)}/{data}", config=fingerprinted_config(config))
 
 
 def _what_changed(meta: Mapping[str, Any], fingerprint: RunFingerprint) -> str:

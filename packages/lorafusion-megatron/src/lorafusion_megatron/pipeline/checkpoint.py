@@ -30,11 +30,12 @@ from lorafusion_megatron.errors import TrainerError
 if TYPE_CHECKING:
     import torch
 
+    from lorafusion_megatron.config import TrainerConfig
     from lorafusion_megatron.pipeline.groups import Layout
     from lorafusion_megatron.pipeline.optim import StageOptimizer
     from lorafusion_megatron.pipeline.options import ParallelConfig
 
-__all__ = ["PIPELINE_FORMAT", "load_rank_state", "read_run_state", "save_pipeline_checkpoint"]
+__all__ = ["PIPELINE_FORMAT", "check_resumable", "load_rank_state", "read_run_state", "save_pipeline_checkpoint"]
 
 PIPELINE_FORMAT = "pipeline-1"
 """``format`` of a pipeline checkpoint's ``trainer_state.json``."""
@@ -138,6 +139,22 @@ def read_run_state(path: Path, *, fingerprint: RunFingerprint, parallel: Paralle
             f"{parallel.model_dump(mode='json')}: resume with the same stages, replicas and schedule"
         )
     return meta
+
+
+def check_resumable(config: TrainerConfig, parallel: ParallelConfig) -> None:
+    """Refuse a ``--resume`` of ``config`` on ``parallel`` before any rank starts, as rank 0 would later.
+
+    The newest checkpoint must exist, come from a pipeline run of this config (the data's part of
+    the fingerprint needs the tokenized data: rank 0 checks it) and have these parallel settings.
+
+    Raises:
+        TrainerError: As :func:`read_run_state`, or no checkpoint to resume.
+    """
+    from lorafusion_megatron.checkpoint import checkpoint_to_resume, run_fingerprint
+
+    found = checkpoint_to_resume(config.checkpoint_dir, resume=True)
+    assert found is not None  # resume=True raises instead
+    read_run_state(found, fingerprint=run_fingerprint(config, None), parallel=parallel)
 
 
 def load_rank_state(

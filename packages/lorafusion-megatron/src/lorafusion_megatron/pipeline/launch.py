@@ -190,10 +190,14 @@ def launch(
         written and ``position < num_microbatches``; no adapters are written.
 
     Raises:
-        TrainerError: Too few GPUs for the processes, or a rank failed.
+        TrainerError: Too few GPUs for the processes, a ``resume`` that the newest checkpoint
+            refuses (checked before any rank starts), or a rank failed.
     """
+    from lorafusion_megatron.pipeline.checkpoint import check_resumable
     from lorafusion_megatron.pipeline.worker import run_rank
 
+    if resume:
+        check_resumable(config, parallel)
     return _start(functools.partial(run_rank, resume=resume), config, parallel, backend, "pipeline_summary.json")
 
 
