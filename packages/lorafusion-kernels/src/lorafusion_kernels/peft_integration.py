@@ -120,14 +120,13 @@ def single_adapter_router(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -
         return Route(None, "DoRA and other LoRA variants")
     if getattr(layer, "lora_bias", {}).get(name, False):
         return Route(None, "adapters with lora_bias=True")
-    structural = unsupported_base(layer)
-    if structural is not None:
-        return Route(None, structural)
+    weight = base_weight(layer)
+    if weight is None:
+        return Route(None, unsupported_base(layer))
     if not isinstance(layer.lora_dropout[name], nn.Dropout | nn.Identity):
         return Route(None, f"dropout modules of type {type(layer.lora_dropout[name]).__name__}")
     if parts_wrapped(layer, (name,)):
         return Route(None, _HOOKED)
-    weight = layer.get_base_layer().weight
     compute = linear_compute_dtype(x, weight)
     if compute is None:
         amp = autocast_dtype(x)
