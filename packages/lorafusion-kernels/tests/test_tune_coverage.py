@@ -123,3 +123,10 @@ def test_the_h100_file_has_its_own_ds_db_entries_at_ranks_32_to_128():
     """The ``dS``/``dB`` passes' tile depends on the rank (a rank default costs up to 7% there): H100 has them all."""
     (path,) = [p for p in SHIPPED if p.stem == "nvidia_h100_80gb_hbm3"]
     assert untuned_keys(path, ms=[8192], ranks=[32, 64, 128], kernels=["dys_dyb", "multi_dys_dyb"]) == []
+
+
+def test_the_h200_file_has_its_own_entries_for_every_kernel_at_rank_128():
+    """At rank 128 the rank-16 tiles cost up to 6x on H200 (``dS``/``dB``): every kernel has its own entry there."""
+    (path,) = [p for p in SHIPPED if p.stem == "nvidia_h200"]
+    kernels = [*SINGLE_ADAPTER_KERNELS, *MULTI_ADAPTER_KERNELS]
+    assert untuned_keys(path, ms=[8192], ranks=[128], kernels=kernels) == []
