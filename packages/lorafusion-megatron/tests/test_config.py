@@ -216,6 +216,8 @@ def test_fingerprint_ignores_logging_and_outputs_only(config_dict) -> None:
     assert config_fingerprint(base) == config_fingerprint(
         parse_config(config_dict(logging={"tensorboard_dir": "tb"}, save_steps=3, output_dir="elsewhere"))
     )
+    patient = config_dict(parallel={"collective_timeout_minutes": 90})  # how long a rank waits, not what it computes
+    assert config_fingerprint(base) == config_fingerprint(parse_config(patient))
     changed = config_dict()
     changed["jobs"][0]["learning_rate"] = 5e-4
     assert config_fingerprint(base) != config_fingerprint(parse_config(changed))

@@ -2,7 +2,8 @@
 
 The choice of the cause from what the ranks wrote down and how their processes ended (cheap), and
 one real 2-process run over gloo in which rank 1 fails in its first forward and its neighbour,
-failing on losing it, exits first (about 10 s on 2 cores).
+failing on losing it, exits first (about 10 s on 2 cores); a slow one in which rank 1 hangs and
+the collective timeout ends the run.
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ from lorafusion_megatron.pipeline.failures import (
     supervise,
 )
 from lorafusion_megatron.pipeline.options import ParallelConfig
-from lorafusion_megatron.testing import INJECTED_FAILURE, run_rank_failing_in_first_forward, two_job_config
+from lorafusion_megatron.testing import (
+    INJECTED_FAILURE,
+    run_rank_failing_in_first_forward,
+    run_rank_hanging_in_first_forward,
+    two_job_config,
+)
 
 _CLOSED = "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:949"
 
@@ -129,3 +135,41 @@ def test_a_failing_rank_is_named_once_and_the_run_stops(
     assert f"\nRuntimeError: {INJECTED_FAILURE}\nthe other ranks stopped after it (rank 0: " in message, message
     with run_lock(Path(config.output_dir)):  # released
         pass
+
+
+_NCCL_HANG = (
+    "over NCCL this run had not ended 240 s after its start on 2 H200s (2026-11-27), with no watchdog message: "
+    "see docs/megatron/pipeline.md, 'When a rank fails'"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "gloo",
+        pytest.param("nccl", marks=[pytest.mark.multigpu(gpus=2), pytest.mark.xfail(run=False, reason=_NCCL_HANG)]),
+    ],
+)
+def test_a_hanging_rank_ends_the_run_after_the_collective_timeout(
+    tiny_base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """2 stages, ``collective_timeout_minutes: 1``: rank 1 sleeps in its first forward; rank 0 times out waiting.
+
+    Not a failure of rank 1, so the launcher names rank 0's timeout and kills rank 1 after the grace period.
+    """
+    from lorafusion_megatron.pipeline import worker
+    from lorafusion_megatron.pipeline.launch import launch
+
+    monkeypatch.setattr(worker, "run_rank", run_rank_hanging_in_first_forward)
+    config = parse_config(two_job_config(tiny_base, tmp_path / "run", capacity=64))
+    if backend == "nccl":
+        config = config.model_copy(update={"runtime": config.runtime.model_copy(update={"device": "cuda"})})
+    started = time.monotonic()
+    with pytest.raises(TrainerError) as caught:
+        launch(config, ParallelConfig(pipeline_stages=2, collective_timeout_minutes=1), backend=backend)
+    elapsed = time.monotonic() - started
+    message = str(caught.value)
+    assert 60 < elapsed < 150, (elapsed, message)
+    assert message.startswith("pipeline rank 0 (stage 0, replica 0) failed, and the run stopped:\n"), message
+    assert "rank 1: killed, still running" in message, message

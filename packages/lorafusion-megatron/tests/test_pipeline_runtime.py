@@ -6,6 +6,7 @@ pipeline over gloo running the demo (``lorafusion-megatron demo --pipeline-stage
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 from typing import Any
@@ -228,6 +229,7 @@ def test_launch_refuses_a_mismatching_resume_before_any_rank_starts(
 def test_resume_on_other_replicas_is_refused_for_its_parallel_settings(tiny_base: Path, tmp_path: Path) -> None:
     """Not with the plan's "plan again with data_parallel = 2", which a resume cannot do."""
     from lorafusion_megatron.errors import TrainerError
+    from lorafusion_megatron.pipeline.checkpoint import check_resumable
     from lorafusion_megatron.pipeline.groups import parallel_layout
     from lorafusion_megatron.pipeline.worker import run_rank, shared_plan
     from lorafusion_megatron.trainer import prepare_data
@@ -240,6 +242,22 @@ def test_resume_on_other_replicas_is_refused_for_its_parallel_settings(tiny_base
         pytest.raises(TrainerError, match=r"written with parallel settings .*'data_parallel': 1.*'data_parallel': 2"),
     ):
         shared_plan(config, data, ParallelConfig(data_parallel=2), layout, resume=True)
+    check_resumable(config, ParallelConfig(collective_timeout_minutes=90))  # how long ranks wait: not a layout setting
+
+
+def test_every_process_group_waits_the_configured_collective_timeout(tmp_path: Path) -> None:
+    """The world's, megatron-core's pipeline and data-parallel groups and the gloo control groups."""
+    import torch.distributed as dist
+
+    from lorafusion_megatron.pipeline.groups import parallel_layout
+
+    with parallel_layout(
+        1, backend="gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1, timeout_minutes=7
+    ) as layout:
+        groups = [dist.group.WORLD, layout.pipeline_group, layout.data_group]
+        groups += [g for g in (layout.control_group, layout.world_control_group) if g is not None]
+        timeouts = {group._get_backend(torch.device("cpu")).options._timeout for group in groups}
+    assert timeouts == {datetime.timedelta(minutes=7)}
 
 
 def test_under_torchrun_rank_zero_holds_the_run_lock(

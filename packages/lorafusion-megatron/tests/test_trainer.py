@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import signal
 from pathlib import Path
@@ -191,6 +193,37 @@ def test_a_second_run_into_the_same_output_dir_is_refused(make_config, tmp_path:
         Trainer(config).train()
     Trainer(config).train()  # released: the run goes ahead
     assert (tmp_path / "run" / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("code", [errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP])
+def test_a_file_system_without_locks_runs_unlocked_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, code: int
+) -> None:
+    """Lustre without ``-o flock`` answers ENOSYS, NFS without a lock daemon ENOLCK: train, and say so."""
+    from lorafusion_megatron import run_lock as module
+
+    def no_locks(descriptor: int, operation: int) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(module.fcntl, "flock", no_locks)
+    with caplog.at_level(logging.WARNING), run_lock(tmp_path / "run"):
+        pass
+    assert "does not lock files" in caplog.text
+    assert os.strerror(code) in caplog.text
+
+
+def test_other_lock_errors_are_not_taken_for_a_missing_lock_service(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An I/O error is a problem of its own, raised as it is."""
+    from lorafusion_megatron import run_lock as module
+
+    def failing(descriptor: int, operation: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(module.fcntl, "flock", failing)
+    with pytest.raises(OSError, match="Input/output error"), run_lock(tmp_path / "run"):
+        pass
 
 
 def test_a_killed_runs_checkpoint_staging_is_removed_at_the_next_start(make_config, tmp_path: Path) -> None:

@@ -4,11 +4,17 @@ Two runs into one folder would interleave their adapters, ``summary.json``, chec
 checkpoint pruning. The lock is an ``flock`` on the file: the operating system releases it when the
 process ends in any way (a crash or ``kill -9`` included), so a stale lock never blocks a later run.
 The file itself stays; it holds the last holder's process id, for the message.
+
+On a file system that does not lock files (Lustre mounted without ``flock``, NFS without a lock
+daemon: ``flock`` fails with ``ENOSYS``, ``ENOLCK`` or ``EOPNOTSUPP``) the run goes on without the
+lock, after a warning: refusing would leave such a cluster no way to train.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,10 +26,17 @@ __all__ = ["LOCK_FILE", "run_lock"]
 
 LOCK_FILE = ".lorafusion-run.lock"
 
+_log = logging.getLogger(__name__)
+
+# flock's errors on a file system that does not lock files (not a lock held by someone else).
+_LOCKS_UNSUPPORTED = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL})
+
 
 @contextmanager
 def run_lock(output_dir: Path) -> Iterator[None]:
     """Hold the run lock of ``output_dir`` (created if needed) inside the block.
+
+    Where the file system does not lock files, warns and holds nothing.
 
     Raises:
         TrainerError: Another process holds it (naming its process id).
@@ -33,14 +46,26 @@ def run_lock(output_dir: Path) -> Iterator[None]:
     try:
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = True
         except BlockingIOError:
             holder = os.pread(descriptor, 32, 0).decode(errors="replace").strip() or "unknown"
             raise TrainerError(
                 f"{output_dir} is in use by another run (process {holder}): wait for it to end, or choose "
                 "another output_dir"
             ) from None
-        os.ftruncate(descriptor, 0)
-        os.pwrite(descriptor, str(os.getpid()).encode(), 0)
+        except OSError as error:
+            if error.errno not in _LOCKS_UNSUPPORTED:
+                raise
+            _log.warning(
+                "%s is on a file system that does not lock files (%s): the run goes on without its run lock, so "
+                "nothing refuses a second run into this folder meanwhile (on Lustre, mount with -o flock)",
+                output_dir,
+                error.strerror,
+            )
+            locked = False
+        if locked:
+            os.ftruncate(descriptor, 0)
+            os.pwrite(descriptor, str(os.getpid()).encode(), 0)
         yield
     finally:
         os.close(descriptor)  # releases the lock

@@ -28,6 +28,7 @@ __all__ = [
     "plan_microbatch",
     "random_job",
     "run_rank_failing_in_first_forward",
+    "run_rank_hanging_in_first_forward",
     "tiny_peft_model",
     "two_job_config",
 ]
@@ -171,3 +172,22 @@ def run_rank_failing_in_first_forward(config: Any, parallel: Any, **kwargs: Any)
     except RuntimeError:
         time.sleep(2)
         raise
+
+
+def run_rank_hanging_in_first_forward(config: Any, parallel: Any, **kwargs: Any) -> dict[str, Any] | None:
+    """As :func:`run_rank_failing_in_first_forward`, except that rank 1 sleeps in its first forward and never fails.
+
+    Its neighbour then waits on it for ``parallel.collective_timeout_minutes`` and fails.
+    """
+    import time
+
+    from lorafusion_megatron.pipeline.engine import StageEngine
+    from lorafusion_megatron.pipeline.worker import run_rank
+
+    if kwargs.get("rank") == 1:
+
+        def hang(*args: Any, **options: Any) -> Any:
+            time.sleep(3600)
+
+        StageEngine._forward = hang  # type: ignore[method-assign]  # this rank's own process
+    return run_rank(config, parallel, **kwargs)

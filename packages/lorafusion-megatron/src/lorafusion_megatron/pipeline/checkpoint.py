@@ -105,7 +105,7 @@ def save_pipeline_checkpoint(
             meta = {
                 "format": PIPELINE_FORMAT,
                 **fingerprint.to_meta(),
-                "parallel": parallel.model_dump(mode="json"),
+                "parallel": parallel.layout_settings(),
                 "position": position,
                 "total_optimizer_steps": total_steps,
                 "world_size": layout.world_size,
@@ -133,10 +133,10 @@ def read_run_state(path: Path, *, fingerprint: RunFingerprint, parallel: Paralle
         raise TrainerError(
             f"checkpoint {path} was written by the single-process trainer: resume it without pipeline parallelism"
         )
-    if meta.get("parallel") != parallel.model_dump(mode="json"):
+    if meta.get("parallel") != parallel.layout_settings():
         raise TrainerError(
             f"checkpoint {path} was written with parallel settings {meta.get('parallel')}; this run has "
-            f"{parallel.model_dump(mode='json')}: resume with the same stages, replicas and schedule"
+            f"{parallel.layout_settings()}: resume with the same stages, replicas and schedule"
         )
     return meta
 

@@ -10,8 +10,9 @@ no peer can fail because of it before that. The launcher (:func:`supervise`) wai
 at the first failure (a rank's exit, or an error written down by a rank that has not exited: over
 NCCL the failed rank itself can block in its teardown) it gives the ranks
 :data:`FAILURE_GRACE_SECONDS` to end on their own, kills those left (over NCCL a rank blocked on a
-dead peer would wait for the 30-minute collective timeout; a rank takes SIGTERM as a stop request,
-which a rank blocked in a transfer never reads), and names the cause (:func:`first_failure`).
+dead peer would wait for the collective timeout, ``parallel.collective_timeout_minutes``; a rank
+takes SIGTERM as a stop request, which a rank blocked in a transfer never reads), and names the
+cause (:func:`first_failure`).
 
 Under ``torchrun`` nothing is written down: ``torchrun`` stops the other ranks itself, and every
 rank prints its own error.

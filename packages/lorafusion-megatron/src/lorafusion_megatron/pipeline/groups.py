@@ -77,23 +77,27 @@ class Layout:
         return self.stage == self.num_stages - 1
 
 
-def _control_groups(pipeline_group: Any) -> tuple[Any, Any]:
+def _control_groups(pipeline_group: Any, timeout: datetime.timedelta) -> tuple[Any, Any]:
     """New gloo groups (every rank must call this, in the same order): this pipeline's, and the world's."""
     import torch.distributed as dist
 
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, dist.get_process_group_ranks(pipeline_group))
     pipelines = sorted({tuple(ranks) for ranks in everyone})
-    mine, _ = dist.new_subgroups_by_enumeration([list(ranks) for ranks in pipelines], backend="gloo")  # type: ignore[no-untyped-call]
-    return mine, dist.new_group(backend="gloo")
+    mine, _ = dist.new_subgroups_by_enumeration(  # type: ignore[no-untyped-call]
+        [list(ranks) for ranks in pipelines], backend="gloo", timeout=timeout
+    )
+    return mine, dist.new_group(backend="gloo", timeout=timeout)
 
 
-def _init_process_group(backend: str, init_method: str | None, rank: int | None, world_size: int | None) -> None:
+def _init_process_group(
+    backend: str, init_method: str | None, rank: int | None, world_size: int | None, timeout: datetime.timedelta
+) -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
-    kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(minutes=30)}
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
     if init_method is not None:
         kwargs.update(init_method=init_method, rank=rank, world_size=world_size)
     dist.init_process_group(**kwargs)
@@ -107,6 +111,7 @@ def parallel_layout(
     init_method: str | None = None,
     rank: int | None = None,
     world_size: int | None = None,
+    timeout_minutes: int = 30,
 ) -> Iterator[Layout]:
     """Initialise the process groups (if not yet) and yield this process's place; tear down at exit.
 
@@ -119,6 +124,8 @@ def parallel_layout(
         init_method: Rendezvous URL when not launched by torchrun.
         rank: Global rank (with ``init_method``).
         world_size: Processes in all (with ``init_method``).
+        timeout_minutes: How long a transfer or collective of any group waits for its peers before
+            it raises (the world's, if this call creates it; megatron-core's; the control groups).
 
     An exception raised inside the block is written down for the local launcher before the groups
     are torn down (:func:`~lorafusion_megatron.pipeline.failures.note_failure`).
@@ -134,7 +141,8 @@ def parallel_layout(
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     owns_world = not dist.is_initialized()
-    _init_process_group(backend, init_method, rank, world_size)
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    _init_process_group(backend, init_method, rank, world_size, timeout)
     world = dist.get_world_size()
     if world % pipeline_stages:
         raise TrainerError(
@@ -147,8 +155,12 @@ def parallel_layout(
         warnings.simplefilter("ignore", UserWarning)
         from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=pipeline_stages)
-    control_group, world_control_group = _control_groups(parallel_state.get_pipeline_model_parallel_group())
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=pipeline_stages,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    control_group, world_control_group = _control_groups(parallel_state.get_pipeline_model_parallel_group(), timeout)
     try:
         stage = parallel_state.get_pipeline_model_parallel_rank()
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

@@ -5,7 +5,7 @@ Torch-free, like the trainer's config, so that a config validates without torch.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -35,6 +35,15 @@ class ParallelConfig(BaseModel):
 
     baseline_microbatch_samples: int | None = Field(default=None, ge=1)
     """Samples per microbatch of the baselines; default: the most whose mean length fits the capacity."""
+
+    collective_timeout_minutes: int = Field(default=30, ge=1)
+    """How long a rank waits for its peers in a transfer or collective before it fails the run. A rank
+    that hangs without failing (a stalled file system, a deadlock) stalls the others this long; keep
+    it above the longest pause of a healthy rank (the first step's compilation, a checkpoint write)."""
+
+    def layout_settings(self) -> dict[str, Any]:
+        """What a checkpoint records and its resume must match: every setting but the collective timeout."""
+        return self.model_dump(mode="json", exclude={"collective_timeout_minutes"})
 
     @property
     def world_size(self) -> int:

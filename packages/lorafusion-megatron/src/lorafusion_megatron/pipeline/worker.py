@@ -251,7 +251,12 @@ def run_rank(
     with (
         rank_stop_signal() as stop,
         parallel_layout(
-            parallel.pipeline_stages, backend=backend, init_method=init_method, rank=rank, world_size=world_size
+            parallel.pipeline_stages,
+            backend=backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout_minutes=parallel.collective_timeout_minutes,
         ) as layout,
         contextlib.ExitStack() as held,
     ):
