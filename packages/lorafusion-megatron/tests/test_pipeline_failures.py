@@ -9,6 +9,7 @@ the collective timeout ends the run.
 from __future__ import annotations
 
 import multiprocessing
+import re
 import signal
 import time
 from pathlib import Path
@@ -108,6 +109,23 @@ def test_a_failure_written_down_stops_ranks_that_never_exit(tmp_path: Path) -> N
     assert message.endswith("the other ranks stopped after it (rank 0: killed, still running 0.5 s later)"), message
 
 
+def _launch_two_stages(
+    base: Path, folder: Path, monkeypatch: pytest.MonkeyPatch, rank_entry: object, backend: str, **parallel: int
+) -> tuple[str, float, Path]:
+    """A 2-stage run of the two-job config whose ranks start in ``rank_entry``; its error, seconds and output."""
+    from lorafusion_megatron.pipeline import worker
+    from lorafusion_megatron.pipeline.launch import launch
+
+    monkeypatch.setattr(worker, "run_rank", rank_entry)
+    config = parse_config(two_job_config(base, folder / "run", capacity=64))
+    if backend == "nccl":
+        config = config.model_copy(update={"runtime": config.runtime.model_copy(update={"device": "cuda"})})
+    started = time.monotonic()
+    with pytest.raises(TrainerError) as caught:
+        launch(config, ParallelConfig(pipeline_stages=2, **parallel), backend=backend)
+    return str(caught.value), time.monotonic() - started, Path(config.output_dir)
+
+
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.multigpu(gpus=2))])
 def test_a_failing_rank_is_named_once_and_the_run_stops(
     tiny_base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
@@ -117,29 +135,22 @@ def test_a_failing_rank_is_named_once_and_the_run_stops(
     Over NCCL a rank blocked on a dead peer would wait for the collective timeout (30 minutes); the
     launcher kills it after :data:`~lorafusion_megatron.pipeline.failures.FAILURE_GRACE_SECONDS`.
     """
-    from lorafusion_megatron.pipeline import worker
-    from lorafusion_megatron.pipeline.launch import launch
     from lorafusion_megatron.run_lock import run_lock
 
-    monkeypatch.setattr(worker, "run_rank", run_rank_failing_in_first_forward)
-    config = parse_config(two_job_config(tiny_base, tmp_path / "run", capacity=64))
-    if backend == "nccl":
-        config = config.model_copy(update={"runtime": config.runtime.model_copy(update={"device": "cuda"})})
-    started = time.monotonic()
-    with pytest.raises(TrainerError) as caught:
-        launch(config, ParallelConfig(pipeline_stages=2), backend=backend)
-    assert time.monotonic() - started < 120
-    message = str(caught.value)
+    message, seconds, output = _launch_two_stages(
+        tiny_base, tmp_path, monkeypatch, run_rank_failing_in_first_forward, backend
+    )
+    assert seconds < 120
     assert message.startswith("pipeline rank 1 (stage 1, replica 0) failed, and the run stopped:\n"), message
     assert message.count(INJECTED_FAILURE) == 1, message
     assert f"\nRuntimeError: {INJECTED_FAILURE}\nthe other ranks stopped after it (rank 0: " in message, message
-    with run_lock(Path(config.output_dir)):  # released
+    with run_lock(output):  # released
         pass
 
 
 _NCCL_HANG = (
-    "over NCCL this run had not ended 240 s after its start on 2 H200s (2026-11-27), with no watchdog message: "
-    "see docs/megatron/pipeline.md, 'When a rank fails'"
+    "not yet run with the stall watchdog: before it, this run over NCCL had not ended 240 s after its start on 2 "
+    "H200s (2026-11-27); run it on 2 GPUs with --runxfail"
 )
 
 
@@ -151,25 +162,19 @@ _NCCL_HANG = (
         pytest.param("nccl", marks=[pytest.mark.multigpu(gpus=2), pytest.mark.xfail(run=False, reason=_NCCL_HANG)]),
     ],
 )
-def test_a_hanging_rank_ends_the_run_after_the_collective_timeout(
+def test_a_hanging_rank_is_stopped_and_named_before_its_neighbour_times_out(
     tiny_base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
 ) -> None:
-    """2 stages, ``collective_timeout_minutes: 1``: rank 1 sleeps in its first forward; rank 0 times out waiting.
+    """2 stages, ``collective_timeout_minutes: 1``: rank 1 sleeps in its first forward.
 
-    Not a failure of rank 1, so the launcher names rank 0's timeout and kills rank 1 after the grace period.
+    Its stall watchdog ends it after 54 s (0.9 of the timeout), before rank 0's transfer times out
+    at 60 s, so the launcher names rank 1, with the line where it sleeps.
     """
-    from lorafusion_megatron.pipeline import worker
-    from lorafusion_megatron.pipeline.launch import launch
-
-    monkeypatch.setattr(worker, "run_rank", run_rank_hanging_in_first_forward)
-    config = parse_config(two_job_config(tiny_base, tmp_path / "run", capacity=64))
-    if backend == "nccl":
-        config = config.model_copy(update={"runtime": config.runtime.model_copy(update={"device": "cuda"})})
-    started = time.monotonic()
-    with pytest.raises(TrainerError) as caught:
-        launch(config, ParallelConfig(pipeline_stages=2, collective_timeout_minutes=1), backend=backend)
-    elapsed = time.monotonic() - started
-    message = str(caught.value)
-    assert 60 < elapsed < 150, (elapsed, message)
-    assert message.startswith("pipeline rank 0 (stage 0, replica 0) failed, and the run stopped:\n"), message
-    assert "rank 1: killed, still running" in message, message
+    message, seconds, _ = _launch_two_stages(
+        tiny_base, tmp_path, monkeypatch, run_rank_hanging_in_first_forward, backend, collective_timeout_minutes=1
+    )
+    assert 54 < seconds < 120, (seconds, message)
+    assert message.startswith("pipeline rank 1 (stage 1, replica 0) failed, and the run stopped:\n"), message
+    stalled = r"RankStalledError: rank 1 \(stage 1, replica 0\) spent 5[45] s on the forward of microbatch 0 "
+    assert re.search(stalled, message), message
+    assert ", in hang\n    time.sleep(3600)" in message, message

@@ -40,7 +40,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lorafusion_megatron.dropout_seeds import drawing_for
 from lorafusion_megatron.pipeline.activations import backward_from, release_storage
@@ -61,9 +61,20 @@ if TYPE_CHECKING:
     from lorafusion_megatron.pipeline.stopping import StopAgreement
     from lorafusion_sched.models import Microbatch
 
-__all__ = ["EngineStats", "StageEngine", "StepRecord"]
+__all__ = ["EngineStats", "Heartbeat", "StageEngine", "StepRecord"]
 
 _log = logging.getLogger(__name__)
+
+
+class Heartbeat(Protocol):
+    """Told of an action as it starts: what it is, and whether it waits on the neighbouring stages."""
+
+    def __call__(self, doing: str, *, waiting: bool = False) -> None:
+        """``doing`` starts now (e.g. ``"the forward of microbatch 7"``)."""
+
+
+def _no_heartbeat(doing: str, *, waiting: bool = False) -> None:
+    """The heartbeat of a run that nothing watches."""
 
 
 @dataclass(frozen=True)
@@ -248,6 +259,7 @@ class StageEngine:
         start: int = 0,
         on_drain: Callable[[int], None] | None = None,
         stop: StopAgreement | None = None,
+        heartbeat: Heartbeat | None = None,
     ) -> int:
         """Run this replica's share of ``program`` from ``start``; measurements go to :attr:`stats`.
 
@@ -261,6 +273,8 @@ class StageEngine:
                 the same steps, all getting the same answer). Yes cuts the run (see the module's
                 docstring) and returns once the pipeline drained; a yes that arrives only as the
                 run ends stops before the next run.
+            heartbeat: Told of every action as it starts (what, and whether it waits on the
+                neighbours), e.g. :meth:`~lorafusion_megatron.pipeline.stall.StallWatchdog.beat`.
 
         Returns:
             Program index of the next microbatch to run: ``program.num_microbatches`` when the
@@ -270,6 +284,7 @@ class StageEngine:
             PipelineMismatchError: ``start`` falls inside a round of the replicas.
         """
         begin = time.perf_counter()
+        beat = heartbeat or _no_heartbeat
         if self._origin is None:
             self._origin = begin
         self.stopped = False
@@ -285,13 +300,14 @@ class StageEngine:
                 raise PipelineMismatchError(f"position {start} is inside a round of the {d} replicas, not at its start")
             first = offset + skip + self.layout.replica
             local = list(run[skip + self.layout.replica :: d])
-            done = self._run(local, [first + k * d for k in range(len(local))], stop)
+            done = self._run(local, [first + k * d for k in range(len(local))], stop, beat)
             # Runs hold whole rounds, so an uncut run ends exactly at ``end``.
             position, offset = offset + skip + done * d, end
             self._finish_steps(list(self._unfinished))
             if stop is not None and stop.settle():
                 self.stopped = True
             if on_drain is not None:
+                beat(f"the drain at microbatch {position} (a checkpoint)")
                 self._synchronize()
                 on_drain(position)
             if self.stopped:
@@ -329,12 +345,15 @@ class StageEngine:
         if self.layout.device.type == "cuda":
             torch.cuda.current_stream(self.layout.device).synchronize()
 
-    def _run(self, microbatches: list[Microbatch], keys: list[int], stop: StopAgreement | None) -> int:
+    def _run(
+        self, microbatches: list[Microbatch], keys: list[int], stop: StopAgreement | None, heartbeat: Heartbeat
+    ) -> int:
         """One 1F1B run; returns how many of its microbatches ran (fewer when a stop cut it)."""
         run = _Run(microbatches, keys)
         stages = self.layout.num_stages
         for action in one_f_one_b(len(microbatches), stages, self.layout.stage):
             if isinstance(action, Exchange):
+                heartbeat("an exchange with the neighbouring stages (and the steps after it)", waiting=True)
                 begin = time.perf_counter()
                 self._exchange(action, run)
                 self.stats.exchange_seconds += time.perf_counter() - begin
@@ -350,8 +369,10 @@ class StageEngine:
             elif not run.runs(action.index):
                 continue
             elif action.backward:
+                heartbeat(f"the backward of microbatch {keys[action.index]}")
                 self._backward(action.index, run)
             else:
+                heartbeat(f"the forward of microbatch {keys[action.index]}")
                 microbatch = microbatches[action.index]
                 self._finish_steps([segment.adapter for segment in microbatch.segments])
                 begin = time.perf_counter()

@@ -37,9 +37,12 @@ class ParallelConfig(BaseModel):
     """Samples per microbatch of the baselines; default: the most whose mean length fits the capacity."""
 
     collective_timeout_minutes: int = Field(default=30, ge=1)
-    """How long a rank waits for its peers in a transfer or collective before it fails the run. A rank
-    that hangs without failing (a stalled file system, a deadlock) stalls the others this long; keep
-    it above the longest pause of a healthy rank (the first step's compilation, a checkpoint write)."""
+    """How long a rank waits for its peers in a transfer or collective before it fails the run; one
+    forward, backward or checkpoint of a rank's own that lasts 0.9 of it (an exchange with the
+    neighbours: 1.1) ends the rank, named with its stack (:mod:`~lorafusion_megatron.pipeline.stall`).
+    A rank that hangs without failing (a stalled file system, a deadlock) stalls the others about this
+    long; keep it above the longest action of a healthy rank (the first forward of a new shape compiles
+    kernels; a checkpoint write)."""
 
     def layout_settings(self) -> dict[str, Any]:
         """What a checkpoint records and its resume must match: every setting but the collective timeout."""

@@ -241,6 +241,7 @@ def run_rank(
     from lorafusion_megatron.pipeline.groups import parallel_layout
     from lorafusion_megatron.pipeline.launch import under_torchrun
     from lorafusion_megatron.pipeline.programs import build_program, split_for_checkpoints
+    from lorafusion_megatron.pipeline.stall import StallWatchdog
     from lorafusion_megatron.pipeline.stopping import RANK_STOP_MESSAGE, StopAgreement, rank_stop_signal
     from lorafusion_megatron.pipeline.trace import chrome_trace
     from lorafusion_megatron.profiler.run import with_profiled_choices
@@ -284,9 +285,17 @@ def run_rank(
         dist.all_reduce(torch.zeros(1, device=layout.device), group=layout.pipeline_group)
         dist.barrier()
         phases.done("restore and first collective")
-        with start_up_objects_frozen(), session.showing_progress(start):
+        with (
+            start_up_objects_frozen(),
+            session.showing_progress(start),
+            StallWatchdog(parallel.collective_timeout_minutes * 60, layout) as watchdog,
+        ):
             position = session.engine.execute(
-                program, start=start, on_drain=session.on_drain, stop=StopAgreement(stop, layout)
+                program,
+                start=start,
+                on_drain=session.on_drain,
+                stop=StopAgreement(stop, layout),
+                heartbeat=watchdog.beat,
             )
             if session.progress is not None:
                 session.progress.finish(position)
