@@ -15,6 +15,7 @@ from lorafusion_megatron.pipeline.activations import backward_from, release_stor
 from lorafusion_megatron.pipeline.p2p import Expect, Transfer
 from lorafusion_megatron.pipeline.partition import partition_model
 from lorafusion_megatron.pipeline.stage_model import StageModel, build_stage_model
+from lorafusion_megatron.pipeline.stall import Heartbeat, no_heartbeat
 from lorafusion_megatron.testing import plan_microbatch, random_job
 from lorafusion_sched.models import Microbatch, Segment
 
@@ -123,7 +124,7 @@ def _microbatch(data: dict[str, JobData], *segments: tuple[str, tuple[int, ...]]
 
 
 def _engine_gradients(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, release: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, release: bool, heartbeat: Heartbeat = no_heartbeat
 ) -> tuple[dict[str, torch.Tensor], list[int]]:
     """Stage 0 of 2 runs three microbatches through the engine; returns its LoRA gradients and the
     storage bytes of each output when its backward starts."""
@@ -167,7 +168,8 @@ def _engine_gradients(
     link = _NextStage(stage.hidden_size)
     engine = StageEngine(layout=layout, stage=stage, link=link, data=data, optimizers={})  # type: ignore[arg-type]
     torch.manual_seed(0)
-    assert engine.execute(Program(name="lorafusion", runs=(microbatches,), data_parallel=1)) == 3
+    program = Program(name="lorafusion", runs=(microbatches,), data_parallel=1)
+    assert engine.execute(program, on_drain=lambda position: None, heartbeat=heartbeat) == 3
     assert link.sent == [0, 1, 2]
     grads = {
         key: param.grad.clone()
@@ -188,3 +190,19 @@ def test_the_engine_frees_each_sent_output_and_trains_the_same(tmp_path: Path, m
     assert kept
     for key, grad in kept.items():
         assert torch.equal(released[key], grad), key
+
+
+def test_the_engine_tells_its_heartbeat_of_every_action(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the stall watchdog hears: each forward and backward, each exchange (waiting), the drain."""
+    heard: list[tuple[str, bool]] = []
+
+    def heartbeat(doing: str, *, waiting: bool = False) -> None:
+        heard.append((doing, waiting))
+
+    _engine_gradients(tmp_path, monkeypatch, release=True, heartbeat=heartbeat)
+    own = [doing for doing, waiting in heard if not waiting]
+    assert [d for d in own if d.startswith("the forward")] == [f"the forward of microbatch {i}" for i in range(3)]
+    assert [d for d in own if d.startswith("the backward")] == [f"the backward of microbatch {i}" for i in range(3)]
+    assert own[-1] == "the drain at microbatch 3"
+    waited = {doing for doing, waiting in heard if waiting}
+    assert waited == {"an exchange with the neighbouring stages (and the steps after it)"}

@@ -70,16 +70,36 @@ def test_the_thread_ends_a_stalled_rank_and_leaves_a_beating_one(failures_folder
     def end_process(status: int) -> None:
         stalled.set()
 
-    with StallWatchdog(0.5, LAYOUT, poll_seconds=0.01, end_process=end_process) as watchdog:
-        for index in range(10):  # 0.1 s per forward: under the 0.45 s limit
+    with StallWatchdog(2.0, LAYOUT, poll_seconds=0.01, end_process=end_process) as watchdog:
+        for index in range(10):  # 0.1 s per forward: far under the 1.8 s limit
             watchdog.beat(f"the forward of microbatch {index}")
             time.sleep(0.1)
         assert not stalled.is_set()
         watchdog.beat("the backward of microbatch 9")
         started = time.monotonic()
-        assert stalled.wait(10)
-    assert 0.44 < time.monotonic() - started < 5
+        assert stalled.wait(20)
+    assert 1.75 < time.monotonic() - started < 15
     assert "the backward of microbatch 9" in read_failures(failures_folder)[1].message
+
+
+def test_time_the_process_spent_stopped_does_not_count(failures_folder: Path) -> None:
+    """A job scheduler's suspension shows as a poll far later than due; the action is excused the gap."""
+    stalled = threading.Event()
+    offset = [0.0]
+
+    def clock() -> float:
+        return time.monotonic() + offset[0]
+
+    def end_process(status: int) -> None:
+        stalled.set()
+
+    with StallWatchdog(2.0, LAYOUT, poll_seconds=0.01, clock=clock, end_process=end_process) as watchdog:
+        watchdog.beat("the forward of microbatch 0")
+        offset[0] = 600.0  # as if stopped for 10 minutes
+        started = time.monotonic()
+        assert not stalled.wait(0.5)
+        assert stalled.wait(20), "the action itself still counts"
+    assert 1.75 < time.monotonic() - started < 15
 
 
 def test_nothing_is_watched_outside_the_block(failures_folder: Path) -> None:

@@ -29,7 +29,7 @@ LOCK_FILE = ".lorafusion-run.lock"
 _log = logging.getLogger(__name__)
 
 # flock's errors on a file system that does not lock files (not a lock held by someone else).
-_LOCKS_UNSUPPORTED = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL})
+_LOCKS_UNSUPPORTED = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP})
 
 
 @contextmanager

@@ -177,7 +177,8 @@ def run_rank_failing_in_first_forward(config: Any, parallel: Any, **kwargs: Any)
 def run_rank_hanging_in_first_forward(config: Any, parallel: Any, **kwargs: Any) -> dict[str, Any] | None:
     """As :func:`run_rank_failing_in_first_forward`, except that rank 1 sleeps in its first forward and never fails.
 
-    Its neighbour then waits on it for ``parallel.collective_timeout_minutes`` and fails.
+    Its stall watchdog ends it after 0.9 of ``parallel.collective_timeout_minutes``
+    (:mod:`~lorafusion_megatron.pipeline.stall`), before its neighbour's wait for it times out.
     """
     import time
 

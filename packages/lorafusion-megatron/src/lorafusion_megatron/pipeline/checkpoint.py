@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from lorafusion_megatron.adapters_io import replace_dir
 from lorafusion_megatron.checkpoint import RunFingerprint, prune_checkpoints, read_checkpoint_meta
 from lorafusion_megatron.errors import TrainerError
+from lorafusion_megatron.pipeline.stall import Heartbeat, no_heartbeat
 
 if TYPE_CHECKING:
     import torch
@@ -58,6 +59,7 @@ def save_pipeline_checkpoint(
     fingerprint: RunFingerprint,
     parallel: ParallelConfig,
     keep: int | None,
+    heartbeat: Heartbeat = no_heartbeat,
 ) -> Path:
     """Write ``checkpoint-<total_steps>`` (collective: every rank calls it at the same drain).
 
@@ -73,6 +75,7 @@ def save_pipeline_checkpoint(
         fingerprint: The run's fingerprint (config and data: :func:`~lorafusion_megatron.checkpoint.run_fingerprint`).
         parallel: Stages, replicas and schedule (a resume must use the same).
         keep: Keep this many newest checkpoints (``None``: all).
+        heartbeat: Told of each phase (this rank's file; waits on the other ranks).
 
     Returns:
         The checkpoint folder.
@@ -85,7 +88,9 @@ def save_pipeline_checkpoint(
     if layout.rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
         staging[0] = tempfile.mkdtemp(dir=directory, prefix=f".{target.name}.tmp-")
+    heartbeat(f"the checkpoint's folder from rank 0 ({target.name})", waiting=True)
     dist.broadcast_object_list(staging, src=0)
+    heartbeat(f"this rank's checkpoint file ({target.name})")
     folder = Path(staging[0])
     state = {
         "params": {n: p.detach().cpu() for params in parameters.values() for n, p in params.items()},
@@ -98,8 +103,10 @@ def save_pipeline_checkpoint(
         "cuda_rng": torch.cuda.get_rng_state(layout.device) if layout.device.type == "cuda" else None,
     }
     torch.save(state, _rank_file(folder, layout.rank))
+    heartbeat(f"the other ranks' checkpoint files ({target.name})", waiting=True)
     dist.barrier()
     if layout.rank == 0:
+        heartbeat(f"completing the checkpoint ({target.name})")
         try:
             (folder / "plan.json").write_text(plan_json, encoding="utf-8")
             meta = {
@@ -117,6 +124,7 @@ def save_pipeline_checkpoint(
                 shutil.rmtree(folder)
         if keep is not None:
             prune_checkpoints(directory, keep)
+    heartbeat(f"rank 0 completing the checkpoint ({target.name})", waiting=True)
     dist.barrier()
     return target
 

@@ -40,12 +40,13 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from lorafusion_megatron.dropout_seeds import drawing_for
 from lorafusion_megatron.pipeline.activations import backward_from, release_storage
 from lorafusion_megatron.pipeline.p2p import Expect, PipelineMismatchError, Transfer
 from lorafusion_megatron.pipeline.schedule import Exchange, one_f_one_b
+from lorafusion_megatron.pipeline.stall import Heartbeat, no_heartbeat
 from lorafusion_megatron.pipeline.trace import Timeline
 
 if TYPE_CHECKING:
@@ -61,20 +62,9 @@ if TYPE_CHECKING:
     from lorafusion_megatron.pipeline.stopping import StopAgreement
     from lorafusion_sched.models import Microbatch
 
-__all__ = ["EngineStats", "Heartbeat", "StageEngine", "StepRecord"]
+__all__ = ["EngineStats", "StageEngine", "StepRecord"]
 
 _log = logging.getLogger(__name__)
-
-
-class Heartbeat(Protocol):
-    """Told of an action as it starts: what it is, and whether it waits on the neighbouring stages."""
-
-    def __call__(self, doing: str, *, waiting: bool = False) -> None:
-        """``doing`` starts now (e.g. ``"the forward of microbatch 7"``)."""
-
-
-def _no_heartbeat(doing: str, *, waiting: bool = False) -> None:
-    """The heartbeat of a run that nothing watches."""
 
 
 @dataclass(frozen=True)
@@ -259,7 +249,7 @@ class StageEngine:
         start: int = 0,
         on_drain: Callable[[int], None] | None = None,
         stop: StopAgreement | None = None,
-        heartbeat: Heartbeat | None = None,
+        heartbeat: Heartbeat = no_heartbeat,
     ) -> int:
         """Run this replica's share of ``program`` from ``start``; measurements go to :attr:`stats`.
 
@@ -274,7 +264,8 @@ class StageEngine:
                 docstring) and returns once the pipeline drained; a yes that arrives only as the
                 run ends stops before the next run.
             heartbeat: Told of every action as it starts (what, and whether it waits on the
-                neighbours), e.g. :meth:`~lorafusion_megatron.pipeline.stall.StallWatchdog.beat`.
+                neighbours), e.g. :meth:`~lorafusion_megatron.pipeline.stall.StallWatchdog.beat`;
+                ``on_drain`` reports its own actions.
 
         Returns:
             Program index of the next microbatch to run: ``program.num_microbatches`` when the
@@ -284,7 +275,6 @@ class StageEngine:
             PipelineMismatchError: ``start`` falls inside a round of the replicas.
         """
         begin = time.perf_counter()
-        beat = heartbeat or _no_heartbeat
         if self._origin is None:
             self._origin = begin
         self.stopped = False
@@ -300,14 +290,14 @@ class StageEngine:
                 raise PipelineMismatchError(f"position {start} is inside a round of the {d} replicas, not at its start")
             first = offset + skip + self.layout.replica
             local = list(run[skip + self.layout.replica :: d])
-            done = self._run(local, [first + k * d for k in range(len(local))], stop, beat)
+            done = self._run(local, [first + k * d for k in range(len(local))], stop, heartbeat)
             # Runs hold whole rounds, so an uncut run ends exactly at ``end``.
             position, offset = offset + skip + done * d, end
             self._finish_steps(list(self._unfinished))
             if stop is not None and stop.settle():
                 self.stopped = True
             if on_drain is not None:
-                beat(f"the drain at microbatch {position} (a checkpoint)")
+                heartbeat(f"the drain at microbatch {position}")
                 self._synchronize()
                 on_drain(position)
             if self.stopped:

@@ -6,9 +6,10 @@ the run ended after 73 s). Over NCCL, one run on 2 H200s with rank 1 asleep in i
 had not ended 240 s after its start and no NCCL watchdog message appeared, so the transfers' own
 timeout cannot be relied on there.
 
-Each rank therefore runs a :class:`StallWatchdog` while it executes the program. The engine reports
-every action to it (:meth:`StallWatchdog.beat`: a forward, a backward, an exchange with its
-neighbours, a checkpoint). When one action has lasted longer than its limit, a thread writes the
+Each rank therefore runs a :class:`StallWatchdog` from the restore of its checkpoint to its last
+collective. The engine and the worker report every action to it (:meth:`StallWatchdog.beat`: a
+forward, a backward, an exchange with the neighbours, each phase of a checkpoint, the gathering
+of the adapters). When one action has lasted longer than its limit, a thread writes the
 rank's error down for the launcher (:func:`~lorafusion_megatron.pipeline.failures.note_failure`),
 with the main thread's stack, prints it, and ends the process at once (``os._exit``: the main
 thread may be blocked in a transfer or a CUDA call that no exception can interrupt). The launcher
@@ -18,6 +19,9 @@ The limit is a fraction of the collective timeout ``T``: ``0.9 T`` for the rank'
 ``1.1 T`` while it waits on its peers (an exchange). A rank stuck in its own work is caught before
 its waiting peers time out, so the run names the rank that hung, not a neighbour that waited for
 it; a waiting rank is only a backstop for a transfer that never times out.
+
+Time the process spends stopped (``SIGSTOP``, a job scheduler suspending the job) does not count:
+a poll that comes much later than it should moves the action's start on by the gap.
 """
 
 from __future__ import annotations
@@ -29,20 +33,35 @@ import time
 import traceback
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from lorafusion_megatron.pipeline.failures import note_failure
 
 if TYPE_CHECKING:
     from lorafusion_megatron.pipeline.groups import Layout
 
-__all__ = ["OWN_WORK_FRACTION", "WAITING_FRACTION", "RankStalledError", "StallWatchdog"]
+__all__ = ["OWN_WORK_FRACTION", "WAITING_FRACTION", "Heartbeat", "RankStalledError", "StallWatchdog", "no_heartbeat"]
 
 OWN_WORK_FRACTION = 0.9
 """The share of the collective timeout one action of the rank's own may last."""
 
 WAITING_FRACTION = 1.1
 """The share of the collective timeout an exchange with the neighbours may last."""
+
+
+_SUSPENDED_POLLS = 20
+"""A poll this many intervals late (and at least 30 s) means the process was stopped in between."""
+
+
+class Heartbeat(Protocol):
+    """Told of an action as it starts: what it is, and whether it waits on other ranks."""
+
+    def __call__(self, doing: str, *, waiting: bool = False) -> None:
+        """``doing`` starts now (e.g. ``"the forward of microbatch 7"``)."""
+
+
+def no_heartbeat(doing: str, *, waiting: bool = False) -> None:
+    """The heartbeat of work that nothing watches."""
 
 
 class RankStalledError(RuntimeError):
@@ -78,24 +97,29 @@ class StallWatchdog:
         self.poll_seconds = poll_seconds if poll_seconds is not None else min(5.0, timeout_seconds / 100)
         self._clock = clock
         self._end_process = end_process
-        self._doing = "starting"
-        self._waiting = False
-        self._since = clock()
+        self._state = ("starting", False, clock())
+        """What the rank does, whether it waits on other ranks, since when: one tuple, replaced whole."""
         self._watched_thread = threading.get_ident()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def beat(self, doing: str, *, waiting: bool = False) -> None:
-        """The rank starts ``doing`` (e.g. ``"the forward of microbatch 7"``); ``waiting``: on its peers."""
-        self._doing, self._waiting, self._since = doing, waiting, self._clock()
+        """The rank starts ``doing`` (e.g. ``"the forward of microbatch 7"``); ``waiting``: on other ranks."""
+        self._state = (doing, waiting, self._clock())
+
+    def excuse(self, seconds: float) -> None:
+        """Do not count the last ``seconds`` against the current action (the process was stopped)."""
+        doing, waiting, since = self._state
+        self._state = (doing, waiting, since + seconds)
 
     def check(self) -> bool:
         """Whether the current action outlasted its limit; if so, write the error down and end the process."""
-        fraction = WAITING_FRACTION if self._waiting else OWN_WORK_FRACTION
-        elapsed = self._clock() - self._since
+        doing, waiting, since = self._state
+        fraction = WAITING_FRACTION if waiting else OWN_WORK_FRACTION
+        elapsed = self._clock() - since
         if elapsed <= fraction * self.timeout_seconds:
             return False
-        error = RankStalledError(self._message(elapsed, fraction))
+        error = RankStalledError(self._message(doing, elapsed, fraction))
         layout = self.layout
         note_failure(error, rank=layout.rank, stage=layout.stage, replica=layout.replica)
         sys.stderr.write(f"lorafusion-megatron: {error}\n")  # for torchrun, which reads no failure file
@@ -103,18 +127,24 @@ class StallWatchdog:
         self._end_process(1)
         return True
 
-    def _message(self, elapsed: float, fraction: float) -> str:
+    def _message(self, doing: str, elapsed: float, fraction: float) -> str:
         layout = self.layout
         frame = sys._current_frames().get(self._watched_thread)
         stack = "".join(traceback.format_stack(frame)) if frame is not None else "  (not found)\n"
         return (
             f"rank {layout.rank} (stage {layout.stage}, replica {layout.replica}) spent {elapsed:.0f} s on "
-            f"{self._doing} without finishing it (the limit: {fraction:g} x parallel.collective_timeout_minutes "
+            f"{doing} without finishing it (the limit: {fraction:g} x parallel.collective_timeout_minutes "
             f"= {fraction * self.timeout_seconds:.0f} s), so it was stopped. Its main thread was at:\n{stack.rstrip()}"
         )
 
     def _watch(self) -> None:
+        late = max(30.0, _SUSPENDED_POLLS * self.poll_seconds)
+        last = self._clock()
         while not self._stop.wait(self.poll_seconds):
+            now = self._clock()
+            if now - last > late:
+                self.excuse(now - last - self.poll_seconds)
+            last = now
             if self.check():
                 return
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from lorafusion_megatron.atomic_files import write_json_atomically, write_text_atomically
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.pipeline.options import ParallelConfig
+from lorafusion_megatron.pipeline.stall import Heartbeat, StallWatchdog, no_heartbeat
 
 if TYPE_CHECKING:
     import torch
@@ -241,7 +242,6 @@ def run_rank(
     from lorafusion_megatron.pipeline.groups import parallel_layout
     from lorafusion_megatron.pipeline.launch import under_torchrun
     from lorafusion_megatron.pipeline.programs import build_program, split_for_checkpoints
-    from lorafusion_megatron.pipeline.stall import StallWatchdog
     from lorafusion_megatron.pipeline.stopping import RANK_STOP_MESSAGE, StopAgreement, rank_stop_signal
     from lorafusion_megatron.pipeline.trace import chrome_trace
     from lorafusion_megatron.profiler.run import with_profiled_choices
@@ -279,17 +279,17 @@ def run_rank(
         if config.save_steps is not None:
             program = split_for_checkpoints(program, config.save_steps)
         session = _RankSession.build(config, parallel, layout, prepared.jobs, plan, program, phases)
+        watchdog = held.enter_context(StallWatchdog(parallel.collective_timeout_minutes * 60, layout))
+        session.heartbeat = watchdog.beat
+        watchdog.beat("restoring the checkpoint")
         start = session.restore(checkpoint) if checkpoint is not None else 0
         # One collective on the pipeline group before its first point-to-point transfer: with NCCL,
         # a group's first call must involve all its ranks, which a pipeline's warm-up does not.
+        watchdog.beat("the first collective of the pipeline", waiting=True)
         dist.all_reduce(torch.zeros(1, device=layout.device), group=layout.pipeline_group)
         dist.barrier()
         phases.done("restore and first collective")
-        with (
-            start_up_objects_frozen(),
-            session.showing_progress(start),
-            StallWatchdog(parallel.collective_timeout_minutes * 60, layout) as watchdog,
-        ):
+        with start_up_objects_frozen(), session.showing_progress(start):
             position = session.engine.execute(
                 program,
                 start=start,
@@ -307,8 +307,10 @@ def run_rank(
         phases.done("outputs")
         everyone: list[Any] = [None] * layout.world_size
         progress = None if session.progress is None else session.progress.state.to_json()
+        watchdog.beat("gathering the run's statistics", waiting=True)
         dist.all_gather_object(everyone, (session.engine.stats, progress))
         dist.barrier()
+        watchdog.beat("writing the run's summary")
         if layout.rank != 0:
             return None
         summary = summarise([stats for stats, _ in everyone], program.name)
@@ -347,6 +349,8 @@ class _RankSession:
     engine: StageEngine
     progress: PipelineProgress | None = None
     _restored: RunState | None = None
+    heartbeat: Heartbeat = no_heartbeat
+    """Told of the phases of checkpoints and of the adapters' gathering (the rank's stall watchdog)."""
     _saved_steps: int = 0
     _saved: tuple[int, Path] | None = None
 
@@ -450,6 +454,7 @@ class _RankSession:
             fingerprint=self.fingerprint,
             parallel=self.parallel,
             keep=self.config.save_total_limit,
+            heartbeat=self.heartbeat,
         )
         self._saved_steps = self.engine.total_steps
         self._saved = (position, path)
@@ -460,7 +465,9 @@ class _RankSession:
         from lorafusion_megatron.pipeline.adapters import gather_adapters, write_adapter
 
         names = [job.name for job in self.config.jobs]
+        self.heartbeat("gathering the adapters on the first stage", waiting=True)
         gathered = gather_adapters(self.stage.model, names, self.layout) if self.layout.replica == 0 else None
+        self.heartbeat("writing the adapters")
         if gathered is not None:
             for job in self.config.jobs:
                 write_adapter(self.stage.model, job.name, gathered[job.name], self.config.job_output_dir(job))
