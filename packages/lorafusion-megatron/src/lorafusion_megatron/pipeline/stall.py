@@ -16,9 +16,10 @@ thread may be blocked in a transfer or a CUDA call that no exception can interru
 then stops the other ranks and names this one.
 
 The limit is a fraction of the collective timeout ``T``: ``0.9 T`` for the rank's own work and
-``1.1 T`` while it waits on its peers (an exchange). A rank stuck in its own work is caught before
-its waiting peers time out, so the run names the rank that hung, not a neighbour that waited for
-it; a waiting rank is only a backstop for a transfer that never times out.
+``1.1 T`` while it waits on other ranks (an exchange, a checkpoint's barriers, a gather). A rank
+stuck in its own work is caught before its waiting peers time out, so the run names the rank that
+hung, not a neighbour that waited for it; a waiting rank is only a backstop for a transfer that
+never times out.
 
 Time the process spends stopped (``SIGSTOP``, a job scheduler suspending the job) does not count:
 a poll that comes much later than it should moves the action's start on by the gap.
@@ -46,7 +47,7 @@ OWN_WORK_FRACTION = 0.9
 """The share of the collective timeout one action of the rank's own may last."""
 
 WAITING_FRACTION = 1.1
-"""The share of the collective timeout an exchange with the neighbours may last."""
+"""The share of the collective timeout a wait on other ranks may last (an exchange, a barrier, a gather)."""
 
 
 _SUSPENDED_POLLS = 20
