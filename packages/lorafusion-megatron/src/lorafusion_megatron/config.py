@@ -538,18 +538,11 @@ def fingerprinted_config(config: TrainerConfig) -> dict[str, Any]:
 
     Logging, checkpoint and evaluation cadence, evaluation datasets, output folders and the collective
     timeout are left out: they may change between a run and its resume without changing the result.
-    ``val_size`` stays in: it decides which samples are trained on. Checkpoints store this data beside its hash
-    (:func:`config_fingerprint`), so a refused resume can name the keys that changed.
+    ``val_size`` stays in: it decides which samples are trained on. Checkpoints store this data beside
+    its hash (:func:`config_fingerprint`), so a refused resume can name the keys that changed.
     """
-    data = config.model_dump(
-        mode="json",
-        exclude={
-            "logging": True,
-            "save_steps": True,
-            "save_total_limit": True,
-            "parallel": {"collective_timeout_minutes"},
-        },
-    )
+    data = config.model_dump(mode="json", exclude={"logging": True, "save_steps": True, "save_total_limit": True})
+    data["parallel"] = config.parallel.layout_settings()
     data.pop("output_dir")
     for job in data["jobs"]:
         for key in ("output_dir", "eval_dataset", "eval_steps"):
