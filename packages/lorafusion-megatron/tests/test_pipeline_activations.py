@@ -16,7 +16,7 @@ from lorafusion_megatron.pipeline.p2p import Expect, Transfer
 from lorafusion_megatron.pipeline.partition import partition_model
 from lorafusion_megatron.pipeline.stage_model import StageModel, build_stage_model
 from lorafusion_megatron.pipeline.stall import Heartbeat, no_heartbeat
-from lorafusion_megatron.testing import plan_microbatch, random_job
+from lorafusion_megatron.testing import cpu_stage_layout, plan_microbatch, random_job
 from lorafusion_sched.models import Microbatch, Segment
 
 
@@ -130,23 +130,10 @@ def _engine_gradients(
     storage bytes of each output when its backward starts."""
     from lorafusion_megatron.pipeline import engine as engine_module
     from lorafusion_megatron.pipeline.engine import StageEngine
-    from lorafusion_megatron.pipeline.groups import Layout
     from lorafusion_megatron.pipeline.programs import Program
 
     stage = _two_stages(tmp_path, activation_checkpointing=False)[0]
-    layout = Layout(
-        rank=0,
-        world_size=2,
-        stage=0,
-        num_stages=2,
-        replica=0,
-        num_replicas=1,
-        prev_rank=None,
-        next_rank=1,
-        pipeline_group=None,
-        data_group=None,
-        device=torch.device("cpu"),
-    )
+    layout = cpu_stage_layout(0)
     data = {"first": random_job("first", [5, 7, 4], 3, seed=1), "second": random_job("second", [6, 3], 2, seed=2)}
     microbatches = tuple(
         _microbatch(data, *segments)

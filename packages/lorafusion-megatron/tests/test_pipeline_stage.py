@@ -11,12 +11,11 @@ from lorafusion_megatron.config import TrainerConfig, parse_config
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.model import attach_adapters, build_base_model, load_model_config
 from lorafusion_megatron.packing import pack_microbatch
-from lorafusion_megatron.pipeline.groups import Layout
 from lorafusion_megatron.pipeline.p2p import Expect, PipelineMismatchError, StageLink, Transfer
 from lorafusion_megatron.pipeline.partition import StageSpec, partition_model
 from lorafusion_megatron.pipeline.stage_model import StageModel, build_stage_model
 from lorafusion_megatron.runner import MicrobatchRunner
-from lorafusion_megatron.testing import plan_microbatch, random_job
+from lorafusion_megatron.testing import cpu_stage_layout, plan_microbatch, random_job
 
 CPU = torch.device("cpu")
 
@@ -209,24 +208,8 @@ def test_a_checkpoint_missing_a_stage_tensor_is_reported(three_layer_base: Path,
         build_stage_model(_config(str(folder), tmp_path), spec, CPU)
 
 
-def _layout(stage: int) -> Layout:
-    return Layout(
-        rank=stage,
-        world_size=2,
-        stage=stage,
-        num_stages=2,
-        replica=0,
-        num_replicas=1,
-        prev_rank=0 if stage == 1 else None,
-        next_rank=1 if stage == 0 else None,
-        pipeline_group=None,
-        data_group=None,
-        device=CPU,
-    )
-
-
 def test_a_tensor_of_the_wrong_length_is_refused_before_sending() -> None:
-    link = StageLink(_layout(0), hidden_size=8, dtype=torch.float32)
+    link = StageLink(cpu_stage_layout(0), hidden_size=8, dtype=torch.float32)
     with pytest.raises(PipelineMismatchError, match="microbatch 17"):
         link.exchange(send_forward=Transfer(17, 5, torch.zeros(1, 6, 8)))
 
@@ -249,6 +232,6 @@ def test_activations_of_another_microbatch_are_refused_on_arrival(monkeypatch: p
 
     monkeypatch.setattr(dist, "P2POp", Op)
     monkeypatch.setattr(dist, "batch_isend_irecv", deliver)
-    link = StageLink(_layout(1), hidden_size=8, dtype=torch.float32)
+    link = StageLink(cpu_stage_layout(1), hidden_size=8, dtype=torch.float32)
     with pytest.raises(PipelineMismatchError, match=r"expected activations of microbatch 3 \(6 tokens\).*microbatch 4"):
         link.exchange(recv_forward=Expect(3, 6))

@@ -7,25 +7,12 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from lorafusion_megatron.pipeline.failures import read_failures, record_failures_in
-from lorafusion_megatron.pipeline.groups import Layout
 from lorafusion_megatron.pipeline.stall import StallWatchdog
+from lorafusion_megatron.testing import cpu_stage_layout
 
-LAYOUT = Layout(
-    rank=1,
-    world_size=2,
-    stage=1,
-    num_stages=2,
-    replica=0,
-    num_replicas=1,
-    prev_rank=0,
-    next_rank=None,
-    pipeline_group=None,
-    data_group=None,
-    device=torch.device("cpu"),
-)
+LAYOUT = cpu_stage_layout(1)
 
 
 class _Clock:

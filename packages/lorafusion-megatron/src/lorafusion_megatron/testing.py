@@ -20,10 +20,12 @@ if TYPE_CHECKING:
     import torch
     from peft import PeftModel
 
+    from lorafusion_megatron.pipeline.groups import Layout
     from lorafusion_sched.models import Microbatch
 
 __all__ = [
     "INJECTED_FAILURE",
+    "cpu_stage_layout",
     "lora_grads",
     "plan_microbatch",
     "random_job",
@@ -138,6 +140,27 @@ def plan_microbatch(*segments: tuple[str, int, tuple[int, ...]], step_after: tup
             Segment(adapter=a, global_batch=g, samples=s, tokens=len(s), padded_tokens=len(s)) for a, g, s in segments
         ),
         step_after=step_after,
+    )
+
+
+def cpu_stage_layout(stage: int) -> Layout:
+    """Stage ``stage`` of a 2-stage pipeline on the CPU, one replica, no process groups (for one-process tests)."""
+    import torch
+
+    from lorafusion_megatron.pipeline.groups import Layout
+
+    return Layout(
+        rank=stage,
+        world_size=2,
+        stage=stage,
+        num_stages=2,
+        replica=0,
+        num_replicas=1,
+        prev_rank=0 if stage == 1 else None,
+        next_rank=1 if stage == 0 else None,
+        pipeline_group=None,
+        data_group=None,
+        device=torch.device("cpu"),
     )
 
 
