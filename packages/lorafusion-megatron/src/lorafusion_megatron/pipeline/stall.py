@@ -108,7 +108,7 @@ class StallWatchdog:
         """The rank starts ``doing`` (e.g. ``"the forward of microbatch 7"``); ``waiting``: on other ranks."""
         self._state = (doing, waiting, self._clock())
 
-    def excuse(self, seconds: float) -> None:
+    def _excuse(self, seconds: float) -> None:
         """Do not count the last ``seconds`` against the current action (the process was stopped)."""
         doing, waiting, since = self._state
         self._state = (doing, waiting, since + seconds)
@@ -144,7 +144,7 @@ class StallWatchdog:
         while not self._stop.wait(self.poll_seconds):
             now = self._clock()
             if now - last > late:
-                self.excuse(now - last - self.poll_seconds)
+                self._excuse(now - last - self.poll_seconds)
             last = now
             if self.check():
                 return
