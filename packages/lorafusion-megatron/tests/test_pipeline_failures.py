@@ -148,18 +148,12 @@ def test_a_failing_rank_is_named_once_and_the_run_stops(
         pass
 
 
-_NCCL_HANG = (
-    "not yet run with the stall watchdog: before it, this run over NCCL had not ended 240 s after its start on 2 "
-    "H200s (2026-11-27); run it on 2 GPUs with --runxfail"
-)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "backend",
     [
         "gloo",
-        pytest.param("nccl", marks=[pytest.mark.multigpu(gpus=2), pytest.mark.xfail(run=False, reason=_NCCL_HANG)]),
+        pytest.param("nccl", marks=pytest.mark.multigpu(gpus=2)),
     ],
 )
 def test_a_hanging_rank_is_stopped_and_named_before_its_neighbour_times_out(
