@@ -4,7 +4,9 @@ The collective timeout (``parallel.collective_timeout_minutes``) is meant to end
 hangs: its peers' transfers time out and fail. Over gloo they do (measured: 2 CPU ranks, 1 minute,
 the run ended after 73 s). Over NCCL, one run on 2 H200s with rank 1 asleep in its first forward
 had not ended 240 s after its start and no NCCL watchdog message appeared, so the transfers' own
-timeout cannot be relied on there.
+timeout cannot be relied on there: torch's NCCL watchdog does not see a wait in the first
+point-to-point operation between two ranks, and a timeout it sees ends the process about 70 s
+later (``benchmarks/nccl_timeout_probe.py``, 2 H200s).
 
 Each rank therefore runs a :class:`StallWatchdog` from the restore of its checkpoint to its last
 collective. The engine and the worker report every action to it (:meth:`StallWatchdog.beat`: a
