@@ -5,19 +5,21 @@ Run on a host with 2 GPUs (from the repository root)::
     python packages/lorafusion-megatron/benchmarks/nccl_timeout_probe.py --out results/probe.json
 
 Each probe starts two processes on one NCCL process group whose timeout is ``--timeout`` seconds.
-Rank 1 sleeps through the ``--window`` seconds and takes part in nothing; rank 0 waits for it in one way:
+Rank 1 sleeps through the ``--window`` seconds (and 15 more) and takes part in nothing; rank 0
+waits for it in one way:
 
-- ``all_reduce``: a collective (the control: NCCL's watchdog is known to time these out);
+- ``all_reduce``: a collective (the control: torch's NCCL watchdog times these out);
 - ``recv``: ``dist.recv`` from rank 1;
 - ``batch_recv``: ``dist.batch_isend_irecv`` of one ``irecv``, then ``wait()``;
 - ``batch_exchange``: as the pipeline's exchange (``pipeline/p2p.py``): an ``isend`` and an
   ``irecv`` of a header and a payload in one ``batch_isend_irecv``, ``wait()``, then the header read
   on the host.
 
-Each rank synchronises the GPU after the wait, so a wait that returns at once still blocks there.
-For each probe: whether and when rank 0 ended within the window, its exit code, and the lines of
-its output that name a timeout or the watchdog. Environment variables of torch's NCCL watchdog
-(``TORCH_NCCL_*``) pass through; ``--env`` adds some for every probe.
+Rank 0 synchronises the GPU after the wait, so a wait that returns at once still blocks there.
+With ``--warm`` the two ranks first exchange one tensor point to point. For each probe: whether
+and when rank 0 ended within the window, its exit code, and the lines of its output that name a
+timeout or the watchdog. Environment variables of torch's NCCL watchdog (``TORCH_NCCL_*``) pass
+through; ``--env`` adds some for every probe.
 """
 
 from __future__ import annotations
@@ -89,10 +91,12 @@ def run_probe(
     base = {**os.environ, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
     procs = []
     for rank in range(2):
-        log = (logs / f"{probe}-rank{rank}.log").open("w")
         command = [sys.executable, __file__, "--rank", str(rank), "--probe", probe, "--timeout", str(timeout)]
         command += ["--window", str(window)] + (["--warm"] if warm else [])
-        procs.append(subprocess.Popen(command, env={**base, "RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT))
+        with (logs / f"{probe}-rank{rank}.log").open("w") as log:
+            procs.append(
+                subprocess.Popen(command, env={**base, "RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT)
+            )
     start = time.monotonic()
     ended_at: float | None = None
     while time.monotonic() - start < window + 15:
@@ -121,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--probe", choices=PROBES, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--probes", nargs="+", choices=PROBES, default=list(PROBES))
     parser.add_argument("--timeout", type=float, default=20.0, help="the process group's timeout, seconds")
-    parser.add_argument("--window", type=float, default=60.0, help="how long rank 1 sleeps, seconds")
+    parser.add_argument("--window", type=float, default=60.0, help="how long rank 0 is watched (plus 15 s), seconds")
     parser.add_argument("--warm", action="store_true", help="one point-to-point exchange before the wait")
     parser.add_argument("--env", nargs="*", default=[], metavar="NAME=VALUE", help="set for every probe")
     parser.add_argument("--first-port", type=int, default=29500, help="the probes' rendezvous ports count up from it")
