@@ -63,6 +63,13 @@ def test_errors_exit_2_with_a_message(args: list[str], needle: str, capsys: pyte
     assert needle in err
 
 
+def test_a_plan_file_that_is_not_utf8_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Exit 1 means "the plan has violations": an unreadable file must not look like one."""
+    (tmp_path / "bad.json").write_bytes(b"\xff\xfe{\x00")
+    assert main(["verify", str(tmp_path / "bad.json")]) == 2
+    assert "not UTF-8 text" in " ".join(capsys.readouterr().err.split())
+
+
 @pytest.mark.parametrize("flag", ["--samples", "--stages", "--capacity", "--workers"])
 def test_demo_refuses_a_count_below_one_by_its_flag(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:

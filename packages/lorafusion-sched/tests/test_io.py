@@ -46,6 +46,10 @@ def test_read_lengths_in_every_format(tmp_path: Path) -> None:
         ("x.jsonl", '5\n{"tokens": 6,\n7\n', r"x.jsonl:2: invalid JSON"),
         ("x.csv", "5,6\n7,8\n", "without a header row must have one column"),
         ("x.csv", "id,tokens\n1,5\n2\n", r"x.csv:3: 1 cells under a header of 2 columns"),
+        ("x.json", "[100, NaN]", r"x.json\[1\]: nan is not a positive whole"),
+        ("x.json", "[100, 1e400]", r"x.json\[1\]: inf is not a positive whole"),
+        ("x.csv", "100\ninf\n", r"x.csv:2: 'inf' is not a positive whole"),
+        ("x.csv", "tokens\nnan\n", r"x.csv:2: 'nan' is not a positive whole"),
     ],
 )
 def test_bad_lengths_files_say_where(tmp_path: Path, name: str, text: str, needle: str) -> None:
@@ -54,6 +58,31 @@ def test_bad_lengths_files_say_where(tmp_path: Path, name: str, text: str, needl
         read_lengths(tmp_path / name)
     with pytest.raises(SchedError, match="does not exist"):
         read_lengths(tmp_path / "missing.json")
+
+
+def test_lengths_are_read_exactly_and_a_byte_order_mark_is_no_header(tmp_path: Path) -> None:
+    """Spreadsheets save CSV with a UTF-8 byte-order mark; big counts must not round through float."""
+    (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbf100\n200\n300\n")
+    assert read_lengths(tmp_path / "bom.csv") == [100, 200, 300], "the first sample is kept"
+    (tmp_path / "header.csv").write_bytes(b"\xef\xbb\xbftokens,text\n7,a\n")
+    assert read_lengths(tmp_path / "header.csv", "tokens") == [7]
+    big = 2**53 + 1
+    (tmp_path / "big.csv").write_text(f"{big}\n")
+    (tmp_path / "big.json").write_text(f"[{big}]")
+    assert read_lengths(tmp_path / "big.csv") == [big]
+    assert read_lengths(tmp_path / "big.json") == [big]
+
+
+def test_a_file_that_is_not_utf8_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    for name in ("x.json", "x.csv"):
+        (tmp_path / name).write_bytes(b"\xff\xfe{\x00")
+        with pytest.raises(SchedError, match=f"{name}: not UTF-8 text .*save the file as UTF-8"):
+            read_lengths(tmp_path / name)
+    (tmp_path / "jobs.yaml").write_bytes(b"\xff\xfe{\x00")
+    with pytest.raises(SchedError, match="not UTF-8 text"):
+        load_jobs(tmp_path / "jobs.yaml")
+    with pytest.raises(SchedError, match="not UTF-8 text"):
+        load_plan(tmp_path / "x.json")
 
 
 def test_load_jobs_yaml_with_a_lengths_file(tmp_path: Path) -> None:
@@ -162,3 +191,35 @@ def test_plan_json_round_trip(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text('{"schema_version": 2}')
     with pytest.raises(SchedError, match="schema_version"):
         load_plan(tmp_path / "bad.json")
+
+
+def test_save_plan_follows_a_link_keeps_permissions_and_is_safe_across_threads(tmp_path: Path) -> None:
+    import os
+    import stat
+    import threading
+
+    p = plan([make_job("a", [100, 900, 300, 50], gbs=2)], PlanOptions(capacity=1024, pipeline_stages=2))
+    real = tmp_path / "v1.json"
+    save_plan(p, real)
+    os.chmod(real, 0o640)
+    (tmp_path / "plan.json").symlink_to(real.name)
+    save_plan(p, tmp_path / "plan.json")
+    assert (tmp_path / "plan.json").is_symlink(), "the link stays a link"
+    assert stat.S_IMODE(real.stat().st_mode) == 0o640, "the replaced file keeps its permissions"
+    failures: list[BaseException] = []
+
+    def save_often() -> None:
+        try:
+            for _ in range(50):
+                save_plan(p, tmp_path / "shared.json")
+        except BaseException as err:  # collected for the assertion below
+            failures.append(err)
+
+    threads = [threading.Thread(target=save_often) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert load_plan(tmp_path / "shared.json") == p
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["plan.json", "shared.json", "v1.json"]

@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
 from pydantic import BaseModel, ValidationError
 
 from lorafusion_sched import AdapterJob, Plan, PlanOptions, SchedError, plan
+from lorafusion_sched.io import describe_validation_error
 from lorafusion_sched.models import (
     AdapterInfo,
     CostModel,
@@ -51,11 +53,17 @@ def test_bad_job_names_field_and_value(kwargs: dict[str, object], needle: str) -
         ({"capacity": 0}, "capacity = 0"),
         ({"data_parallel": 0}, "data_parallel = 0"),
         ({"padding_multiple": -1}, "padding_multiple = -1"),
+        ({"capacity": 32, "padding_multiple": 64}, "use capacity = 64$"),
+        ({"seed": 2**31}, "seed = 2147483648: Input should be less than or equal to 2147483647"),
+        ({"node_limit": 2**31}, "node_limit = 2147483648"),
+        ({"sigma_factor": float("inf")}, "sigma_factor = inf: Input should be a finite number"),
+        ({"time_limit": float("nan")}, "time_limit = nan: Input should be a finite number"),
     ],
 )
 def test_bad_options_name_field_and_value(kwargs: dict[str, object], needle: str) -> None:
-    with pytest.raises(ValidationError, match=needle):
+    with pytest.raises(ValidationError) as raised:
         PlanOptions.model_validate({"capacity": 1024} | kwargs)
+    assert re.search(needle, describe_validation_error(raised.value)), describe_validation_error(raised.value)
 
 
 @pytest.mark.parametrize(

@@ -167,6 +167,32 @@ def test_paper_scale_plan_verifies_clean() -> None:
     assert p.stats.fill_ratio >= 0.95
 
 
+def test_no_worker_outlives_an_interrupted_plan(fast_options: PlanOptions, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interrupt (here: the progress callback raising) kills the MILP workers before it propagates."""
+    import subprocess
+
+    from lorafusion_sched.packing import pool
+
+    started: list[subprocess.Popen[bytes]] = []
+    real_popen = subprocess.Popen
+
+    def recording_popen(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+        started.append(real_popen(*args, **kwargs))  # type: ignore[call-overload]
+        return started[-1]
+
+    def interrupt(done: int, total: int) -> None:
+        if done > 0:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(pool.subprocess, "Popen", recording_popen)
+    jobs = synthetic_jobs("het", 640, num_adapters=4, global_batch_size=16, seed=6)
+    options = fast_options.model_copy(update={"capacity": 4096, "workers": 2, "time_limit": None})
+    with pytest.raises(KeyboardInterrupt):
+        plan(jobs, options, progress=interrupt)
+    assert len(started) == 2
+    assert all(proc.poll() is not None for proc in started), "every worker has ended"
+
+
 def test_failed_workers_fall_back_to_greedy(fast_options: PlanOptions, monkeypatch: pytest.MonkeyPatch) -> None:
     jobs = synthetic_jobs("het", 640, num_adapters=4, global_batch_size=16, seed=7)
     options = fast_options.model_copy(update={"capacity": 4096, "workers": 2})

@@ -57,6 +57,22 @@ def test_stage_factors_must_match_the_pipeline() -> None:
         timeline(p, "x")
 
 
+@pytest.mark.parametrize(
+    ("samples", "needle"),
+    [
+        ({"xsum-0": 0}, r"microbatch_samples\['xsum-0'\] = 0: give a whole number"),
+        ({"xsum-0": -2}, r"= -2: give a whole number"),
+        ({"nobody": 4}, "names 'nobody', which is not an adapter of the plan"),
+    ],
+)
+def test_baseline_microbatch_samples_are_checked(samples: dict[str, int], needle: str) -> None:
+    jobs = synthetic_jobs("xsum", 32, num_adapters=1, global_batch_size=8)
+    p = plan(jobs, PlanOptions(capacity=4096, pipeline_stages=2, use_milp=False))
+    assert [a.name for a in p.adapters] == ["xsum-0"]
+    with pytest.raises(SchedError, match=needle):
+        simulate(p, microbatch_samples=samples)
+
+
 def test_data_parallel_simulation_runs() -> None:
     jobs = synthetic_jobs("het", 128, num_adapters=2, global_batch_size=8, seed=1)
     p = plan(jobs, PlanOptions(capacity=4096, pipeline_stages=2, data_parallel=2, use_milp=False))

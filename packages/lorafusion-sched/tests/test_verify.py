@@ -99,6 +99,16 @@ def test_stats_that_follow_from_the_plan_are_checked(good: Plan, field: str, val
     assert f"stats.{field} = {value}" in verify(tampered)[0].message
 
 
+def test_a_huge_claimed_global_batch_count_is_flagged_at_once(good: Plan) -> None:
+    """A corrupt count must not make verify loop over it (10**12 global batches of 6 samples)."""
+    import time
+
+    adapters = (good.adapters[0].model_copy(update={"num_global_batches": 10**12}), *good.adapters[1:])
+    start = time.perf_counter()
+    assert "schema" in kinds(good.model_copy(update={"adapters": adapters}))
+    assert time.perf_counter() - start < 5
+
+
 def test_sample_lengths_below_one_token_are_refused(good: Plan) -> None:
     data = json.loads(good.model_dump_json())
     data["adapters"][0]["sample_tokens"][0] = 0

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
+import stat
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,15 +61,29 @@ def _pick(record: dict[str, Any], field: str | None, where: str) -> Any:
 
 
 def _as_length(value: Any, where: str) -> int:
+    """``value`` as a token count: a whole number of at least 1, read exactly (no rounding through float)."""
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise SchedError(f"{where}: {value!r} is not a token count")
-    try:
-        number = float(value)
-    except ValueError:
-        raise SchedError(f"{where}: {value!r} is not a token count") from None
-    if number != int(number) or number < 1:
+    number: int | float = value if not isinstance(value, str) else _parse_number(value, where)
+    if isinstance(number, float):
+        if not math.isfinite(number) or not number.is_integer():
+            raise SchedError(f"{where}: {value!r} is not a positive whole token count")
+        number = int(number)
+    if number < 1:
         raise SchedError(f"{where}: {value!r} is not a positive whole token count")
-    return int(number)
+    return number
+
+
+def _parse_number(text: str, where: str) -> int | float:
+    """A CSV cell or JSON string as an int when it is written as one (exact), else as a float."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise SchedError(f"{where}: {text!r} is not a token count") from None
 
 
 def _is_number(text: str) -> bool:
@@ -126,7 +143,7 @@ def read_lengths(path: str | Path, field: str | None = None) -> list[int]:
     if not path.is_file():
         raise SchedError(f"lengths file {str(path)!r} does not exist")
     suffix = path.suffix.lower()
-    text = path.read_text("utf-8")
+    text = _read_text(path)
     lengths: list[int] = []
     if suffix == ".json":
         data = _json_item(text, str(path))
@@ -148,6 +165,20 @@ def read_lengths(path: str | Path, field: str | None = None) -> list[int]:
     if not lengths:
         raise SchedError(f"{path}: no lengths found")
     return lengths
+
+
+def _read_text(path: Path) -> str:
+    """The file's text as UTF-8; a byte-order mark (as spreadsheets write) is dropped.
+
+    Raises:
+        SchedError: The file is not UTF-8 text.
+    """
+    try:
+        return path.read_text("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise SchedError(
+            f"{path}: not UTF-8 text (byte {err.start} cannot be decoded: {err.reason}); save the file as UTF-8"
+        ) from None
 
 
 def describe_validation_error(err: ValidationError, where: str = "") -> str:
@@ -184,7 +215,7 @@ def load_jobs(path: str | Path) -> tuple[list[AdapterJob], PlanOptions]:
     if not path.is_file():
         raise SchedError(f"jobs file {str(path)!r} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text("utf-8"))  # YAML is a superset of JSON
+        raw = yaml.safe_load(_read_text(path))  # YAML is a superset of JSON
     except yaml.YAMLError as err:
         raise SchedError(f"{path}: cannot parse ({err})") from None
     if not isinstance(raw, dict) or "adapters" not in raw:
@@ -234,15 +265,20 @@ def write_atomically(path: str | Path, write: Callable[[Path], object]) -> Path:
     """Call ``write(temporary)`` on a temporary path beside ``path``, then rename it onto ``path``.
 
     A reader never sees a half-written file, and a failed write leaves ``path`` as it was; the data
-    and the rename are flushed to disk (``fsync``) before it returns.
+    and the rename are flushed to disk (``fsync``) before it returns. A symbolic link is followed (the
+    file it names is replaced; the link stays), and a replaced file keeps its permissions. Threads and
+    processes writing the same path each use a temporary of their own; the last rename wins.
 
     Raises:
         SchedError: See :func:`check_writable`.
     """
-    target = check_writable(path)
-    temporary = target.with_name(f".{target.stem}.tmp-{os.getpid()}{target.suffix}")
+    written_path = check_writable(path)
+    target = Path(os.path.realpath(written_path))
+    temporary = target.with_name(f".{target.stem}.tmp-{os.getpid()}-{threading.get_ident()}{target.suffix}")
     try:
         write(temporary)
+        if target.exists():
+            os.chmod(temporary, stat.S_IMODE(target.stat().st_mode))
         with temporary.open("rb") as written:
             os.fsync(written.fileno())
         os.replace(temporary, target)
@@ -250,7 +286,7 @@ def write_atomically(path: str | Path, write: Callable[[Path], object]) -> Path:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
-    return target
+    return written_path
 
 
 def _fsync_folder(folder: Path) -> None:
@@ -280,6 +316,6 @@ def load_plan(path: str | Path) -> Plan:
     if not path.is_file():
         raise SchedError(f"plan file {str(path)!r} does not exist")
     try:
-        return Plan.model_validate_json(path.read_text("utf-8"))
+        return Plan.model_validate_json(_read_text(path))
     except ValidationError as err:
         raise SchedError(describe_validation_error(err, f"{path}: ")) from None

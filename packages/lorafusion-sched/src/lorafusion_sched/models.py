@@ -42,6 +42,9 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
+
+HIGHS_INT_MAX = 2**31 - 1
+"""The largest value of an integer HiGHS option (``random_seed``, ``mip_max_nodes``)."""
 """Version of the plan JSON document; bumped on any incompatible change."""
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -162,16 +165,24 @@ class PlanOptions(BaseModel):
     time_limit: StrictFloat | None = Field(
         default=0.02,
         gt=0,
+        allow_inf_nan=False,
         description="Wall-clock seconds per MILP solve; None: node_limit alone, the same plan on every run (slower).",
     )
-    node_limit: WholeNumber = Field(default=10_000, ge=1, description="Branch-and-bound nodes per MILP solve.")
-    mip_rel_gap: StrictFloat = Field(default=0.0, ge=0, le=1, description="Relative gap at which a MILP solve stops.")
-    seed: WholeNumber = Field(default=0, ge=0, description="Random seed handed to HiGHS.")
+    node_limit: WholeNumber = Field(
+        default=10_000, ge=1, le=HIGHS_INT_MAX, description="Branch-and-bound nodes per MILP solve."
+    )
+    mip_rel_gap: StrictFloat = Field(
+        default=0.0, ge=0, le=1, allow_inf_nan=False, description="Relative gap at which a MILP solve stops."
+    )
+    seed: WholeNumber = Field(default=0, ge=0, le=HIGHS_INT_MAX, description="Random seed handed to HiGHS.")
     workers: OptionalWholeNumber = Field(
         default=None, ge=1, description="Processes solving global batches in parallel; default: the CPU count."
     )
     sigma_factor: StrictFloat = Field(
-        default=0.25, ge=0, description="Grouping: microbatch estimates use mean - k*std tokens per sample."
+        default=0.25,
+        ge=0,
+        allow_inf_nan=False,
+        description="Grouping: microbatch estimates use mean - k*std tokens per sample.",
     )
 
     @field_validator("capacity", "pipeline_stages", "padding_multiple", "data_parallel")
@@ -185,9 +196,10 @@ class PlanOptions(BaseModel):
     def _capacity_multiple_of_padding(self) -> PlanOptions:
         if self.capacity % self.padding_multiple:
             lower = self.capacity - self.capacity % self.padding_multiple
+            choices = f"{lower} or {lower + self.padding_multiple}" if lower else str(self.padding_multiple)
             raise ValueError(
                 f"capacity = {self.capacity} is not a multiple of padding_multiple = {self.padding_multiple}: "
-                f"use capacity = {lower} or {lower + self.padding_multiple}"
+                f"use capacity = {choices}"
             )
         return self
 

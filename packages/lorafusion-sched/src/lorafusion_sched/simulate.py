@@ -229,10 +229,12 @@ def simulate(
         Makespan, per-stage bubble ratio and tokens/s of every run, the plan's first.
 
     Raises:
-        SchedError: If the cost model's stage factors do not match the pipeline.
+        SchedError: If the cost model's stage factors do not match the pipeline, or
+            ``microbatch_samples`` names an adapter the plan lacks or a count below 1.
     """
     cost = cost_model or CostModel()
     _check_cost(plan, cost)
+    _check_microbatch_samples(plan, microbatch_samples or {})
     tokens = sum(mb.tokens for mb in plan.microbatches)
     runs = [_stats("lorafusion", _plan_pipelines(plan), plan, cost, tokens)]
     if baselines:
@@ -240,6 +242,15 @@ def simulate(
         runs.append(_stats("megatron", _megatron_pipelines(plan, per_mb), plan, cost, tokens))
         runs.append(_stats("mlora", _mlora_pipelines(plan, per_mb), plan, cost, tokens))
     return SimulationResult(pipeline_stages=plan.pipeline_stages, cost_model=cost, runs=tuple(runs))
+
+
+def _check_microbatch_samples(plan: Plan, per_mb: dict[str, int]) -> None:
+    names = [a.name for a in plan.adapters]
+    for name, count in per_mb.items():
+        if name not in names:
+            raise SchedError(f"microbatch_samples names {name!r}, which is not an adapter of the plan ({names})")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise SchedError(f"microbatch_samples[{name!r}] = {count!r}: give a whole number of samples, at least 1")
 
 
 def timeline(plan: Plan, run: str = "lorafusion", cost_model: CostModel | None = None) -> list[Event]:

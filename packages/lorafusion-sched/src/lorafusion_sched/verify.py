@@ -119,7 +119,8 @@ def derived_stats(
     volume = 0
     for a in adapters:
         gbs = a.global_batch_size
-        for g in range(a.num_global_batches):
+        batches_with_samples = min(a.num_global_batches, -(-len(a.sample_tokens) // gbs))  # a bad count may be huge
+        for g in range(batches_with_samples):
             volume += round_up(sum(a.sample_tokens[g * gbs : (g + 1) * gbs]), padding_multiple)
     denominator = max(1, len(compute) * capacity)
     return {

@@ -137,12 +137,17 @@ def solve(model: MilpModel, settings: SolverSettings, warm_start: npt.NDArray[np
     """Solve ``model`` with HiGHS on one thread, seeded with ``warm_start`` when given."""
     start = time.perf_counter()
     h = _silent_highs()
-    h.setOptionValue("output_flag", False)
-    h.setOptionValue("threads", 1)
-    h.setOptionValue("time_limit", math.inf if settings.time_limit is None else float(settings.time_limit))
-    h.setOptionValue("mip_max_nodes", int(settings.node_limit))
-    h.setOptionValue("mip_rel_gap", float(settings.mip_rel_gap))
-    h.setOptionValue("random_seed", int(settings.seed))
+    options: dict[str, object] = {
+        "output_flag": False,
+        "threads": 1,
+        "time_limit": math.inf if settings.time_limit is None else float(settings.time_limit),
+        "mip_max_nodes": int(settings.node_limit),
+        "mip_rel_gap": float(settings.mip_rel_gap),
+        "random_seed": int(settings.seed),
+    }
+    for name, value in options.items():
+        if h.setOptionValue(name, value) != highspy.HighsStatus.kOk:
+            raise ValueError(f"HiGHS refused the option {name} = {value!r}")
     h.passModel(_to_lp(model))
     if warm_start is not None:
         seed = highspy.HighsSolution()

@@ -47,6 +47,34 @@ def _read(stream: IO[bytes], results: queue.Queue[object]) -> None:
         results.put(_DONE)
 
 
+def _start_worker(
+    proc: subprocess.Popen[bytes], job: tuple[object, ...], results: queue.Queue[object]
+) -> threading.Thread:
+    """Send ``job`` to a started worker and forward its results from a reader thread."""
+    assert proc.stdin is not None  # PIPE was requested
+    assert proc.stdout is not None
+    thread = threading.Thread(target=_read, args=(proc.stdout, results), daemon=True)
+    thread.start()
+    try:
+        with proc.stdin:
+            proc.stdin.write(pickle.dumps(job))
+    except BrokenPipeError:
+        pass  # the worker died at start-up; its exit code is reported by the caller
+    return thread
+
+
+def _collect(results: queue.Queue[object], streams: int, on_result: Callable[[int, TaskResult], None]) -> None:
+    """Hand every result to ``on_result`` until each of the ``streams`` workers' readers is done."""
+    finished = 0
+    while finished < streams:
+        item = results.get()
+        if item is _DONE:
+            finished += 1
+            continue
+        task_id, result = cast(tuple[int, TaskResult], item)
+        on_result(task_id, result)
+
+
 def solve_in_workers(
     work: Sequence[tuple[int, PackingProblem, Packing]],
     settings: SolverSettings,
@@ -69,40 +97,30 @@ def solve_in_workers(
     threads: list[threading.Thread] = []
     not_started: list[str] = []
     with tempfile.TemporaryFile() as errors:
-        for w in range(workers):
-            part = list(work[w::workers])
-            try:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "lorafusion_sched.packing.worker"],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=errors,
-                    env=env,
-                )
-            except OSError as err:
-                if not procs:
-                    raise
-                not_started.append(f"{len(part)} tasks: {err}")
-                continue
-            assert proc.stdin is not None  # PIPE was requested
-            assert proc.stdout is not None
-            thread = threading.Thread(target=_read, args=(proc.stdout, results), daemon=True)
-            thread.start()
-            try:
-                with proc.stdin:
-                    proc.stdin.write(pickle.dumps((part, settings, neighbourhood)))
-            except BrokenPipeError:
-                pass  # the worker died at start-up; its exit code is reported below
-            procs.append(proc)
-            threads.append(thread)
-        finished = 0
-        while finished < len(procs):
-            item = results.get()
-            if item is _DONE:
-                finished += 1
-                continue
-            task_id, result = cast(tuple[int, TaskResult], item)
-            on_result(task_id, result)
+        try:
+            for w in range(workers):
+                part = list(work[w::workers])
+                try:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-m", "lorafusion_sched.packing.worker"],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=errors,
+                        env=env,
+                    )
+                except OSError as err:
+                    if not procs:
+                        raise
+                    not_started.append(f"{len(part)} tasks: {err}")
+                    continue
+                procs.append(proc)
+                threads.append(_start_worker(proc, (part, settings, neighbourhood), results))
+            _collect(results, len(procs), on_result)
+        except BaseException:  # an interrupt, or on_result raising: no worker outlives the call
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+            raise
         codes = []
         for proc, thread in zip(procs, threads, strict=True):
             thread.join()
