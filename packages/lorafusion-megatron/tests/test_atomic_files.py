@@ -25,3 +25,26 @@ def test_a_failed_write_keeps_the_old_file(tmp_path: Path) -> None:
         write_text_atomically(path, "\ud800")
     assert path.read_text(encoding="utf-8") == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+
+
+def test_threads_writing_one_path_each_use_their_own_temporary(tmp_path: Path) -> None:
+    import threading
+
+    path = tmp_path / "failure.json"
+    failures: list[BaseException] = []
+
+    def write_often(value: int) -> None:
+        try:
+            for _ in range(100):
+                write_json_atomically(path, {"value": value})
+        except BaseException as err:  # collected for the assertion below
+            failures.append(err)
+
+    threads = [threading.Thread(target=write_often, args=(v,)) for v in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert json.loads(path.read_text(encoding="utf-8"))["value"] in range(4)
+    assert [p.name for p in tmp_path.iterdir()] == ["failure.json"]
