@@ -383,6 +383,25 @@ def test_a_name_no_layer_holds_is_named_once(patched_model: torch.nn.Module, mon
     assert "['alpha', 'beta', 'gamma']" in unheld[0]
 
 
+def test_merged_adapters_are_refused_even_when_disabled() -> None:
+    """Regression: with a merged adapter and the adapters disabled, a mixed-adapter call returned the
+    merged output (the disabled check came first); PEFT refuses merged adapters, and so does the patch."""
+    model = tiny_peft_model()
+    model.eval()
+    model.merge_adapter()
+    model.base_model.disable_adapter_layers()
+    q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
+    x = torch.randn(2, SEQ, 32, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad(), pytest.raises(ValueError, match="merged adapters"):
+        q_proj(x, adapter_names=["alpha", "beta"])  # unpatched PEFT
+    patch_peft_model(model)
+    with torch.no_grad(), pytest.raises(LoRAFusionKernelsError, match="q_proj has merged adapters"):
+        q_proj(x, adapter_names=["alpha", "beta"])
+    batch = MultiLoRABatch.from_segments([SEQ, SEQ], [0, 1])
+    with torch.no_grad(), multi_lora_batch(batch, ["alpha", "beta"]), pytest.raises(LoRAFusionKernelsError):
+        q_proj(x)
+
+
 def test_context_needs_a_name_per_adapter() -> None:
     batch = MultiLoRABatch.from_segments([5, 6], [0, 2])
     with pytest.raises(LoRAFusionKernelsError, match="3 needed"), multi_lora_batch(batch, ["alpha", "beta"]):

@@ -311,11 +311,16 @@ def peft_multi_lora_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: A
             return None
         batch, names = routing.batch_on(x.device), routing.adapter_names
         routing.held.update(layer.lora_A.keys())
+    # Merged first, as PEFT checks it: disabling adapters leaves them merged in the base weight.
+    if layer.merged:
+        where = getattr(layer, _PATH, type(layer).__name__)
+        raise LoRAFusionKernelsError(
+            f"{where} has merged adapters, which mixed-adapter batches (adapter_names=, multi_lora_batch) "
+            "cannot take: call `unmerge_adapter()` first"
+        )
     if layer.disable_adapters:
         frozen: torch.Tensor = layer.base_layer(x, *args, **kwargs)
         return frozen
-    if layer.merged:
-        raise LoRAFusionKernelsError("mixed-adapter batches need unmerged adapters: call `unmerge_adapter()` first")
     k_in = x.shape[-1]
     tokens = x.numel() // k_in if k_in else 0
     if tokens != batch.total_tokens:
