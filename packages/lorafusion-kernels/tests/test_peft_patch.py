@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import io
 import math
 import types
 import warnings
@@ -234,6 +236,31 @@ def test_a_base_layer_wrapped_on_the_instance_is_left_alone():
     with pytest.warns(LoRAFusionKernelsWarning, match="already wrapped by hooks"):
         assert lorafusion_kernels.patch_peft_model(model) == len(TARGETS) - 1
     assert not integration.is_patched(q_proj(model))
+
+
+def test_a_patched_model_pickles_and_copies(force_fused, fused_calls):
+    """Regression: ``torch.load`` of a whole patched model raised ``AttributeError`` (the patched forward
+    was a bound method, which pickles as a lookup of its name on the layer). The loaded model and a
+    deep copy run their own layers fused, as PEFT; unpatching them removes what the patch installed."""
+    model = tiny_model()
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    lorafusion_kernels.patch_peft_model(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    copies = {"loaded": torch.load(buffer, weights_only=False), "deepcopy": copy.deepcopy(model)}
+    for param in model.parameters():  # the copies must not read the original's layers
+        torch.nn.init.zeros_(param)
+    for kind, other in copies.items():
+        fused_calls.clear()
+        with torch.no_grad():
+            got = other(input_ids=ids).logits
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=kind)
+        assert len(fused_calls) == len(TARGETS), kind
+        assert lorafusion_kernels.unpatch_peft_model(other) == len(TARGETS), kind
+        assert all("forward" not in vars(m) for m in other.modules()), kind
 
 
 def two_adapters_on_different_layers():

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -218,7 +217,9 @@ def patch_peft_model(model: nn.Module) -> int:
         if "forward" in vars(module) or "forward" in vars(module.get_base_layer()):
             _warn_once("layers whose forward is already wrapped by hooks (e.g. accelerate offloading)")
             continue
-        module.forward = types.MethodType(_patched_forward, module)
+        # A partial, not a bound method: a bound method pickles as a lookup of its name on the
+        # instance, which fails when the model is loaded (``_patched_forward`` is no attribute).
+        module.forward = functools.partial(_patched_forward, module)
         setattr(module, _PATCHED, True)
         patched += 1
     # Mixed-adapter batches (multi_lora_batch, adapter_names=): see lorafusion_kernels.multi_lora.
