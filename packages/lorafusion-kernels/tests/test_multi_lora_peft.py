@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 
 import pytest
 import torch
@@ -46,8 +46,15 @@ ROW_ADAPTERS = ["beta", "alpha", "alpha", "gamma", "__base__"]
 SEQ = 7
 
 
-def tiny_peft_model(dropout: float = 0.0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
+def tiny_peft_model(
+    dropout: float = 0.0,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    modules_to_save: Mapping[str, list[str]] | None = None,
+) -> torch.nn.Module:
+    """``modules_to_save``: per adapter, the modules it trains whole; each copy is perturbed, so that it differs."""
     torch.manual_seed(0)
+    saved = modules_to_save or {}
     config = transformers.LlamaConfig(
         vocab_size=97,
         hidden_size=32,
@@ -61,12 +68,18 @@ def tiny_peft_model(dropout: float = 0.0, dtype: torch.dtype = torch.float32, de
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = None
     for name, kw in ADAPTERS.items():
-        cfg = peft.LoraConfig(target_modules=targets, lora_dropout=dropout, init_lora_weights=False, **kw)
+        cfg = peft.LoraConfig(
+            target_modules=targets, lora_dropout=dropout, init_lora_weights=False, modules_to_save=saved.get(name), **kw
+        )
         if model is None:
             model = peft.get_peft_model(base, cfg, adapter_name=name)
         else:
             model.add_adapter(name, cfg)
     assert model is not None
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".modules_to_save." in name:
+                param.add_(torch.randn_like(param), alpha=0.5)
     model = model.to(device=device, dtype=dtype)
     train_all_adapters(model)
     return model
@@ -74,24 +87,27 @@ def tiny_peft_model(dropout: float = 0.0, dtype: torch.dtype = torch.float32, de
 
 def train_all_adapters(model: torch.nn.Module) -> None:
     """PEFT makes only the active adapter trainable; a mixed-batch trainer trains all of them."""
-    for param in lora_params(model).values():
+    for param in adapter_params(model).values():
         param.requires_grad_(True)
 
 
-def lora_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    return {n: p for n, p in model.named_parameters() if "lora_" in n}
+def adapter_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The adapters' own tensors: LoRA weights and ``modules_to_save`` copies."""
+    return {n: p for n, p in model.named_parameters() if "lora_" in n or ".modules_to_save." in n}
 
 
 def input_ids(device: str = "cpu") -> torch.Tensor:
     return torch.randint(0, 97, (len(ROW_ADAPTERS), SEQ), generator=torch.Generator().manual_seed(1)).to(device)
 
 
-def per_row_reference(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PEFT, one row at a time with its adapter active; gradients of the summed per-row losses."""
+def per_row_reference(
+    model: torch.nn.Module, ids: torch.Tensor, rows: Sequence[str] = tuple(ROW_ADAPTERS)
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PEFT, one row at a time with its adapter (``rows``) active; gradients of the summed per-row losses."""
 
     model.zero_grad(set_to_none=True)
     outs = []
-    for row, name in enumerate(ROW_ADAPTERS):
+    for row, name in enumerate(rows):
         if name == "__base__":
             with model.disable_adapter():
                 logits = model(input_ids=ids[row : row + 1]).logits
@@ -103,14 +119,15 @@ def per_row_reference(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.
         outs.append(logits.detach())
     model.set_adapter(next(iter(ADAPTERS)))
     train_all_adapters(model)
-    return torch.cat(outs), {n: p.grad.clone() for n, p in lora_params(model).items() if p.grad is not None}
+    return torch.cat(outs), {n: p.grad.clone() for n, p in adapter_params(model).items() if p.grad is not None}
 
 
-def row_batch(device: str = "cpu") -> tuple[MultiLoRABatch, list[str]]:
-    names = list(dict.fromkeys(ROW_ADAPTERS))
+def row_batch(device: str = "cpu", rows: Sequence[str] = tuple(ROW_ADAPTERS)) -> tuple[MultiLoRABatch, list[str]]:
+    """One segment per row, each row's adapter (``rows``) named in order of first appearance."""
+    names = list(dict.fromkeys(rows))
     index = {n: i for i, n in enumerate(names)}
     batch = MultiLoRABatch.from_segments(
-        [SEQ] * len(ROW_ADAPTERS), [index[n] for n in ROW_ADAPTERS], num_adapters=len(names), device=device
+        [SEQ] * len(rows), [index[n] for n in rows], num_adapters=len(names), device=device
     )
     return batch, names
 
@@ -131,7 +148,7 @@ def patched_model(request: pytest.FixtureRequest) -> Iterator[torch.nn.Module]:
 
 
 def assert_grads_equal(model: torch.nn.Module, expected: dict[str, torch.Tensor]) -> None:
-    got = {n: p.grad for n, p in lora_params(model).items() if p.grad is not None and p.grad.abs().sum() > 0}
+    got = {n: p.grad for n, p in adapter_params(model).items() if p.grad is not None and p.grad.abs().sum() > 0}
     want = {n: g for n, g in expected.items() if g.abs().sum() > 0}
     assert got.keys() == want.keys()
     for name, g in want.items():
@@ -163,7 +180,7 @@ def test_adapter_without_tokens_gets_no_gradient(patched_model: torch.nn.Module)
     with multi_lora_batch(batch, names):
         logits = model(input_ids=ids.reshape(1, -1)).logits
     logits.float().square().mean().backward()
-    grads = {n: p.grad for n, p in lora_params(model).items()}
+    grads = {n: p.grad for n, p in adapter_params(model).items()}
     assert all(g is None for n, g in grads.items() if ".beta." in n)
     assert all(g is not None for n, g in grads.items() if ".beta." not in n)
 
@@ -284,7 +301,7 @@ def test_adapter_names_under_autocast_matches_per_row_peft(
         summed_row_loss(logits).backward()
     assert dtypes == [(torch.float16, torch.float16)] * 14, "every targeted layer of both decoder layers, fused"
     torch.testing.assert_close(logits.detach(), ref_logits, rtol=1e-2, atol=1e-3)
-    got = {n: p.grad for n, p in lora_params(model).items() if p.grad is not None and p.grad.abs().sum() > 0}
+    got = {n: p.grad for n, p in adapter_params(model).items() if p.grad is not None and p.grad.abs().sum() > 0}
     assert got.keys() == {n for n, g in ref_grads.items() if g.abs().sum() > 0}
     for name, g in got.items():
         assert g.dtype == torch.float32, name
@@ -327,7 +344,7 @@ def test_context_with_dropout_trains(patched_model: torch.nn.Module) -> None:
         second = model(input_ids=input_ids()).logits
     summed_row_loss(first).backward()
     assert not torch.equal(first, second)
-    grads = {n: p.grad for n, p in lora_params(model).items()}
+    grads = {n: p.grad for n, p in adapter_params(model).items()}
     for adapter in ("alpha", "beta", "gamma"):
         used = [g for n, g in grads.items() if f".{adapter}." in n]
         assert used
@@ -351,7 +368,7 @@ def test_an_adapter_that_cannot_train_is_named_once(
     monkeypatch.setattr(multi_lora_routing, "_WARNED_FROZEN", OnceWarnings())
     model = patched_model
     model.train()
-    for name, param in lora_params(model).items():
+    for name, param in adapter_params(model).items():
         param.requires_grad_(".beta." not in name)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", LoRAFusionKernelsWarning)
@@ -381,6 +398,38 @@ def test_a_name_no_layer_holds_is_named_once(patched_model: torch.nn.Module, mon
     assert len(unheld) == 1
     assert "adapter 'gama' (index 2) has 7 tokens" in unheld[0]
     assert "['alpha', 'beta', 'gamma']" in unheld[0]
+
+
+def test_modules_to_save_that_differ_per_segment_are_refused() -> None:
+    """Regression: ``multi_lora_batch`` routes only LoRA layers, so a ``modules_to_save`` wrapper (lm_head
+    here, as SEQ_CLS heads or added tokens bring) applied the active adapter's copy to every segment,
+    silently. Where that copy is wrong for some segment's adapter, the call is refused."""
+    model = tiny_peft_model(modules_to_save={"alpha": ["lm_head"], "beta": ["lm_head"]})
+    patch_peft_model(model)
+    model.train()
+    wrapper = r"base_model\.model\.lm_head is a PEFT ModulesToSaveWrapper .* adapters \['alpha', 'beta'\]"
+    wronged = r"adapter 'alpha''s copy to every token, wrong for the tokens of \['beta', 'gamma', '__base__'\]"
+    with multi_lora_batch(*row_batch()), pytest.raises(LoRAFusionKernelsError, match=f"{wrapper}.*{wronged}"):
+        model(input_ids=input_ids())
+
+
+def test_modules_to_save_right_for_every_segment_run_in_the_context() -> None:
+    """A wrapper whose one copy is right for every adapter with tokens runs: here the original lm_head
+    (only alpha, absent from the batch, holds a copy; beta is active). Same as PEFT row by row."""
+    model = tiny_peft_model(modules_to_save={"alpha": ["lm_head"]})
+    model.train()
+    rows = ["beta", "__base__", "gamma"]
+    ids = input_ids()[: len(rows)]
+    ref_logits, ref_grads = per_row_reference(model, ids, rows)
+    patch_peft_model(model)
+    model.set_adapter("beta")
+    train_all_adapters(model)
+    model.zero_grad(set_to_none=True)
+    with multi_lora_batch(*row_batch(rows=rows)):
+        logits = model(input_ids=ids).logits
+    summed_row_loss(logits).backward()
+    torch.testing.assert_close(logits.detach(), ref_logits, rtol=1e-4, atol=1e-5)
+    assert_grads_equal(model, ref_grads)
 
 
 def test_merged_adapters_are_refused_even_when_disabled() -> None:

@@ -89,6 +89,8 @@ def multi_lora_batch(batch: MultiLoRABatch, adapter_names: Sequence[str]) -> Ite
     block holds (misspelt?) is warned about once, when the block exits. Works in training and eval
     mode, on CPU (plain torch) and CUDA fp16/bf16 (Triton). Autograd saves what the backward needs:
     the context is needed only while the forward runs, so ``loss.backward()`` may run after the block.
+    PEFT's ``modules_to_save`` wrappers are not routed: one whose single copy would be wrong for an
+    adapter with tokens raises :class:`LoRAFusionKernelsError` when it is called inside the block.
 
     Trainer usage (one microbatch, adapters of the run listed once in a fixed order)::
 
@@ -533,6 +535,62 @@ def _unpatched_guard(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     return peft_multi_lora_forward(module, *args, **kwargs)
 
 
+def _wrapper_guard(
+    wrapper: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Forward pre-hook on PEFT's ``AuxiliaryTrainingWrapper`` modules (``modules_to_save``, trainable tokens).
+
+    A wrapper picks one adapter's copy per call: PEFT's ``adapter_names=`` reaches it through hooks
+    that live only during the model call, and without them it applies the active adapter's copy to
+    every token. So inside :func:`multi_lora_batch` (whose segments only the LoRA layers route) a
+    wrapper whose copy would be wrong for some segment is refused.
+    """
+    if kwargs.get("adapter_names") is not None:
+        return None
+    routing = _ACTIVE.get()
+    if routing is not None:
+        _check_wrapper_copies(wrapper, routing)
+    return None
+
+
+def _wrapper_applies(wrapper: Any) -> str | None:
+    """The adapter whose copy ``wrapper`` applies to every token of a plain call (None: the original module).
+
+    As PEFT's ``AuxiliaryTrainingWrapper.forward`` decides: the first active adapter, unless the
+    wrapper is disabled, has no active adapter, or lacks one of them.
+    """
+    active = list(wrapper.active_adapters)
+    if wrapper.disable_adapters or not active or any(name not in wrapper._adapters for name in active):
+        return None
+    return active[0]
+
+
+def _wrapper_copy_for(wrapper: Any, name: str) -> str | None:
+    """The adapter whose copy the tokens of adapter ``name`` need (None: the original module).
+
+    Its own copy if the wrapper holds one; the original module otherwise, or while the wrapper is
+    disabled (``disable_adapter()`` disables the LoRA layers too, so every token gets the frozen model).
+    """
+    return None if wrapper.disable_adapters or name not in wrapper._adapters else name
+
+
+def _check_wrapper_copies(wrapper: Any, routing: _Routing) -> None:
+    """Raise unless the copy ``wrapper`` applies is the right one for every adapter with tokens in the batch."""
+    applies = _wrapper_applies(wrapper)
+    with_tokens = [routing.adapter_names[a] for a in routing.batch.active_adapters]
+    wronged = [name for name in with_tokens if _wrapper_copy_for(wrapper, name) != applies]
+    if not wronged:
+        return
+    where = getattr(wrapper, _PATH, type(wrapper).__name__)
+    applied = "the original module" if applies is None else f"adapter {applies!r}'s copy"
+    raise LoRAFusionKernelsError(
+        f"{where} is a PEFT {type(wrapper).__name__} (modules_to_save or trainable tokens) holding copies for "
+        f"adapters {sorted(wrapper._adapters)}; multi_lora_batch routes only LoRA layers, so it would apply "
+        f"{applied} to every token, wrong for the tokens of {wronged}. Pass PEFT's adapter_names= (one "
+        "adapter name per sample) instead, or batch these adapters separately"
+    )
+
+
 def install_peft_mixed_batches(model: nn.Module) -> None:
     """Route mixed-adapter batches of a PEFT model: :func:`multi_lora_batch` and ``adapter_names=``.
 
@@ -540,13 +598,15 @@ def install_peft_mixed_batches(model: nn.Module) -> None:
     (asked before the single-adapter router), lets PEFT's ``adapter_names=`` through in training
     mode, makes HF activation checkpointing replay the routing (:func:`routed_checkpoint`), and
     hooks the LoRA layers left unpatched (whatever the reason, a ``forward`` already
-    wrapped by hooks included) so that they never compute a silent wrong result inside
+    wrapped by hooks included) and PEFT's ``AuxiliaryTrainingWrapper`` modules (``modules_to_save``,
+    :func:`_wrapper_guard`) so that they never compute a silent wrong result inside
     :func:`multi_lora_batch`. Calling it twice is harmless.
 
     Args:
         model: A ``PeftModel`` or a module holding PEFT LoRA layers.
     """
     from peft.tuners.lora.layer import LoraLayer
+    from peft.utils import AuxiliaryTrainingWrapper
 
     from lorafusion_kernels.peft_integration import is_patched, register_router
 
@@ -557,12 +617,15 @@ def install_peft_mixed_batches(model: nn.Module) -> None:
         lora_model._enable_peft_forward_hooks = functools.partial(_mixed_batch_hooks, lora_model, original)
     _route_checkpoints(model)
     for path, named in model.named_modules():
-        if isinstance(named, LoraLayer):
+        if isinstance(named, LoraLayer | AuxiliaryTrainingWrapper):
             setattr(named, _PATH, path)
     for module in model.modules():
-        if isinstance(module, LoraLayer) and not is_patched(module) and not hasattr(module, _GUARD_HOOKS):
-            handle = module.register_forward_hook(_unpatched_guard, with_kwargs=True)
-            setattr(module, _GUARD_HOOKS, handle)
+        if _GUARD_HOOKS in vars(module):
+            continue
+        if isinstance(module, LoraLayer) and not is_patched(module):
+            setattr(module, _GUARD_HOOKS, module.register_forward_hook(_unpatched_guard, with_kwargs=True))
+        elif isinstance(module, AuxiliaryTrainingWrapper):
+            setattr(module, _GUARD_HOOKS, module.register_forward_pre_hook(_wrapper_guard, with_kwargs=True))
 
 
 def uninstall_peft_mixed_batches(model: nn.Module) -> None:
