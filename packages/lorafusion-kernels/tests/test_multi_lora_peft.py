@@ -259,6 +259,25 @@ def test_routed_checkpoint_function_replays_the_segments(use_reentrant: bool) ->
     assert_grads_equal(model, ref_grads)
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_hf_checkpointing_replays_modules_to_save_per_row(use_reentrant: bool) -> None:
+    """Regression: a ``modules_to_save`` copy inside a decoder layer (o_proj here) lost PEFT's per-call
+    ``adapter_names`` when HF recomputed the layer in the backward, and applied the active adapter to
+    every row (reentrant: wrong gradients, silently; non-reentrant: ``CheckpointError``)."""
+    model = tiny_peft_model(modules_to_save={name: ["o_proj"] for name in ADAPTERS})
+    model.train()
+    ids = input_ids()
+    ref_logits, ref_grads = per_row_reference(model, ids)
+    assert any(".o_proj.modules_to_save.beta." in name for name in ref_grads)
+    enable_hf_checkpointing(model, use_reentrant=use_reentrant)
+    patch_peft_model(model)
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, adapter_names=ROW_ADAPTERS).logits
+    summed_row_loss(logits).backward()
+    torch.testing.assert_close(logits.detach(), ref_logits, rtol=1e-4, atol=1e-5)
+    assert_grads_equal(model, ref_grads)
+
+
 def test_adapter_names_in_training_matches_per_row_peft(patched_model: torch.nn.Module) -> None:
     """PEFT itself refuses ``adapter_names=`` in training; the patched model routes it through segments."""
     model = patched_model

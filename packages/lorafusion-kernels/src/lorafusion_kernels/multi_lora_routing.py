@@ -542,11 +542,15 @@ def _wrapper_guard(
 
     A wrapper picks one adapter's copy per call: PEFT's ``adapter_names=`` reaches it through hooks
     that live only during the model call, and without them it applies the active adapter's copy to
-    every token. So inside :func:`multi_lora_batch` (whose segments only the LoRA layers route) a
-    wrapper whose copy would be wrong for some segment is refused.
+    every token. So a forward recomputed by activation checkpointing after an ``adapter_names=``
+    call gets the names back here, and inside :func:`multi_lora_batch` (whose segments only the LoRA
+    layers route) a wrapper whose copy would be wrong for some segment is refused.
     """
     if kwargs.get("adapter_names") is not None:
         return None
+    rows = _ACTIVE_ROWS.get()
+    if rows is not None:
+        return args, {**kwargs, "adapter_names": list(rows)}
     routing = _ACTIVE.get()
     if routing is not None:
         _check_wrapper_copies(wrapper, routing)
