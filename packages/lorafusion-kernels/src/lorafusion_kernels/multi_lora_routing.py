@@ -563,7 +563,7 @@ def _wrapper_applies(wrapper: Any) -> str | None:
     As PEFT's ``AuxiliaryTrainingWrapper.forward`` decides: the first active adapter, unless the
     wrapper is disabled, has no active adapter, or lacks one of them.
     """
-    active = list(wrapper.active_adapters)
+    active: list[str] = list(wrapper.active_adapters)
     if wrapper.disable_adapters or not active or any(name not in wrapper._adapters for name in active):
         return None
     return active[0]
