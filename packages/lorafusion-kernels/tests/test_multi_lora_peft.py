@@ -470,6 +470,34 @@ def test_merged_adapters_are_refused_even_when_disabled() -> None:
         q_proj(x)
 
 
+def test_layers_created_after_patching_are_refused_until_patched_again() -> None:
+    """Regression: a LoRA layer that ``add_adapter`` created after ``patch_peft_model`` (lm_head here, which
+    no other adapter targets) was neither patched nor guarded, and applied the active adapter to every
+    segment, silently. Mixed-adapter calls now say to patch again; patched again, they match PEFT."""
+    model = tiny_peft_model()
+    model.train()
+    patch_peft_model(model)
+    delta = peft.LoraConfig(target_modules=["q_proj", "lm_head"], r=8, lora_alpha=8, init_lora_weights=False)
+    model.add_adapter("delta", delta)
+    model.set_adapter("delta")
+    train_all_adapters(model)
+    rows = ["alpha", "delta"]
+    ids = input_ids()[: len(rows)]
+    late = r"1 PEFT LoRA layer\(s\) .* \(base_model\.model\.lm_head\) .*: call lorafusion_kernels\.patch_peft_model"
+    with multi_lora_batch(*row_batch(rows=rows)), pytest.raises(LoRAFusionKernelsError, match=late):
+        model(input_ids=ids)
+    with pytest.raises(LoRAFusionKernelsError, match=late):
+        model(input_ids=ids, adapter_names=rows)
+    ref_logits, ref_grads = per_row_reference(model, ids, rows)
+    patch_peft_model(model)
+    model.zero_grad(set_to_none=True)
+    with multi_lora_batch(*row_batch(rows=rows)):
+        logits = model(input_ids=ids).logits
+    summed_row_loss(logits).backward()
+    torch.testing.assert_close(logits.detach(), ref_logits, rtol=1e-4, atol=1e-5)
+    assert_grads_equal(model, ref_grads)
+
+
 def test_context_needs_a_name_per_adapter() -> None:
     batch = MultiLoRABatch.from_segments([5, 6], [0, 2])
     with pytest.raises(LoRAFusionKernelsError, match="3 needed"), multi_lora_batch(batch, ["alpha", "beta"]):

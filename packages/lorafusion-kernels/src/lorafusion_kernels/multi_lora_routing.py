@@ -595,6 +595,46 @@ def _check_wrapper_copies(wrapper: Any, routing: _Routing) -> None:
     )
 
 
+_LATE_CHECK = "_lorafusion_late_layer_check"
+"""Attribute of the model given to ``patch_peft_model``: the handle of its :func:`_refuse_late_layers` hook."""
+
+
+def _refuse_late_layers(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Forward pre-hook on the patched model: refuse mixed-adapter calls while some layer escaped the patch.
+
+    ``add_adapter`` or ``load_adapter`` on new target modules after ``patch_peft_model`` creates LoRA
+    layers (and ``modules_to_save`` wrappers) that are neither patched nor guarded: in a mixed-adapter
+    call they would apply the active adapter to every token. One walk over the modules per model call
+    inside :func:`multi_lora_batch`, or with ``adapter_names=`` in training (whose recomputation
+    under activation checkpointing only the patch routes).
+    """
+    if _ACTIVE.get() is None and (kwargs.get("adapter_names") is None or not model.training):
+        return
+    late = _unrouted_modules(model)
+    if late:
+        shown = ", ".join(late[:3]) + (f" and {len(late) - 3} more" if len(late) > 3 else "")
+        raise LoRAFusionKernelsError(
+            f"{len(late)} PEFT LoRA layer(s) or modules_to_save wrapper(s) were created after patch_peft_model "
+            f"({shown}) and would apply the active adapter to every token of this mixed-adapter batch: call "
+            "lorafusion_kernels.patch_peft_model(model) again after add_adapter or load_adapter"
+        )
+
+
+def _unrouted_modules(model: nn.Module) -> list[str]:
+    """Paths of the PEFT LoRA layers and wrappers in ``model`` that are neither patched nor guarded."""
+    from peft.tuners.lora.layer import LoraLayer
+    from peft.utils import AuxiliaryTrainingWrapper
+
+    from lorafusion_kernels.peft_integration import is_patched
+
+    peft_kinds: tuple[type[Any], ...] = (LoraLayer, AuxiliaryTrainingWrapper)
+    return [
+        path
+        for path, module in model.named_modules()
+        if isinstance(module, peft_kinds) and _GUARD_HOOKS not in vars(module) and not is_patched(module)
+    ]
+
+
 def install_peft_mixed_batches(model: nn.Module) -> None:
     """Route mixed-adapter batches of a PEFT model: :func:`multi_lora_batch` and ``adapter_names=``.
 
@@ -604,7 +644,8 @@ def install_peft_mixed_batches(model: nn.Module) -> None:
     hooks the LoRA layers left unpatched (whatever the reason, a ``forward`` already
     wrapped by hooks included) and PEFT's ``AuxiliaryTrainingWrapper`` modules (``modules_to_save``,
     :func:`_wrapper_guard`) so that they never compute a silent wrong result inside
-    :func:`multi_lora_batch`. Calling it twice is harmless.
+    :func:`multi_lora_batch`, and refuses mixed-adapter calls of ``model`` while a LoRA layer created
+    later is neither (:func:`_refuse_late_layers`). Calling it twice is harmless.
 
     Args:
         model: A ``PeftModel`` or a module holding PEFT LoRA layers.
@@ -630,6 +671,8 @@ def install_peft_mixed_batches(model: nn.Module) -> None:
             setattr(module, _GUARD_HOOKS, module.register_forward_hook(_unpatched_guard, with_kwargs=True))
         elif isinstance(module, AuxiliaryTrainingWrapper):
             setattr(module, _GUARD_HOOKS, module.register_forward_pre_hook(_wrapper_guard, with_kwargs=True))
+    if _LATE_CHECK not in vars(model):
+        setattr(model, _LATE_CHECK, model.register_forward_pre_hook(_refuse_late_layers, with_kwargs=True))
 
 
 def uninstall_peft_mixed_batches(model: nn.Module) -> None:
@@ -638,6 +681,9 @@ def uninstall_peft_mixed_batches(model: nn.Module) -> None:
     if lora_model is not None and "_enable_peft_forward_hooks" in vars(lora_model):
         del lora_model._enable_peft_forward_hooks
     _unroute_checkpoints(model)
+    if _LATE_CHECK in vars(model):
+        getattr(model, _LATE_CHECK).remove()
+        delattr(model, _LATE_CHECK)
     for module in model.modules():
         handle = getattr(module, _GUARD_HOOKS, None)
         if handle is not None:

@@ -191,7 +191,8 @@ def patch_peft_model(model: nn.Module) -> int:
     Layers that can never run fused (quantized base, other LoRA layer types,
     a ``forward`` already overridden on the instance or its base layer by hooks) are left alone
     with one warning per reason. Patching twice is harmless. LoRA layers created later
-    (``add_adapter`` or ``load_adapter`` on new target modules) are not patched: call this again.
+    (``add_adapter`` or ``load_adapter`` on new target modules) are not patched: call this again
+    (until then, mixed-adapter calls of ``model`` raise an error naming them).
 
     Raises:
         ImportError: if ``peft`` is not installed.
