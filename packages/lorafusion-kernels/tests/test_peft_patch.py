@@ -160,15 +160,22 @@ def test_dropout_in_training_and_eval(force_fused):
 
 
 def test_unsupported_cases_fall_back_with_one_warning(monkeypatch):
+    """DoRA layers always take PEFT's path: left unpatched and not counted (they were counted as patched,
+    and warned only at their first forward); mixed-adapter batches still refuse them."""
     model = tiny_model(use_dora=True)
     ids = torch.randint(0, 64, (1, 5))
     expected = model(input_ids=ids).logits
-    lorafusion_kernels.patch_peft_model(model)
     monkeypatch.setattr(integration, "runs_triton", lambda t, dtype=None: True)
     with pytest.warns(LoRAFusionKernelsWarning, match="DoRA") as record:
-        got = model(input_ids=ids).logits
+        assert lorafusion_kernels.patch_peft_model(model) == 0
     assert sum("DoRA" in str(w.message) for w in record) == 1, "one warning per reason"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LoRAFusionKernelsWarning)
+        got = model(input_ids=ids).logits
     torch.testing.assert_close(got, expected)
+    batch = lorafusion_kernels.MultiLoRABatch.from_segments([5], [0])
+    with lorafusion_kernels.multi_lora_batch(batch, ["default"]), pytest.raises(ValueError, match="DoRA"):
+        model(input_ids=ids)
 
 
 def test_cpu_without_interpreter_falls_back(monkeypatch):

@@ -103,6 +103,14 @@ _HOOKED = (
 )
 
 
+_VARIANTS = "DoRA and other LoRA variants"
+
+
+def _is_variant(layer: Any, name: str) -> bool:
+    """Whether adapter ``name`` of PEFT layer ``layer`` is DoRA or another LoRA variant (PEFT's forward only)."""
+    return bool(layer.use_dora.get(name, False)) or name in getattr(layer, "lora_variant", {})
+
+
 def single_adapter_router(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -> Route:
     """The default router: one active plain-LoRA adapter on a supported tensor runs fused."""
     if kwargs.get("adapter_names") is not None:
@@ -115,8 +123,8 @@ def single_adapter_router(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -
     if len(active) > 1:
         return Route(None, "layers with several active adapters")
     name = active[0]
-    if layer.use_dora.get(name, False) or name in getattr(layer, "lora_variant", {}):
-        return Route(None, "DoRA and other LoRA variants")
+    if _is_variant(layer, name):
+        return Route(None, _VARIANTS)
     if getattr(layer, "lora_bias", {}).get(name, False):
         return Route(None, "adapters with lora_bias=True")
     weight = base_weight(layer)
@@ -188,11 +196,12 @@ def _lora_linear_class() -> type[nn.Module]:
 def patch_peft_model(model: nn.Module) -> int:
     """Route every PEFT ``lora.Linear`` in ``model`` through the fused op; returns how many were patched.
 
-    Layers that can never run fused (quantized base, other LoRA layer types,
-    a ``forward`` already overridden on the instance or its base layer by hooks) are left alone
-    with one warning per reason. Patching twice is harmless. LoRA layers created later
-    (``add_adapter`` or ``load_adapter`` on new target modules) are not patched: call this again
-    (until then, mixed-adapter calls of ``model`` raise an error naming them).
+    Layers that can never run fused (quantized base, other LoRA layer types, DoRA or another
+    LoRA variant on every adapter of the layer, a ``forward`` already overridden on the instance or
+    its base layer by hooks) are left alone, not counted, with one warning per reason. Patching
+    twice is harmless. LoRA layers created later (``add_adapter`` or ``load_adapter`` on new target
+    modules) are not patched: call this again (until then, mixed-adapter calls of ``model`` raise an
+    error naming them).
 
     Raises:
         ImportError: if ``peft`` is not installed.
@@ -210,6 +219,9 @@ def patch_peft_model(model: nn.Module) -> int:
             continue
         if getattr(module, _PATCHED, False):
             patched += 1
+            continue
+        if module.lora_A and all(_is_variant(module, name) for name in module.lora_A):
+            _warn_once(_VARIANTS)  # every call would take PEFT's path: no patch, and not counted
             continue
         structural = unsupported_base(module)
         if structural is not None:
