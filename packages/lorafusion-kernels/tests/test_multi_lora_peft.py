@@ -427,7 +427,7 @@ def test_modules_to_save_that_differ_per_segment_are_refused() -> None:
     patch_peft_model(model)
     model.train()
     wrapper = r"base_model\.model\.lm_head is a PEFT ModulesToSaveWrapper .* adapters \['alpha', 'beta'\]"
-    wronged = r"adapter 'alpha''s copy to every token, wrong for the tokens of \['beta', 'gamma', '__base__'\]"
+    wronged = r"the copy of adapter 'alpha' to every token, wrong for the tokens of \['beta', 'gamma', '__base__'\]"
     with multi_lora_batch(*row_batch()), pytest.raises(LoRAFusionKernelsError, match=f"{wrapper}.*{wronged}"):
         model(input_ids=input_ids())
 

@@ -586,7 +586,7 @@ def _check_wrapper_copies(wrapper: Any, routing: _Routing) -> None:
     if not wronged:
         return
     where = getattr(wrapper, _PATH, type(wrapper).__name__)
-    applied = "the original module" if applies is None else f"adapter {applies!r}'s copy"
+    applied = "the original module" if applies is None else f"the copy of adapter {applies!r}"
     raise LoRAFusionKernelsError(
         f"{where} is a PEFT {type(wrapper).__name__} (modules_to_save or trainable tokens) holding copies for "
         f"adapters {sorted(wrapper._adapters)}; multi_lora_batch routes only LoRA layers, so it would apply "
