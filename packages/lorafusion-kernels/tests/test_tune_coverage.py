@@ -121,7 +121,9 @@ def test_every_shipped_file_has_its_own_rank_16_entries_on_every_layer(path):
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
 def test_every_shipped_file_has_its_own_ds_db_entries_at_ranks_32_to_128(path):
-    """The ``dS``/``dB`` passes' tile depends on the rank (a rank default costs up to 7% there): both files have them."""
+    """The ``dS``/``dB`` passes' tile depends on the rank (a rank default costs up to 7% there).
+
+    Both files have their own entries at ranks 32 to 128."""
     assert untuned_keys(path, ms=[8192], ranks=[32, 64, 128], kernels=["dys_dyb", "multi_dys_dyb"]) == []
 
 
