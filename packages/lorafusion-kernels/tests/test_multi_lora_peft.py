@@ -498,6 +498,31 @@ def test_layers_created_after_patching_are_refused_until_patched_again() -> None
     assert_grads_equal(model, ref_grads)
 
 
+def test_the_late_layer_walk_runs_again_only_when_the_adapters_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The walk over every module costs milliseconds on a real model: once per set of adapters, not per call."""
+    from lorafusion_kernels import multi_lora_routing
+
+    walks: list[int] = []
+    real_walk = multi_lora_routing._unrouted_modules
+    monkeypatch.setattr(multi_lora_routing, "_unrouted_modules", lambda model: walks.append(1) or real_walk(model))
+    model = tiny_peft_model()
+    model.train()
+    patch_peft_model(model)
+    rows = ["alpha", "beta"]
+    ids = input_ids()[: len(rows)]
+    for _ in range(3):
+        with multi_lora_batch(*row_batch(rows=rows)):
+            model(input_ids=ids)
+    assert len(walks) == 1
+    model.add_adapter("delta", peft.LoraConfig(target_modules=["q_proj", "lm_head"], r=8, lora_alpha=8))
+    with multi_lora_batch(*row_batch(rows=rows)), pytest.raises(LoRAFusionKernelsError, match="created after"):
+        model(input_ids=ids)
+    patch_peft_model(model)
+    with multi_lora_batch(*row_batch(rows=rows)):
+        model(input_ids=ids)
+    assert len(walks) == 3
+
+
 def test_context_needs_a_name_per_adapter() -> None:
     batch = MultiLoRABatch.from_segments([5, 6], [0, 2])
     with pytest.raises(LoRAFusionKernelsError, match="3 needed"), multi_lora_batch(batch, ["alpha", "beta"]):

@@ -596,28 +596,46 @@ def _check_wrapper_copies(wrapper: Any, routing: _Routing) -> None:
 
 
 _LATE_CHECK = "_lorafusion_late_layer_check"
-"""Attribute of the model given to ``patch_peft_model``: the handle of its :func:`_refuse_late_layers` hook."""
+"""Attribute of the model given to ``patch_peft_model``: its :class:`_LateLayerCheck` hook."""
 
 
-def _refuse_late_layers(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+class _LateLayerCheck:
     """Forward pre-hook on the patched model: refuse mixed-adapter calls while some layer escaped the patch.
 
     ``add_adapter`` or ``load_adapter`` on new target modules after ``patch_peft_model`` creates LoRA
     layers (and ``modules_to_save`` wrappers) that are neither patched nor guarded: in a mixed-adapter
-    call they would apply the active adapter to every token. One walk over the modules per model call
-    inside :func:`multi_lora_batch`, or with ``adapter_names=`` in training (whose recomputation
-    under activation checkpointing only the patch routes).
+    call they would apply the active adapter to every token. Checked on model calls inside
+    :func:`multi_lora_batch`, or with ``adapter_names=`` in training (whose recomputation under
+    activation checkpointing only the patch routes). The walk over the modules (6 ms on the
+    development CPU for LLaMa-3.1-8B with 4 adapters: 4,681 modules) runs again only when the
+    model's adapters (``peft_config``'s names) change or the model is patched again; a model without
+    ``peft_config`` is walked on every such call.
+
+    Attributes:
+        clean_for: The adapter names at the last walk that found every layer routed, else None.
+        handle: The hook's handle, to remove it.
     """
-    if _ACTIVE.get() is None and (kwargs.get("adapter_names") is None or not model.training):
-        return
-    late = _unrouted_modules(model)
-    if late:
-        shown = ", ".join(late[:3]) + (f" and {len(late) - 3} more" if len(late) > 3 else "")
-        raise LoRAFusionKernelsError(
-            f"{len(late)} PEFT LoRA layer(s) or modules_to_save wrapper(s) were created after patch_peft_model "
-            f"({shown}) and would apply the active adapter to every token of this mixed-adapter batch: call "
-            "lorafusion_kernels.patch_peft_model(model) again after add_adapter or load_adapter"
-        )
+
+    def __init__(self) -> None:
+        self.clean_for: tuple[str, ...] | None = None
+        self.handle: Any = None
+
+    def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if _ACTIVE.get() is None and (kwargs.get("adapter_names") is None or not model.training):
+            return
+        config = getattr(model, "peft_config", None)
+        adapters = tuple(config) if isinstance(config, dict) else None
+        if adapters is not None and adapters == self.clean_for:
+            return
+        late = _unrouted_modules(model)
+        if late:
+            shown = ", ".join(late[:3]) + (f" and {len(late) - 3} more" if len(late) > 3 else "")
+            raise LoRAFusionKernelsError(
+                f"{len(late)} PEFT LoRA layer(s) or modules_to_save wrapper(s) were created after patch_peft_model "
+                f"({shown}) and would apply the active adapter to every token of this mixed-adapter batch: call "
+                "lorafusion_kernels.patch_peft_model(model) again after add_adapter or load_adapter"
+            )
+        self.clean_for = adapters
 
 
 def _unrouted_modules(model: nn.Module) -> list[str]:
@@ -645,7 +663,7 @@ def install_peft_mixed_batches(model: nn.Module) -> None:
     wrapped by hooks included) and PEFT's ``AuxiliaryTrainingWrapper`` modules (``modules_to_save``,
     :func:`_wrapper_guard`) so that they never compute a silent wrong result inside
     :func:`multi_lora_batch`, and refuses mixed-adapter calls of ``model`` while a LoRA layer created
-    later is neither (:func:`_refuse_late_layers`). Calling it twice is harmless.
+    later is neither (:class:`_LateLayerCheck`). Calling it twice is harmless.
 
     Args:
         model: A ``PeftModel`` or a module holding PEFT LoRA layers.
@@ -671,8 +689,12 @@ def install_peft_mixed_batches(model: nn.Module) -> None:
             setattr(module, _GUARD_HOOKS, module.register_forward_hook(_unpatched_guard, with_kwargs=True))
         elif isinstance(module, AuxiliaryTrainingWrapper):
             setattr(module, _GUARD_HOOKS, module.register_forward_pre_hook(_wrapper_guard, with_kwargs=True))
-    if _LATE_CHECK not in vars(model):
-        setattr(model, _LATE_CHECK, model.register_forward_pre_hook(_refuse_late_layers, with_kwargs=True))
+    check = vars(model).get(_LATE_CHECK)
+    if check is None:
+        check = _LateLayerCheck()
+        check.handle = model.register_forward_pre_hook(check, with_kwargs=True)
+        setattr(model, _LATE_CHECK, check)
+    check.clean_for = None  # patched again: walk at the next mixed-adapter call
 
 
 def uninstall_peft_mixed_batches(model: nn.Module) -> None:
@@ -681,9 +703,9 @@ def uninstall_peft_mixed_batches(model: nn.Module) -> None:
     if lora_model is not None and "_enable_peft_forward_hooks" in vars(lora_model):
         del lora_model._enable_peft_forward_hooks
     _unroute_checkpoints(model)
-    if _LATE_CHECK in vars(model):
-        getattr(model, _LATE_CHECK).remove()
-        delattr(model, _LATE_CHECK)
+    check = vars(model).pop(_LATE_CHECK, None)
+    if check is not None:
+        check.handle.remove()
     for module in model.modules():
         handle = getattr(module, _GUARD_HOOKS, None)
         if handle is not None:
