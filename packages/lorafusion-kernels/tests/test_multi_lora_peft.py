@@ -155,6 +155,22 @@ def assert_grads_equal(model: torch.nn.Module, expected: dict[str, torch.Tensor]
         torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def assert_context_matches_rows(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    rows: Sequence[str],
+    expected: tuple[torch.Tensor, dict[str, torch.Tensor]],
+) -> None:
+    """One training forward + backward of ``ids`` in :func:`multi_lora_batch` (a row per adapter in
+    ``rows``) gives the logits and gradients ``expected`` (:func:`per_row_reference`)."""
+    model.zero_grad(set_to_none=True)
+    with multi_lora_batch(*row_batch(rows=rows)):
+        logits = model(input_ids=ids).logits
+    summed_row_loss(logits).backward()
+    torch.testing.assert_close(logits.detach(), expected[0], rtol=1e-4, atol=1e-5)
+    assert_grads_equal(model, expected[1])
+
+
 def test_context_in_training_matches_per_row_peft(patched_model: torch.nn.Module) -> None:
     model = patched_model
     model.train()
@@ -439,16 +455,11 @@ def test_modules_to_save_right_for_every_segment_run_in_the_context() -> None:
     model.train()
     rows = ["beta", "__base__", "gamma"]
     ids = input_ids()[: len(rows)]
-    ref_logits, ref_grads = per_row_reference(model, ids, rows)
+    expected = per_row_reference(model, ids, rows)
     patch_peft_model(model)
     model.set_adapter("beta")
     train_all_adapters(model)
-    model.zero_grad(set_to_none=True)
-    with multi_lora_batch(*row_batch(rows=rows)):
-        logits = model(input_ids=ids).logits
-    summed_row_loss(logits).backward()
-    torch.testing.assert_close(logits.detach(), ref_logits, rtol=1e-4, atol=1e-5)
-    assert_grads_equal(model, ref_grads)
+    assert_context_matches_rows(model, ids, rows, expected)
 
 
 def test_merged_adapters_are_refused_even_when_disabled() -> None:
@@ -488,14 +499,9 @@ def test_layers_created_after_patching_are_refused_until_patched_again() -> None
         model(input_ids=ids)
     with pytest.raises(LoRAFusionKernelsError, match=late):
         model(input_ids=ids, adapter_names=rows)
-    ref_logits, ref_grads = per_row_reference(model, ids, rows)
+    expected = per_row_reference(model, ids, rows)
     patch_peft_model(model)
-    model.zero_grad(set_to_none=True)
-    with multi_lora_batch(*row_batch(rows=rows)):
-        logits = model(input_ids=ids).logits
-    summed_row_loss(logits).backward()
-    torch.testing.assert_close(logits.detach(), ref_logits, rtol=1e-4, atol=1e-5)
-    assert_grads_equal(model, ref_grads)
+    assert_context_matches_rows(model, ids, rows, expected)
 
 
 def test_the_late_layer_walk_runs_again_only_when_the_adapters_change(monkeypatch: pytest.MonkeyPatch) -> None:
