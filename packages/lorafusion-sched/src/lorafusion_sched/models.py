@@ -42,10 +42,10 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
+"""Version of the plan JSON document; bumped on any incompatible change."""
 
 HIGHS_INT_MAX = 2**31 - 1
 """The largest value of an integer HiGHS option (``random_seed``, ``mip_max_nodes``)."""
-"""Version of the plan JSON document; bumped on any incompatible change."""
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 

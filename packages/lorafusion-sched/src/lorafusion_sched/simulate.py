@@ -245,6 +245,7 @@ def simulate(
 
 
 def _check_microbatch_samples(plan: Plan, per_mb: dict[str, int]) -> None:
+    """Raise unless every entry names an adapter of ``plan`` and a whole number of samples of at least 1."""
     names = [a.name for a in plan.adapters]
     for name, count in per_mb.items():
         if name not in names:
