@@ -189,6 +189,17 @@ def test_cpu_without_interpreter_falls_back(monkeypatch):
     torch.testing.assert_close(got, expected)
 
 
+def test_a_fallback_warning_names_the_users_line(monkeypatch):
+    """Found deep in PEFT's layer inside torch's module call; named at the line of this file that ran the model."""
+    monkeypatch.setattr(integration, "runs_triton", lambda t, dtype=None: False)
+    integration._WARNED.clear()
+    model = tiny_model()
+    lorafusion_kernels.patch_peft_model(model)
+    with pytest.warns(LoRAFusionKernelsWarning, match="cpu tensors") as record:
+        model(input_ids=torch.randint(0, 64, (1, 5)))
+    assert [w.filename for w in record] == [__file__]
+
+
 def test_disabled_adapters_run_the_base_model_silently(force_fused):
     model = tiny_model()
     ids = torch.randint(0, 64, (1, 5))

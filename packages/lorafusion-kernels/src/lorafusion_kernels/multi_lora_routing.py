@@ -147,7 +147,6 @@ def _warn_unheld_names(routing: _Routing) -> None:
                 f"multi_lora_batch, but no LoRA layer that ran holds an adapter of that name (they hold "
                 f"{sorted(routing.held)}), so its tokens got the frozen model only; check adapter_names "
                 f"(name {BASE_ADAPTER!r} to mean the frozen model on purpose)",
-                stacklevel=4,
             )
 
 
@@ -344,7 +343,6 @@ def peft_multi_lora_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: A
         _WARNED_HOOKED.warn(
             "lorafusion: mixed-adapter batches run per segment with PEFT's modules on layers with forward hooks "
             "on their base layer or LoRA modules (e.g. accelerate offloading), which the fused ops would skip",
-            stacklevel=4,
         )
         return _eager_layer_forward(layer, x, batch, present, args, kwargs)
     if not args and not kwargs:
@@ -366,7 +364,6 @@ def _warn_frozen_adapter(name: str) -> None:
         f"lorafusion: adapter {name!r} has tokens in a mixed-adapter batch in training mode, but its LoRA "
         "weights do not require grad, so it gets no gradient (PEFT's set_adapter makes only the active "
         "adapter trainable); call requires_grad_(True) on its lora_A/lora_B weights to train it",
-        stacklevel=5,
     )
 
 

@@ -76,7 +76,7 @@ _WARNED = OnceWarnings()
 
 
 def _warn_once(reason: str) -> None:
-    _WARNED.warn(f"lorafusion: PEFT's own LoRA path is used for {reason}", stacklevel=4)
+    _WARNED.warn(f"lorafusion: PEFT's own LoRA path is used for {reason}")
 
 
 def _fused_single_adapter(layer: Any, x: torch.Tensor, name: str) -> torch.Tensor:

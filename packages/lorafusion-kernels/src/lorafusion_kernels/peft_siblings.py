@@ -250,4 +250,4 @@ _WARNED = OnceWarnings()
 
 
 def _warn_once(reason: str) -> None:
-    _WARNED.warn(f"lorafusion: running {reason} one at a time", stacklevel=5)
+    _WARNED.warn(f"lorafusion: running {reason} one at a time")

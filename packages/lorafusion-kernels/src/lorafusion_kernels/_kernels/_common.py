@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from lorafusion_kernels.errors import LoRAFusionKernelsError, LoRAFusionKernelsWarning
+from lorafusion_kernels.errors import LoRAFusionKernelsError, LoRAFusionKernelsWarning, user_stacklevel
 from lorafusion_kernels.tuning.config import Heuristic, KernelConfig, ShapeKey, launch_lookup, rank_tile
 from lorafusion_kernels.tuning.device import capability, num_sms
 
@@ -104,7 +104,7 @@ def launch_fitting(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any
                 f"{kernel.__name__}: {asked} pipeline stages need more shared memory than this GPU has at "
                 f"BLOCK_R={kwargs.get('BLOCK_R')}; launched with {stages} (tune this rank to avoid it)",
                 LoRAFusionKernelsWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
     return launched
 

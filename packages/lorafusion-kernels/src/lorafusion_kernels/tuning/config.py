@@ -381,7 +381,7 @@ def override_configs(configs: Mapping[str, KernelConfig]) -> Iterator[None]:
 
 
 def _warn_once(reason: str) -> None:
-    _WARNED.warn(reason, stacklevel=3)
+    _WARNED.warn(reason)
 
 
 def launch_lookup(kernel: str, m: int, n: int, k: int, r: int, dtype: Any, device: Any) -> KernelConfig:
