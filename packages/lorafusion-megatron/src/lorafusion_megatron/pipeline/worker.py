@@ -295,7 +295,7 @@ def run_rank(
                 start=start,
                 on_drain=session.on_drain,
                 stop=StopAgreement(stop, layout),
-                heartbeat=watchdog.beat,
+                heartbeat=session.heartbeat,
             )
             if session.progress is not None:
                 session.progress.finish(position)
