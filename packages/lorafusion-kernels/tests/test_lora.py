@@ -278,6 +278,11 @@ def test_custom_ops_are_registered():
         ({"x": torch.zeros(3, 0), "weight": torch.zeros(8, 0), "lora_a": torch.zeros(4, 0)}, "in_features"),
         ({"scaling": None}, "scaling must be a finite number, got None"),
         ({"scaling": float("nan")}, "scaling must be a finite number, got nan"),
+        ({"dropout_p": None}, "dropout_p must be a finite number, got None"),
+        ({"dropout_p": "0.1"}, "dropout_p must be a finite number, got '0.1'"),
+        ({"x": torch.tensor(1.0)}, "got a 0-d tensor"),
+        ({"deterministic": "yes"}, "deterministic must be None, True or False"),
+        ({"seed": 1.5, "dropout_p": 0.1}, "seed must be an integer"),
     ],
     ids=[
         "rank-129",
@@ -291,6 +296,11 @@ def test_custom_ops_are_registered():
         "k-0",
         "scaling-none",
         "scaling-nan",
+        "p-none",
+        "p-str",
+        "x-0d",
+        "deterministic-str",
+        "seed-float",
     ],
 )
 def test_bad_inputs_raise_one_error_type(change, message):
@@ -302,13 +312,22 @@ def test_bad_inputs_raise_one_error_type(change, message):
         "bias": None,
         "dropout_p": 0.0,
         "scaling": 1.0,
+        "seed": None,
+        "deterministic": None,
     }
     args.update(change)
     with pytest.raises(LoRAFusionKernelsError, match=message):
         fused_lora_linear(
             args["x"], args["weight"], args["lora_a"], args["lora_b"], scaling=args["scaling"],
-            dropout_p=args["dropout_p"], bias=args["bias"],
+            dropout_p=args["dropout_p"], bias=args["bias"], seed=args["seed"], deterministic=args["deterministic"],
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("kwargs", [{"dropout_p": 1.5}, {"dropout_p": None}, {"lora_alpha": float("inf")}])
+def test_the_module_refuses_bad_hyperparameters_when_built(kwargs):
+    """Regression: ``dropout_p=1.5`` was accepted and failed only at the first training-mode forward."""
+    with pytest.raises(LoRAFusionKernelsError):
+        FusedLoRALinear(8, 8, 4, **kwargs)
 
 
 def test_module_starts_as_the_frozen_layer_and_trains():

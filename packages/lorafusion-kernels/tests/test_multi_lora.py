@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -595,6 +596,99 @@ def test_more_bad_inputs_are_named() -> None:
             *args, inputs["lora_a"], inputs["lora_b"], scaling=1.0, bias=torch.zeros(MIXED.n, dtype=torch.int64),
             **segments,
         )  # fmt: skip
+
+
+def test_per_adapter_mappings_and_generators() -> None:
+    """Regression: a dict ``scaling`` was read as its keys (silently wrong), and a generator was read
+    twice (so it looked empty). A mapping is refused; a generator is read once."""
+    inputs = make_inputs(MIXED, torch.float32)
+    args = (inputs["x"], inputs["weight"], inputs["lora_a"], inputs["lora_b"])
+    segments = {"segment_lengths": MIXED.lengths, "segment_adapters": MIXED.adapters, "seed": 3}
+    with pytest.raises(LoRAFusionKernelsError, match=r"scaling must be one number or a sequence .* got a dict"):
+        fused_multi_lora_linear(*args, scaling=dict(enumerate(MIXED.scaling)), **segments)
+    with pytest.raises(LoRAFusionKernelsError, match=r"dropout_p must be one number .* got a set"):
+        fused_multi_lora_linear(*args, scaling=1.0, dropout_p={0.1}, **segments)
+    with torch.no_grad():
+        from_generator = fused_multi_lora_linear(*args, scaling=(s for s in MIXED.scaling), **segments)
+        from_tuple = fused_multi_lora_linear(*args, scaling=MIXED.scaling, **segments)
+    torch.testing.assert_close(from_generator, from_tuple, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("path", [pytest.param("interpreter", marks=INTERPRET), "torch_path"])
+def test_a_call_may_give_more_adapters_than_its_batch(path: str, request: pytest.FixtureRequest) -> None:
+    """Regression: ``from_segments`` defaults ``num_adapters`` to ``max(adapters) + 1``, so a microbatch
+    without the last adapter had a smaller batch than the call's lists, and the Triton path raised a
+    raw ``ValueError`` from ``zip``. The adapters past the batch's own no tokens (no gradient)."""
+    request.getfixturevalue(path)
+    inputs = make_inputs(MIXED, torch.float32)
+    batch = MultiLoRABatch.from_segments((20, 23), (1, 0))
+    assert batch.num_adapters == 2
+    y = fused_multi_lora_linear(
+        inputs["x"], inputs["weight"], inputs["lora_a"], inputs["lora_b"], scaling=MIXED.scaling,
+        bias=inputs["bias"], batch=batch,
+    )  # fmt: skip
+    y.square().sum().backward()
+    ref = multi_lora_linear_reference(
+        **detached(inputs, torch.float64),
+        segment_lengths=(20, 23),
+        segment_adapters=(1, 0),
+        scaling=MIXED.scaling,
+        dropout_p=(0.0,) * 4,
+    )
+    assert rel_rms(y, ref) < 1e-5
+    assert [a.grad is not None for a in inputs["lora_a"]] == [True, True, False, False]
+
+
+@pytest.mark.usefixtures("torch_path")
+def test_a_one_adapter_float64_batch_takes_the_torch_path() -> None:
+    """Regression: float64 ran on the torch path with several adapters, but a one-adapter batch went to
+    FusedLoRA, which refuses it: whether a call ran depended on the batch's composition."""
+    inputs = detached(make_inputs(MIXED, torch.float32), torch.float64)
+    args = (inputs["x"], inputs["weight"], inputs["lora_a"], inputs["lora_b"])
+    for adapters in ((0, 0, 0, 0, 0, 0), MIXED.adapters):
+        y = fused_multi_lora_linear(
+            *args, scaling=MIXED.scaling, segment_lengths=MIXED.lengths, segment_adapters=adapters
+        )
+        assert y.dtype == torch.float64
+
+
+@pytest.mark.parametrize("path", [pytest.param("interpreter", marks=INTERPRET), "torch_path"])
+@pytest.mark.parametrize("seed", [-1, 2**64, 1.5, True, "7"], ids=["negative", "over-63-bits", "float", "bool", "str"])
+def test_bad_seeds_are_refused_on_every_path(seed: object, path: str, request: pytest.FixtureRequest) -> None:
+    """Regression: the torch path took ``-1`` and ``2**64`` (the mask of seed 0) and raised a raw
+    ``TypeError`` for ``1.5``; the Triton path truncated ``1.5`` to 1."""
+    request.getfixturevalue(path)
+    inputs = make_inputs(MIXED, torch.float32)
+    args = (inputs["x"], inputs["weight"], inputs["lora_a"], inputs["lora_b"])
+    segments = {"segment_lengths": MIXED.lengths, "segment_adapters": MIXED.adapters}
+    with pytest.raises(LoRAFusionKernelsError, match=r"seed must be an integer in \[0, 2\*\*63\)"):
+        fused_multi_lora_linear(*args, scaling=1.0, dropout_p=MIXED.dropout_p, seed=seed, **segments)  # type: ignore[arg-type]
+
+
+def test_integer_seeds_of_other_types_are_their_value() -> None:
+    inputs = make_inputs(MIXED, torch.float32)
+    args = (inputs["x"], inputs["weight"], inputs["lora_a"], inputs["lora_b"])
+    kw = {"segment_lengths": MIXED.lengths, "segment_adapters": MIXED.adapters, "scaling": 1.0, "dropout_p": 0.3}
+    with torch.no_grad():
+        ys = [fused_multi_lora_linear(*args, seed=seed, **kw) for seed in (5, torch.tensor(5), np.int64(5))]  # type: ignore[arg-type]
+    for y in ys[1:]:
+        torch.testing.assert_close(y, ys[0], rtol=0, atol=0)
+
+
+def test_flags_and_0d_inputs_are_refused() -> None:
+    inputs = make_inputs(MIXED, torch.float32)
+    args = (inputs["x"], inputs["weight"], inputs["lora_a"], inputs["lora_b"])
+    segments = {"segment_lengths": MIXED.lengths, "segment_adapters": MIXED.adapters, "scaling": 1.0}
+    with pytest.raises(LoRAFusionKernelsError, match="deterministic must be None, True or False, got 'yes'"):
+        fused_multi_lora_linear(*args, deterministic="yes", **segments)  # type: ignore[arg-type]
+    with pytest.raises(LoRAFusionKernelsError, match=r"x must be .* got a 0-d tensor"):
+        fused_multi_lora_linear(torch.tensor(1.0), *args[1:], **segments)
+
+
+def test_a_host_batch_is_copied_to_a_device_once() -> None:
+    batch = MultiLoRABatch.from_segments(MIXED.lengths, MIXED.adapters)
+    assert batch.to("meta") is batch.to("meta")
+    assert batch.to("cpu") is batch
 
 
 @INTERPRET

@@ -8,7 +8,9 @@ the Triton kernels in bf16.
 
 from __future__ import annotations
 
+import copy
 import functools
+import io
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -435,16 +437,103 @@ def test_a_name_no_layer_holds_is_named_once(patched_model: torch.nn.Module, mon
     assert "['alpha', 'beta', 'gamma']" in unheld[0]
 
 
-def test_modules_to_save_that_differ_per_segment_are_refused() -> None:
-    """Regression: ``multi_lora_batch`` routes only LoRA layers, so a ``modules_to_save`` wrapper (lm_head
-    here, as SEQ_CLS heads or added tokens bring) applied the active adapter's copy to every segment,
-    silently. Where that copy is wrong for some segment's adapter, the call is refused."""
-    model = tiny_peft_model(modules_to_save={"alpha": ["lm_head"], "beta": ["lm_head"]})
+@pytest.mark.parametrize("saved", [["lm_head"], ["embed_tokens", "lm_head"]], ids=["lm_head", "embed_and_head"])
+def test_modules_to_save_route_each_segment_to_its_adapters_copy(saved: list[str]) -> None:
+    """Per-adapter heads and embeddings (``modules_to_save``, as SEQ_CLS heads or added tokens bring):
+    each segment's tokens go through its adapter's copy, the original module for ``__base__`` and
+    adapters without one (gamma). Logits and every gradient, copies included, match PEFT row by row;
+    so do a deep copy's and a ``torch.load``-ed copy's, and unpatching restores PEFT's forward."""
+    model = tiny_peft_model(modules_to_save={"alpha": saved, "beta": saved})
+    model.train()
+    ids = input_ids()
+    expected = per_row_reference(model, ids)
+    assert any(".lm_head.modules_to_save.beta." in name for name in expected[1])
+    patch_peft_model(model)
+    assert_context_matches_rows(model, ids, ROW_ADAPTERS, expected)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for other in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        assert_context_matches_rows(other, ids, ROW_ADAPTERS, expected)
+    unpatch_peft_model(model)
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_sequence_classification_heads_train_per_adapter_in_one_batch() -> None:
+    """``task_type="SEQ_CLS"``: PEFT gives each adapter its own ``score`` head (modules_to_save). A padded
+    batch, one segment per row, trains both adapters' heads at once: logits and gradients as PEFT row
+    by row (the pooling reads each row's last token)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_labels=3, pad_token_id=0,
+    )  # fmt: skip
+    base = transformers.LlamaForSequenceClassification(config)
+    lora = {"task_type": "SEQ_CLS", "target_modules": ["q_proj", "v_proj"], "init_lora_weights": False}
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, **lora), adapter_name="alpha")
+    model.add_adapter("beta", peft.LoraConfig(r=8, **lora))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".modules_to_save." in name:
+                param.add_(torch.randn_like(param), alpha=0.1)  # heads that differ, logits of fp32-exact size
+    train_all_adapters(model)
+    model.train()
+    rows = ["beta", "alpha", "__base__", "beta"]
+    ids = input_ids()[: len(rows)].clamp(min=1)  # no padding: every row pools its last token
+    expected = per_row_reference(model, ids, rows)
+    assert any(".score.modules_to_save.beta." in name for name in expected[1])
+    patch_peft_model(model)
+    assert_context_matches_rows(model, ids, rows, expected)
+
+
+def test_trainable_tokens_route_each_segment_to_its_adapters_rows() -> None:
+    """PEFT's trainable tokens (per-adapter rows of the embedding) route per segment like modules_to_save."""
+    model = tiny_peft_model()
+    for name in ("alpha", "beta"):
+        model.add_adapter(f"{name}_tokens", peft.LoraConfig(target_modules=["q_proj"], trainable_token_indices=[3, 5]))
+    model.train()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "trainable_tokens_delta" in name:
+                param.normal_()
+    rows = ["alpha_tokens", "beta", "beta_tokens", "__base__", "alpha_tokens"]
+    ids = input_ids()
+    ids[:, 0] = 3  # every row reads a trainable token
+    expected = per_row_reference(model, ids, rows)
+    patch_peft_model(model)
+    model.zero_grad(set_to_none=True)
+    with multi_lora_batch(*row_batch(rows=rows)):
+        logits = model(input_ids=ids).logits
+    torch.testing.assert_close(logits.detach(), expected[0], rtol=1e-4, atol=1e-5)
+
+
+def test_modules_to_save_of_other_modules_that_differ_per_segment_are_refused() -> None:
+    """Only copies of nn.Linear and nn.Embedding act on each token alone; a wrapper of another module
+    (the RMS norms here) whose one copy is wrong for some segment is refused, naming it and why."""
+    model = tiny_peft_model(modules_to_save={"alpha": ["norm"], "beta": ["norm"]})
     patch_peft_model(model)
     model.train()
-    wrapper = r"base_model\.model\.lm_head is a PEFT ModulesToSaveWrapper .* adapters \['alpha', 'beta'\]"
+    wrapper = r"model\.layers\.0\.input_layernorm is a PEFT ModulesToSaveWrapper .* adapters \['alpha', 'beta'\]"
+    why = r"it wraps a LlamaRMSNorm, and only copies of nn\.Linear and nn\.Embedding route per segment"
     wronged = r"the copy of adapter 'alpha' to every token, wrong for the tokens of \['beta', 'gamma', '__base__'\]"
-    with multi_lora_batch(*row_batch()), pytest.raises(LoRAFusionKernelsError, match=f"{wrapper}.*{wronged}"):
+    with multi_lora_batch(*row_batch()), pytest.raises(LoRAFusionKernelsError, match=f"{wrapper}.*{why}.*{wronged}"):
+        model(input_ids=input_ids())
+
+
+def test_a_routed_wrapper_checks_the_token_count() -> None:
+    model = tiny_peft_model(modules_to_save={"alpha": ["lm_head"], "beta": ["lm_head"]})
+    patch_peft_model(model)
+    with multi_lora_batch(*row_batch()), pytest.raises(LoRAFusionKernelsError, match="lm_head got 6 tokens"):
+        model.base_model.model.lm_head(torch.randn(2, 3, 32))
+
+
+def test_a_wrapper_wrapped_before_patching_is_refused_when_copies_differ() -> None:
+    """A wrapper whose forward hooks replaced (accelerate) keeps that forward: it is guarded, not routed."""
+    model = tiny_peft_model(modules_to_save={"alpha": ["lm_head"], "beta": ["lm_head"]})
+    head = model.base_model.model.lm_head
+    head.forward = functools.partial(type(head).forward, head)
+    patch_peft_model(model)
+    with multi_lora_batch(*row_batch()), pytest.raises(LoRAFusionKernelsError, match="wrapped by hooks"):
         model(input_ids=input_ids())
 
 

@@ -10,12 +10,13 @@ draws the same mask for the same seed.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
 from lorafusion_kernels.errors import LoRAFusionKernelsError
 
-__all__ = ["PHILOX_ROUNDS", "draw_seed", "dropout_keep_mask", "keep_threshold", "seed_tensor"]
+__all__ = ["PHILOX_ROUNDS", "check_seed", "draw_seed", "dropout_keep_mask", "keep_threshold", "seed_tensor"]
 
 PHILOX_ROUNDS = 7
 """Rounds of Philox4x32; must equal the kernels' ``PHILOX_ROUNDS``."""
@@ -48,15 +49,29 @@ def draw_seed(device: torch.device | str) -> torch.Tensor:
     return torch.randint(0, _SEED_HIGH, (1,), dtype=torch.int64, device=device)
 
 
+def check_seed(seed: object) -> int:
+    """``seed`` as a Python int: an integer (Python, NumPy, or a one-element integer tensor) in ``[0, 2**63)``.
+
+    Raises:
+        LoRAFusionKernelsError: a float, a bool or another non-integer, a negative seed, or one that
+            does not fit in 63 bits (the kernels read an int64).
+    """
+    try:
+        value = None if isinstance(seed, bool) else operator.index(seed)  # type: ignore[arg-type]
+    except TypeError:
+        value = None
+    if value is None or not 0 <= value < (1 << 63):
+        raise LoRAFusionKernelsError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+    return value
+
+
 def seed_tensor(seed: int, device: torch.device | str) -> torch.Tensor:
     """Wrap an explicit integer seed as the ``[1]`` int64 tensor the kernels read.
 
     Raises:
-        LoRAFusionKernelsError: if ``seed`` is negative or does not fit in 63 bits.
+        LoRAFusionKernelsError: if ``seed`` is not an integer in ``[0, 2**63)`` (:func:`check_seed`).
     """
-    if not 0 <= seed < (1 << 63):
-        raise LoRAFusionKernelsError(f"seed must be in [0, 2**63), got {seed}")
-    return torch.tensor([seed], dtype=torch.int64, device=device)
+    return torch.tensor([check_seed(seed)], dtype=torch.int64, device=device)
 
 
 def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,6 +125,7 @@ def dropout_keep_mask(
         ``[rows, cols]`` bool tensor, True where the element is kept (and scaled by ``1 / (1 - p)``).
     """
     threshold = keep_threshold(p)
+    seed = check_seed(seed)
     groups = (cols + 7) // 8
     row_ids = torch.arange(row_offset, row_offset + rows, dtype=torch.int64, device=device)
     col_ids = torch.arange(groups, dtype=torch.int64, device=device)

@@ -4,8 +4,24 @@ from __future__ import annotations
 
 import sys
 import warnings
+from typing import Any
 
-__all__ = ["LoRAFusionKernelsError", "LoRAFusionKernelsWarning", "OnceWarnings", "user_stacklevel"]
+__all__ = [
+    "MODULE_PATH",
+    "LoRAFusionKernelsError",
+    "LoRAFusionKernelsWarning",
+    "OnceWarnings",
+    "module_path",
+    "user_stacklevel",
+]
+
+MODULE_PATH = "_lorafusion_path"
+"""Attribute that ``patch_peft_model`` sets on each PEFT layer and wrapper: its name in the model."""
+
+
+def module_path(module: Any) -> str:
+    """``module``'s name in its model, for error messages (its class name if it was not patched)."""
+    return str(getattr(module, MODULE_PATH, type(module).__name__))
 
 
 class LoRAFusionKernelsError(ValueError):

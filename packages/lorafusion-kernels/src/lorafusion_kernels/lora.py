@@ -330,6 +330,8 @@ def _check_inputs(
     dropout_p: float,
     scaling: object,
 ) -> None:
+    if x.dim() == 0:
+        raise LoRAFusionKernelsError("x must be [..., K] (at least 1-D), got a 0-d tensor")
     if x.dtype not in SUPPORTED_DTYPES:
         raise LoRAFusionKernelsError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
     if weight.dtype != x.dtype:
@@ -358,6 +360,7 @@ def _check_inputs(
     devices = {t.device for t in (x, weight, lora_a, lora_b) + ((bias,) if bias is not None else ())}
     if len(devices) != 1:
         raise LoRAFusionKernelsError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    check_finite(dropout_p, "dropout_p")
     if not 0.0 <= dropout_p < 1.0:
         raise LoRAFusionKernelsError(f"dropout_p must be in [0, 1), got {dropout_p}")
     check_finite(scaling, "scaling")
@@ -373,6 +376,16 @@ def check_finite(value: object, name: str) -> None:
         return  # a float input may be symbolic there, and math.isfinite on it would break the graph
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise LoRAFusionKernelsError(f"{name} must be a finite number, got {value!r}")
+
+
+def check_deterministic(value: object) -> None:
+    """Refuse a ``deterministic`` argument other than None, True or False (a string would read as True).
+
+    Raises:
+        LoRAFusionKernelsError: Naming the value.
+    """
+    if value is not None and not isinstance(value, bool):
+        raise LoRAFusionKernelsError(f"deterministic must be None, True or False, got {value!r}")
 
 
 _NO_SEED: dict[torch.device, torch.Tensor] = {}
@@ -430,6 +443,7 @@ def fused_lora_linear(
         >>> y = fused_lora_linear(x, layer.weight, lora_a, lora_b, scaling=2.0, dropout_p=0.1)
     """
     _check_inputs(x, weight, lora_a, lora_b, bias, dropout_p, scaling)
+    check_deterministic(deterministic)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     seed_t = _seed_for(x, float(dropout_p), seed)
@@ -479,6 +493,10 @@ class FusedLoRALinear(nn.Module):
         super().__init__()
         if not 1 <= r <= MAX_RANK:
             raise LoRAFusionKernelsError(f"LoRA rank must be in [1, {MAX_RANK}], got {r}")
+        check_finite(dropout_p, "dropout_p")
+        keep_threshold(dropout_p)  # refused here, not at the first training-mode forward
+        if lora_alpha is not None:
+            check_finite(lora_alpha, "lora_alpha")
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.in_features = in_features
         self.out_features = out_features

@@ -124,8 +124,8 @@ class MultiLoRABatch:
     Attributes:
         segment_lengths: Host tuple, tokens per segment as given (empty segments included).
         segment_adapters: Host tuple, adapter index per segment as given.
-        num_adapters: Number of adapters the op's weight lists must hold (at least
-            ``max(segment_adapters) + 1``).
+        num_adapters: Number of adapters the op's weight lists must hold at least (itself at least
+            ``max(segment_adapters) + 1``; lists may hold more, which own no tokens).
         total_tokens: ``T = sum(segment_lengths)``.
         device: Where the routing tables live (the device of ``x``).
         segments: int32 ``[S, 3]`` on ``device``: ``(start, length, adapter)`` of the ``S``
@@ -133,6 +133,7 @@ class MultiLoRABatch:
     """
 
     __slots__ = (
+        "_copies",
         "_row_tiles",
         "_runs",
         "_seg_tiles",
@@ -174,6 +175,7 @@ class MultiLoRABatch:
         self._row_tiles: dict[int, RowTiles] = {}
         self._seg_tiles: dict[int, SegmentTiles] = {}
         self._runs: dict[int, SegmentRuns] = {}
+        self._copies: dict[torch.device, MultiLoRABatch] = {}
 
     @classmethod
     def from_segments(
@@ -191,7 +193,8 @@ class MultiLoRABatch:
             segment_adapters: Adapter index per segment, ``>= 0``; an adapter may appear in
                 several segments.
             num_adapters: Number of adapters of the op (default ``max(segment_adapters) + 1``);
-                adapters without segments are allowed.
+                adapters without segments are allowed. A call may give more adapters than this:
+                those past it own no tokens of this batch.
             device: Device of the activations (default CPU).
 
         Returns:
@@ -256,13 +259,19 @@ class MultiLoRABatch:
         ]
 
     def to(self, device: torch.device | str) -> MultiLoRABatch:
-        """The same segments with tables on ``device`` (``self`` if already there)."""
+        """The same segments with tables on ``device`` (``self`` if already there).
+
+        The copy is kept: a batch built on the host and passed to every layer of a model on a GPU
+        copies its tables once, not once per layer (build it on the activations' device to skip even that).
+        """
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         if dev == self.device:
             return self
-        return MultiLoRABatch(self.segment_lengths, self.segment_adapters, self.num_adapters, dev)
+        if dev not in self._copies:
+            self._copies[dev] = MultiLoRABatch(self.segment_lengths, self.segment_adapters, self.num_adapters, dev)
+        return self._copies[dev]
 
     def row_tiles(self, block_m: int) -> RowTiles:
         """Row tiling with ``block_m`` rows per tile (computed on the host once, then cached).

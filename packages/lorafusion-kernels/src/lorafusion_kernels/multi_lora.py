@@ -25,7 +25,7 @@ routing of mixed-adapter batches live in :mod:`lorafusion_kernels.multi_lora_rou
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -35,6 +35,7 @@ from torch.nn import functional
 
 from lorafusion_kernels._kernels._common import (
     MAX_RANK,
+    SUPPORTED_DTYPES,
     parameter_grads,
     rank_block,
     runs_triton,
@@ -48,9 +49,9 @@ from lorafusion_kernels._kernels.multi_lora_bwd import (
     multi_lora_dyw_dsa,
 )
 from lorafusion_kernels._kernels.multi_lora_fwd import multi_lora_linear, multi_lora_shrink
-from lorafusion_kernels.dropout import draw_seed, dropout_keep_mask, keep_threshold, seed_tensor
+from lorafusion_kernels.dropout import check_seed, draw_seed, dropout_keep_mask, keep_threshold, seed_tensor
 from lorafusion_kernels.errors import LoRAFusionKernelsError
-from lorafusion_kernels.lora import check_finite, deterministic_mode, fused_lora_linear
+from lorafusion_kernels.lora import check_deterministic, check_finite, deterministic_mode, fused_lora_linear
 from lorafusion_kernels.metadata import MultiLoRABatch
 
 __all__ = ["fused_multi_lora_linear"]
@@ -159,12 +160,17 @@ def _per_adapter(value: float | Sequence[float], n: int, name: str) -> tuple[flo
     if value is None or isinstance(value, (int, float, str)):
         check_finite(value, name)
         return (float(value),) * n
-    for v in value:
+    if isinstance(value, Mapping | Set):
+        raise LoRAFusionKernelsError(
+            f"{name} must be one number or a sequence with one entry per adapter index, in order; "
+            f"got a {type(value).__name__}, whose iteration order is not the adapters' (pass [..] in index order)"
+        )
+    values = list(value)  # once: a generator would be empty the second time
+    for v in values:
         check_finite(v, name)
-    out = tuple(float(v) for v in value)
-    if len(out) != n:
-        raise LoRAFusionKernelsError(f"{name} has {len(out)} entries for {n} adapters; give one per adapter")
-    return out
+    if len(values) != n:
+        raise LoRAFusionKernelsError(f"{name} has {len(values)} entries for {n} adapters; give one per adapter")
+    return tuple(float(v) for v in values)
 
 
 def check_call(
@@ -187,6 +193,8 @@ def check_call(
         batch: The call's routing.
         dropout_p: Per adapter.
     """
+    if x.dim() == 0:
+        raise LoRAFusionKernelsError("x must be [..., K] (at least 1-D), got a 0-d tensor")
     if adapters < batch.num_adapters:
         raise LoRAFusionKernelsError(
             f"the batch routes tokens to {batch.num_adapters} adapters but only {adapters} are given"
@@ -289,12 +297,13 @@ def fused_multi_lora_linear(
     """
     batch, scales, ps = call_batch(x, len(lora_a), segment_lengths, segment_adapters, batch, scaling, dropout_p)
     _check_inputs(x, weight, lora_a, lora_b, bias, batch, ps)
+    check_deterministic(deterministic)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     only = batch.single_adapter()
     if batch.total_tokens == 0:
         y = functional.linear(x2, weight, bias)
-    elif only is not None:
+    elif only is not None and x2.dtype in SUPPORTED_DTYPES:
         y = _single_adapter(x2, weight, lora_a[only], lora_b[only], scales[only], ps[only], bias, seed, deterministic)
     elif runs_triton(x2):
         params = _AdapterParams(owned_ranks(batch, [a.shape[0] for a in lora_a]), scales, ps)
@@ -452,7 +461,9 @@ def multi_lora_torch(
     a sibling call's members share each token's mask, as in the kernels). Autograd differentiates it
     directly (it keeps the masked inputs; memory is not a concern here).
     """
-    if seed is None and any(p > 0.0 for p in dropout_p):
+    if seed is not None:
+        seed = check_seed(seed)  # as the kernels' path checks it, whether or not a segment draws a mask
+    elif any(p > 0.0 for p in dropout_p):
         seed = int(draw_seed("cpu").item())
     y = functional.linear(x, weight, bias)
     pieces = []
@@ -603,12 +614,17 @@ def owning(batch: MultiLoRABatch, values: Sequence[_T]) -> list[_T]:
     its ``.grad`` stays None, as on the torch path and in PEFT (not zeros, which an optimizer would
     step on).
     """
-    return [v for v, tokens in zip(values, batch.adapter_tokens, strict=True) if tokens > 0]
+    return [v for v, owns in zip(values, _owns_tokens(batch, len(values)), strict=True) if owns]
 
 
 def owned_ranks(batch: MultiLoRABatch, ranks: Sequence[int]) -> tuple[int, ...]:
     """``ranks`` with 0 ("no adapter") for the adapters that own no token: the stacked layout of :func:`owning`."""
-    return tuple(r if tokens > 0 else 0 for r, tokens in zip(ranks, batch.adapter_tokens, strict=True))
+    return tuple(r if owns else 0 for r, owns in zip(ranks, _owns_tokens(batch, len(ranks)), strict=True))
+
+
+def _owns_tokens(batch: MultiLoRABatch, count: int) -> list[bool]:
+    """For adapters ``0 .. count - 1`` of a call: whether each owns tokens (those past the batch's own none)."""
+    return [a < batch.num_adapters and batch.adapter_tokens[a] > 0 for a in range(count)]
 
 
 def _stack(tensors: Sequence[torch.Tensor], *, dim: int) -> torch.Tensor:

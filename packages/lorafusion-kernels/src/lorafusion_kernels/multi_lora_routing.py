@@ -21,11 +21,12 @@ from torch import nn
 from lorafusion_kernels._kernels._common import MAX_RANK
 from lorafusion_kernels.autocast import call_as_linear, linear_compute_dtype
 from lorafusion_kernels.base_layers import base_weight
-from lorafusion_kernels.errors import LoRAFusionKernelsError, OnceWarnings
+from lorafusion_kernels.errors import MODULE_PATH, LoRAFusionKernelsError, OnceWarnings, module_path
 from lorafusion_kernels.metadata import MultiLoRABatch
 from lorafusion_kernels.module_hooks import parts_wrapped
 from lorafusion_kernels.multi_lora import fused_multi_lora_linear
 from lorafusion_kernels.peft_siblings import sibling_forward
+from lorafusion_kernels.peft_wrappers import segment_wrapper_forward, wrong_copy_error
 
 __all__ = [
     "BASE_ADAPTER",
@@ -89,8 +90,10 @@ def multi_lora_batch(batch: MultiLoRABatch, adapter_names: Sequence[str]) -> Ite
     block holds (misspelt?) is warned about once, when the block exits. Works in training and eval
     mode, on CPU (plain torch) and CUDA fp16/bf16 (Triton). Autograd saves what the backward needs:
     the context is needed only while the forward runs, so ``loss.backward()`` may run after the block.
-    PEFT's ``modules_to_save`` wrappers are not routed: one whose single copy would be wrong for an
-    adapter with tokens raises :class:`LoRAFusionKernelsError` when it is called inside the block.
+    PEFT's ``modules_to_save`` and trainable-token wrappers around ``nn.Linear`` and ``nn.Embedding``
+    (``lm_head``, a ``SEQ_CLS`` head, ``embed_tokens``) give each segment's tokens the copy of its
+    adapter; one around another module whose single copy would be wrong for an adapter with tokens
+    raises :class:`LoRAFusionKernelsError` when it is called inside the block.
 
     Trainer usage (one microbatch, adapters of the run listed once in a fixed order)::
 
@@ -314,7 +317,7 @@ def peft_multi_lora_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: A
         routing.held.update(layer.lora_A.keys())
     # Merged first, as PEFT checks it: disabling adapters leaves them merged in the base weight.
     if layer.merged:
-        where = getattr(layer, _PATH, type(layer).__name__)
+        where = module_path(layer)
         raise LoRAFusionKernelsError(
             f"{where} has merged adapters, which mixed-adapter batches (adapter_names=, multi_lora_batch) "
             "cannot take: call `unmerge_adapter()` first"
@@ -325,7 +328,7 @@ def peft_multi_lora_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: A
     k_in = x.shape[-1]
     tokens = x.numel() // k_in if k_in else 0
     if tokens != batch.total_tokens:
-        where = getattr(layer, _PATH, type(layer).__name__)
+        where = module_path(layer)
         raise LoRAFusionKernelsError(
             f"{where} got {tokens} tokens (input {list(x.shape)}) but the multi-LoRA batch "
             f"holds {batch.total_tokens}; every LoRA layer inside `multi_lora_batch` must see the packed tokens"
@@ -481,8 +484,12 @@ def _mixed_batch_hooks(lora_model: Any, original: Any, *args: Any, **kwargs: Any
 
 
 _GUARD_HOOKS = "_lorafusion_mixed_batch_guards"
-_PATH = "_lorafusion_path"
-"""Attribute of each LoRA layer: its name in the model, for error messages."""
+"""Attribute of each LoRA layer and PEFT wrapper guarded or routed for mixed batches.
+
+Its value is the guard hook's handle, or :data:`_ROUTED_FORWARD`.
+"""
+_ROUTED_FORWARD = "routed forward"
+"""Value of :data:`_GUARD_HOOKS` on a PEFT wrapper whose instance ``forward`` is :func:`_wrapper_forward`."""
 
 
 def multi_lora_router(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -> Any:
@@ -532,16 +539,33 @@ def _unpatched_guard(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     return peft_multi_lora_forward(module, *args, **kwargs)
 
 
-def _wrapper_guard(
-    wrapper: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """Forward pre-hook on PEFT's ``AuxiliaryTrainingWrapper`` modules (``modules_to_save``, trainable tokens).
+def _wrapper_forward(wrapper: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Instance ``forward`` of PEFT's ``AuxiliaryTrainingWrapper`` modules (``modules_to_save``, trainable tokens).
 
     A wrapper picks one adapter's copy per call: PEFT's ``adapter_names=`` reaches it through hooks
     that live only during the model call, and without them it applies the active adapter's copy to
     every token. So a forward recomputed by activation checkpointing after an ``adapter_names=``
-    call gets the names back here, and inside :func:`multi_lora_batch` (whose segments only the LoRA
-    layers route) a wrapper whose copy would be wrong for some segment is refused.
+    call gets the names back here, and inside :func:`multi_lora_batch` each segment's tokens go
+    through the copy of that segment's adapter (:func:`~lorafusion_kernels.peft_wrappers.segment_wrapper_forward`).
+    """
+    peft_forward: Callable[..., torch.Tensor] = type(wrapper).forward
+    if kwargs.get("adapter_names") is None:
+        rows, routing = _ACTIVE_ROWS.get(), _ACTIVE.get()
+        if rows is not None:
+            kwargs = {**kwargs, "adapter_names": list(rows)}
+        elif routing is not None:
+            device = next((a.device for a in args if isinstance(a, torch.Tensor)), routing.batch.device)
+            return segment_wrapper_forward(wrapper, routing.batch_on(device), routing.adapter_names, args, kwargs)
+    return peft_forward(wrapper, *args, **kwargs)
+
+
+def _wrapper_guard(
+    wrapper: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Forward pre-hook on the PEFT wrappers whose ``forward`` hooks (e.g. accelerate's) replaced first.
+
+    As :func:`_wrapper_forward`, except that a pre-hook cannot route segments: inside
+    :func:`multi_lora_batch`, a wrapper whose one copy would be wrong for some segment is refused.
     """
     if kwargs.get("adapter_names") is not None:
         return None
@@ -550,46 +574,11 @@ def _wrapper_guard(
         return args, {**kwargs, "adapter_names": list(rows)}
     routing = _ACTIVE.get()
     if routing is not None:
-        _check_wrapper_copies(wrapper, routing)
+        why = "its forward is wrapped by hooks (e.g. accelerate offloading), so multi_lora_batch cannot route it"
+        error = wrong_copy_error(wrapper, routing.batch, routing.adapter_names, why)
+        if error is not None:
+            raise error
     return None
-
-
-def _wrapper_applies(wrapper: Any) -> str | None:
-    """The adapter whose copy ``wrapper`` applies to every token of a plain call (None: the original module).
-
-    As PEFT's ``AuxiliaryTrainingWrapper.forward`` decides: the first active adapter, unless the
-    wrapper is disabled, has no active adapter, or lacks one of them.
-    """
-    active: list[str] = list(wrapper.active_adapters)
-    if wrapper.disable_adapters or not active or any(name not in wrapper._adapters for name in active):
-        return None
-    return active[0]
-
-
-def _wrapper_copy_for(wrapper: Any, name: str) -> str | None:
-    """The adapter whose copy the tokens of adapter ``name`` need (None: the original module).
-
-    Its own copy if the wrapper holds one; the original module otherwise, or while the wrapper is
-    disabled (``disable_adapter()`` disables the LoRA layers too, so every token gets the frozen model).
-    """
-    return None if wrapper.disable_adapters or name not in wrapper._adapters else name
-
-
-def _check_wrapper_copies(wrapper: Any, routing: _Routing) -> None:
-    """Raise unless the copy ``wrapper`` applies is the right one for every adapter with tokens in the batch."""
-    applies = _wrapper_applies(wrapper)
-    with_tokens = [routing.adapter_names[a] for a in routing.batch.active_adapters]
-    wronged = [name for name in with_tokens if _wrapper_copy_for(wrapper, name) != applies]
-    if not wronged:
-        return
-    where = getattr(wrapper, _PATH, type(wrapper).__name__)
-    applied = "the original module" if applies is None else f"the copy of adapter {applies!r}"
-    raise LoRAFusionKernelsError(
-        f"{where} is a PEFT {type(wrapper).__name__} (modules_to_save or trainable tokens) holding copies for "
-        f"adapters {sorted(wrapper._adapters)}; multi_lora_batch routes only LoRA layers, so it would apply "
-        f"{applied} to every token, wrong for the tokens of {wronged}. Pass PEFT's adapter_names= (one "
-        "adapter name per sample) instead, or batch these adapters separately"
-    )
 
 
 _LATE_CHECK = "_lorafusion_late_layer_check"
@@ -657,9 +646,10 @@ def install_peft_mixed_batches(model: nn.Module) -> None:
     (asked before the single-adapter router), lets PEFT's ``adapter_names=`` through in training
     mode, makes HF activation checkpointing replay the routing (:func:`routed_checkpoint`), and
     hooks the LoRA layers left unpatched (whatever the reason, a ``forward`` already
-    wrapped by hooks included) and PEFT's ``AuxiliaryTrainingWrapper`` modules (``modules_to_save``,
-    :func:`_wrapper_guard`) so that they never compute a silent wrong result inside
-    :func:`multi_lora_batch`, and refuses mixed-adapter calls of ``model`` while a LoRA layer created
+    wrapped by hooks included) so that they never compute a silent wrong result inside
+    :func:`multi_lora_batch`, routes PEFT's ``AuxiliaryTrainingWrapper`` modules (``modules_to_save``,
+    trainable tokens: :func:`_wrapper_forward`, or :func:`_wrapper_guard` where hooks replaced their
+    ``forward``), and refuses mixed-adapter calls of ``model`` while a LoRA layer created
     later is neither (:class:`_LateLayerCheck`). Calling it twice is harmless.
 
     Args:
@@ -678,14 +668,18 @@ def install_peft_mixed_batches(model: nn.Module) -> None:
     _route_checkpoints(model)
     for path, named in model.named_modules():
         if isinstance(named, LoraLayer | AuxiliaryTrainingWrapper):
-            setattr(named, _PATH, path)
+            setattr(named, MODULE_PATH, path)
     for module in model.modules():
         if _GUARD_HOOKS in vars(module):
             continue
         if isinstance(module, LoraLayer) and not is_patched(module):
             setattr(module, _GUARD_HOOKS, module.register_forward_hook(_unpatched_guard, with_kwargs=True))
-        elif isinstance(module, AuxiliaryTrainingWrapper):
+        elif isinstance(module, AuxiliaryTrainingWrapper) and "forward" in vars(module):
             setattr(module, _GUARD_HOOKS, module.register_forward_pre_hook(_wrapper_guard, with_kwargs=True))
+        elif isinstance(module, AuxiliaryTrainingWrapper):
+            # A partial pickles, as in the patch; setattr: mypy refuses assigning to a method.
+            setattr(module, "forward", functools.partial(_wrapper_forward, module))  # noqa: B010
+            setattr(module, _GUARD_HOOKS, _ROUTED_FORWARD)
     check = vars(model).get(_LATE_CHECK)
     if check is None:
         check = _LateLayerCheck()
@@ -704,12 +698,13 @@ def uninstall_peft_mixed_batches(model: nn.Module) -> None:
     if check is not None:
         check.handle.remove()
     for module in model.modules():
-        handle = getattr(module, _GUARD_HOOKS, None)
-        if handle is not None:
+        handle = vars(module).pop(_GUARD_HOOKS, None)
+        if handle == _ROUTED_FORWARD:
+            del module.forward
+        elif handle is not None:
             handle.remove()
-            delattr(module, _GUARD_HOOKS)
-        if _PATH in vars(module):
-            delattr(module, _PATH)
+        if MODULE_PATH in vars(module):
+            delattr(module, MODULE_PATH)
 
 
 def _lora_model(model: nn.Module) -> Any:

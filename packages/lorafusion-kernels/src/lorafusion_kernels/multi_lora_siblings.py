@@ -30,7 +30,7 @@ from torch.nn import functional
 from lorafusion_kernels._kernels._common import MAX_RANK, runs_triton
 from lorafusion_kernels._kernels.multi_lora_fwd import member_outputs_fit, multi_lora_linear_members
 from lorafusion_kernels.errors import LoRAFusionKernelsError
-from lorafusion_kernels.lora import deterministic_mode
+from lorafusion_kernels.lora import check_deterministic, deterministic_mode
 from lorafusion_kernels.metadata import MultiLoRABatch
 from lorafusion_kernels.multi_lora import (
     _AdapterParams,
@@ -98,6 +98,7 @@ def fused_multi_lora_siblings(
     """
     members = tuple(int(n) for n in out_features)
     batch, scales, ps = call_batch(x, len(lora_a), segment_lengths, segment_adapters, batch, scaling, dropout_p)
+    check_deterministic(deterministic)
     ranks = _check_siblings(x, weight, lora_a, lora_b, members, bias, batch, ps)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
