@@ -6,6 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from lorafusion_megatron.adapters_io import replace_adapter
+from lorafusion_megatron.errors import TrainerError
+
 SAVE_ONE_ADAPTER = """
 import sys
 from pathlib import Path
@@ -32,3 +37,17 @@ def test_adapter_config_is_the_same_in_every_process(tmp_path: Path) -> None:
     modules = json.loads(first)["target_modules"]
     assert len(modules) > 1
     assert modules == sorted(modules)
+
+
+def test_a_file_where_an_adapter_folder_goes_is_never_replaced(tmp_path: Path) -> None:
+    """Regression: a file that took the adapter folder's place during the run was renamed to ``.old``
+    and then ``shutil.rmtree`` failed on it, after training: it is refused, and kept."""
+    finished = tmp_path / "staging"
+    finished.mkdir()
+    (finished / "adapter_config.json").write_text("{}")
+    target = tmp_path / "plan.json"
+    target.write_text("mine")
+    with pytest.raises(TrainerError, match=r"plan\.json, where job first writes its adapter folder, is a file"):
+        replace_adapter(finished, target, "first")
+    assert target.read_text() == "mine"
+    assert not (tmp_path / "plan.json.old").exists()

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from lorafusion_megatron.atomic_files import write_json_atomically, write_text_atomically
+from lorafusion_megatron.errors import TrainerError
 
 
 def test_replaces_the_file_and_leaves_no_temporary(tmp_path: Path) -> None:
@@ -48,3 +49,11 @@ def test_threads_writing_one_path_each_use_their_own_temporary(tmp_path: Path) -
     assert failures == []
     assert json.loads(path.read_text(encoding="utf-8"))["value"] in range(4)
     assert [p.name for p in tmp_path.iterdir()] == ["failure.json"]
+
+
+def test_a_folder_in_the_way_is_the_launchers_clear_error(tmp_path: Path) -> None:
+    """Regression: the scheduler's ``SchedError`` escaped the CLI as a traceback with exit status 1,
+    which the CLI keeps for "interrupted, checkpoint written"."""
+    (tmp_path / "summary.json").mkdir()
+    with pytest.raises(TrainerError, match="it is a folder"):
+        write_json_atomically(tmp_path / "summary.json", {})

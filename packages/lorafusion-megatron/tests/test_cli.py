@@ -287,6 +287,19 @@ def test_a_job_folder_of_other_files_is_never_replaced(
     assert notes.read_text() == '{"text": "mine"}\n'
 
 
+def test_a_job_folder_that_is_a_file_is_refused_before_training(
+    tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: the run trained to its end, then ``shutil.rmtree`` failed on the file."""
+    data = config_dict()
+    data["jobs"][1]["output_dir"] = str(tmp_path / "notes.txt")
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main(["train", str(_write(tmp_path / "run.yaml", data))]) == 2
+    assert "notes.txt is a file; the job writes an adapter folder there" in " ".join(capsys.readouterr().err.split())
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert not (tmp_path / "run" / "plan.json").exists(), "refused before planning"
+
+
 def test_overwrite_names_the_checkpoints_it_keeps(
     tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -420,3 +433,19 @@ def test_validate_and_train_say_once_that_tensorboard_is_not_installed(
     assert " ".join(capsys.readouterr().err.split()).count("TensorBoard is not installed") == 1
     assert not [record for record in caplog.records if "TensorBoard" in record.getMessage()]
     assert not (tmp_path / "tb").exists()
+
+
+def test_an_unexpected_error_exits_with_its_own_status(
+    tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Status 1 means "interrupted, checkpoint written" (a job scheduler resumes it); a crash was 1 too."""
+    from lorafusion_megatron import trainer
+
+    def crash(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(trainer, "prepare_data", crash)
+    assert main(["train", str(_write(tmp_path / "run.yaml", config_dict()))]) == 3
+    err = capsys.readouterr().err
+    assert "No space left on device" in err
+    assert "crashed" in err

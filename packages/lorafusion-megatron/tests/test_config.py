@@ -3,6 +3,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -130,6 +131,54 @@ def test_an_adapter_folder_holds_nothing_the_run_needs(config_dict, tmp_path: Pa
     if place == "data":
         data["jobs"][0]["output_dir"], data["jobs"][1]["output_dir"] = str(tmp_path / "data"), str(tmp_path / "b")
     assert message in _error(data)
+
+
+@pytest.mark.parametrize(
+    "place", ["checkpoints", "checkpoints/mine", "summary.json", "plan.json", ".lorafusion-run.lock"]
+)
+def test_an_adapter_folder_is_none_of_the_runs_own_outputs(config_dict, tmp_path: Path, place: str) -> None:
+    """Regression: such a folder passed validation, then the whole run trained and failed at its end
+    (a folder where ``summary.json`` goes; ``plan.json`` renamed away; checkpoints refused, the last
+    steps lost). It is refused up front, naming the run's own file."""
+    data = config_dict()
+    data["jobs"][1]["output_dir"] = str(tmp_path / "run" / place)
+    error = _error(data)
+    assert f"the run writes its own {place.split('/')[0]} there (in output_dir)" in error
+    assert str(tmp_path / "run" / "adapters" / "second") in error, "it names the default folder"
+
+
+def test_an_adapter_folder_holds_no_tensorboard_logs(config_dict, tmp_path: Path) -> None:
+    data = config_dict(logging={"progress_bar": False, "tensorboard_dir": str(tmp_path / "out" / "tb")})
+    data["jobs"][0]["output_dir"] = str(tmp_path / "out")
+    assert "and it holds logging.tensorboard_dir" in _error(data)
+
+
+@pytest.mark.parametrize(
+    ("where", "value"),
+    [
+        ("jobs.0.r", True),
+        ("jobs.0.max_steps", True),
+        ("jobs.0.learning_rate", False),
+        ("parallel.pipeline_stages", True),
+    ],
+)
+def test_yaml_booleans_are_not_numbers(config_dict, where: str, value: bool) -> None:
+    """Regression: ``max_steps: on`` (YAML's True) trained for one step; ``r: yes`` gave rank 1."""
+    data = config_dict()
+    node: Any = data
+    *parents, key = where.split(".")
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+    node[key] = value
+    assert f"{where}: a boolean, which this key does not take" in _error(data)
+
+
+def test_boolean_keys_still_take_booleans(config_dict) -> None:
+    data = config_dict(runtime={"device": "cpu", "seed": 0, "activation_checkpointing": True})
+    data["scheduler"]["drop_last"] = True
+    config = parse_config(data)
+    assert config.runtime.activation_checkpointing is True
+    assert config.scheduler.drop_last is True
 
 
 @pytest.mark.parametrize(

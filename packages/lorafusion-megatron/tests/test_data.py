@@ -152,8 +152,17 @@ def test_fit_to_capacity_drops_by_switch_and_refuses_nothing_usable() -> None:
     kept, report = fit_to_capacity([_sample(2, 3), _sample(2, 10)], 8, "drop", source="d")
     assert [len(s) for s in kept] == [5]
     assert report.dropped_long == 1
-    with pytest.raises(TrainerError, match="has no usable samples: 1 read, 1 longer than the capacity"):
+    with pytest.raises(TrainerError, match="has no usable samples: 1 read, 1 longer than the capacity") as dropped:
         fit_to_capacity([_sample(2, 10)], 8, "drop", source="d")
+    assert "or set scheduler.long_samples: truncate" in str(dropped.value)
+
+
+def test_no_usable_samples_after_truncation_does_not_advise_truncating() -> None:
+    """Regression: with long_samples: truncate (the default) already set, the error advised setting it."""
+    with pytest.raises(TrainerError, match="1 truncated, 1 without a trained token") as cut:
+        fit_to_capacity([_sample(10, 3)], 8, "truncate", source="d")
+    assert "long_samples" not in str(cut.value)
+    assert "raise scheduler.capacity" in str(cut.value)
 
 
 def test_training_order_epochs_and_max_steps() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import lorafusion_sched
 from lorafusion_megatron.config import parse_config
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.planning import check_plan, make_plan
@@ -24,3 +25,15 @@ def test_a_plan_made_for_other_settings_is_refused(config_dict) -> None:
     smaller = parse_config(config_dict(scheduler={"capacity": 128, "padding_multiple": 32}))
     with pytest.raises(TrainerError, match=r"capacity = 256.*capacity 128[\s\S]*padding_multiple = 16"):
         check_plan(plan, data, smaller, pipeline_stages=2, data_parallel=2)
+
+
+def test_no_milp_time_limit_plans_alike_on_every_run(config_dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``milp_time_limit: null``: the solves stop at the node limit alone, so load cannot change the plan."""
+    seen = []
+    real = lorafusion_sched.plan
+    monkeypatch.setattr(lorafusion_sched, "plan", lambda jobs, options: seen.append(options) or real(jobs, options))
+    config = parse_config(config_dict(scheduler={"capacity": 256, "padding_multiple": 16, "milp_time_limit": None}))
+    data = prepare_data(config).jobs
+    first, second = make_plan(config, data), make_plan(config, data)
+    assert [o.time_limit for o in seen] == [None, None]
+    assert first.microbatches == second.microbatches

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lorafusion_megatron.errors import TrainerError
+from lorafusion_megatron.run_layout import EVAL_HISTORY, SUMMARY
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -43,6 +44,11 @@ def holds_other_files(folder: Path) -> bool:
 
 
 def _refuse_other_files(folder: Path, job: str) -> None:
+    if folder.exists() and not folder.is_dir():
+        raise TrainerError(
+            f"{folder}, where job {job} writes its adapter folder, is a file; the run would have to replace it: "
+            "give the job an empty or new output_dir"
+        )
     if holds_other_files(folder):
         raise TrainerError(
             f"{folder}, where job {job} writes its adapter, holds files that are not a PEFT adapter (no "
@@ -81,8 +87,8 @@ def check_run_outputs(config: TrainerConfig) -> None:
 def check_fresh_run(config: TrainerConfig, *, resume: bool, overwrite: bool) -> None:
     """Refuse a run whose outputs would replace what they must not.
 
-    Always: a job folder that holds files but no PEFT adapter (a dataset, other work), which the run
-    would replace whole at its end. A fresh run, unless ``overwrite``: an earlier run's results, its
+    Always: a job folder that is a file, or holds files but no PEFT adapter (a dataset, other work),
+    which the run would replace whole at its end. A fresh run, unless ``overwrite``: an earlier run's results, its
     ``summary.json``, ``eval_history.json`` and the jobs' adapter folders. A fresh run never
     replaces checkpoints (:func:`lorafusion_megatron.checkpoint.checkpoint_to_resume` refuses them,
     ``--overwrite`` or not), so this names them too: one message says all that is in the way.
@@ -106,7 +112,7 @@ def check_fresh_run(config: TrainerConfig, *, resume: bool, overwrite: bool) -> 
         )
 
 
-_RESULTS = ("summary.json", "eval_history.json")
+_RESULTS = (SUMMARY, EVAL_HISTORY)
 """A finished run's files in its output folder that a fresh run with ``--overwrite`` replaces."""
 
 

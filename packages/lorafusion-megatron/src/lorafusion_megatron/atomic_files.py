@@ -4,7 +4,8 @@ A crash or Ctrl-C in the middle of a write leaves the previous file (or none), n
 the data reaches the disk before the rename, so a power loss does not leave an empty file either.
 The mechanism is the scheduler's (:func:`lorafusion_sched.io.write_atomically`): a temporary per
 thread and process (the stall watchdog's thread may write while the main thread does; the last
-rename wins), links followed, permissions kept.
+rename wins), links followed, permissions kept. What cannot be written (a folder in the way, a
+full disk) raises :class:`~lorafusion_megatron.errors.TrainerError`, the launcher's clear error.
 """
 
 from __future__ import annotations
@@ -13,14 +14,23 @@ import json
 from pathlib import Path
 from typing import Any
 
+from lorafusion_megatron.errors import TrainerError
+from lorafusion_sched.errors import SchedError
 from lorafusion_sched.io import write_atomically
 
 __all__ = ["write_json_atomically", "write_text_atomically"]
 
 
 def write_text_atomically(path: Path, text: str) -> None:
-    """Replace ``path`` by ``text`` (UTF-8) in one rename, the data flushed to disk before it."""
-    write_atomically(path, lambda temporary: temporary.write_text(text, encoding="utf-8"))
+    """Replace ``path`` by ``text`` (UTF-8) in one rename, the data flushed to disk before it.
+
+    Raises:
+        TrainerError: ``path`` cannot be written (the scheduler's message: what is in the way).
+    """
+    try:
+        write_atomically(path, lambda temporary: temporary.write_text(text, encoding="utf-8"))
+    except SchedError as error:
+        raise TrainerError(str(error)) from error
 
 
 def write_json_atomically(path: Path, data: Any) -> None:

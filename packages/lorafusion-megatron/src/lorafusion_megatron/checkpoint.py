@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from lorafusion_megatron.adapters_io import replace_dir, save_adapter
 from lorafusion_megatron.errors import TrainerError
+from lorafusion_megatron.run_layout import PROFILE_REPORT
 from lorafusion_megatron.state import RunState
 
 if TYPE_CHECKING:
@@ -197,7 +198,7 @@ def _what_changed(meta: Mapping[str, Any], fingerprint: RunFingerprint) -> str:
 
 def _profile_hint(checkpoint: Path) -> str:
     """Why an unchanged config may differ: a ``profile.json`` written after the checkpoint (``capacity: auto``)."""
-    profile = checkpoint.parent.parent / "profile.json"
+    profile = checkpoint.parent.parent / PROFILE_REPORT
     try:
         newer = profile.stat().st_mtime > (checkpoint / "trainer_state.json").stat().st_mtime
     except OSError:

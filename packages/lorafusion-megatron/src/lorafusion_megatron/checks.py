@@ -151,8 +151,11 @@ def _problems(config: TrainerConfig, pipeline_stages: int) -> list[str]:
                 problems.append(
                     f"{where}.target_modules: {unknown} are not linear layers of this model; it has {list(known)}"
                 )
-        if not _writable_ancestor(config.job_output_dir(job)):
-            problems.append(f"{where}.output_dir: {config.job_output_dir(job)} cannot be created or written")
+        folder = config.job_output_dir(job)
+        if folder.exists() and not folder.is_dir():
+            problems.append(f"{where}.output_dir: {folder} is a file; the job writes an adapter folder there")
+        elif not _writable_ancestor(folder):
+            problems.append(f"{where}.output_dir: {folder} cannot be created or written")
     if not _writable_ancestor(Path(config.output_dir)):
         problems.append(f"output_dir: {config.output_dir} cannot be created or written")
     if config.logging.tensorboard_dir is not None and not _writable_ancestor(Path(config.logging.tensorboard_dir)):

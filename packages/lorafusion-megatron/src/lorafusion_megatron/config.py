@@ -33,7 +33,6 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     StrictBool,
     ValidationError,
@@ -42,9 +41,11 @@ from pydantic import (
     model_validator,
 )
 
+from lorafusion_megatron.config_section import ConfigSection
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.pipeline.options import ParallelConfig
 from lorafusion_megatron.presets import PRESETS
+from lorafusion_megatron.run_layout import CHECKPOINTS, RUN_OUTPUTS
 
 __all__ = [
     "SYNTHETIC_DATASETS",
@@ -64,7 +65,6 @@ __all__ = [
 SYNTHETIC_DATASETS = ("xsum", "cnndm", "wikisum", "mixed")
 """Synthetic length distributions of ``lorafusion_sched.workloads`` a job can train on."""
 
-_STRICT = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -72,10 +72,8 @@ PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 
 
-class BaseModelConfig(BaseModel):
+class BaseModelConfig(ConfigSection):
     """The frozen base model that every job shares."""
-
-    model_config = _STRICT
 
     model_name_or_path: str
     """A local Hugging Face model folder (with ``config.json``), or a preset built with random
@@ -98,7 +96,7 @@ class BaseModelConfig(BaseModel):
         return self.model_name_or_path in PRESETS
 
 
-class DatasetConfig(BaseModel):
+class DatasetConfig(ConfigSection):
     """Where a job's samples come from: a file or folder, or a synthetic length distribution.
 
     The first record decides the layout: a ``messages_field`` list of chat turns is rendered with
@@ -107,11 +105,10 @@ class DatasetConfig(BaseModel):
     -100); otherwise ``text_field`` is trained on in full.
     """
 
-    model_config = _STRICT
-
     path: str | None = None
-    """A ``.jsonl`` / ``.json`` file (one object per line), a ``.parquet`` file, or a folder written by
-    ``datasets.Dataset.save_to_disk``. Relative paths are relative to the config file."""
+    """A ``.jsonl`` / ``.json`` file (one object per line, or one JSON array of objects), a ``.parquet``
+    file, or a folder written by ``datasets.Dataset.save_to_disk``. Relative paths are relative to the
+    config file."""
 
     synthetic: Literal["xsum", "cnndm", "wikisum", "mixed"] | None = None
     """Instead of ``path``: random tokens with lengths drawn from this synthetic workload of
@@ -149,10 +146,8 @@ class DatasetConfig(BaseModel):
         return self
 
 
-class JobConfig(BaseModel):
+class JobConfig(ConfigSection):
     """One LoRA fine-tuning job: its data, adapter, optimizer and length of training."""
-
-    model_config = _STRICT
 
     name: str
     """Unique job name; also the PEFT adapter name and the default output folder name."""
@@ -290,10 +285,8 @@ class JobConfig(BaseModel):
         return self.val_size is not None or self.eval_dataset is not None
 
 
-class SchedulerConfig(BaseModel):
+class SchedulerConfig(ConfigSection):
     """How ``lorafusion_sched`` packs the jobs' samples into microbatches."""
-
-    model_config = _STRICT
 
     capacity: PositiveInt | Literal["auto"] = "auto"
     """Tokens per microbatch (a multiple of ``padding_multiple``), or ``auto``: the choice of
@@ -309,8 +302,11 @@ class SchedulerConfig(BaseModel):
     drop_last: bool = False
     """Leave out a job's last global batch when it is not full."""
 
-    milp_time_limit: float = Field(default=0.5, gt=0)
-    """Seconds per packing MILP before the greedy packing is kept."""
+    milp_time_limit: float | None = Field(default=0.5, gt=0)
+    """Seconds per packing MILP before the greedy packing is kept. A busy host then finds fewer MILP
+    answers, so two runs of one config may pack, and train, differently (``--resume`` reuses the
+    checkpoint's plan: exact either way). ``null``: each solve stops at HiGHS's node limit alone,
+    the same plan and adapters on every run, planning a few times slower."""
 
     @model_validator(mode="after")
     def _capacity_multiple(self) -> SchedulerConfig:
@@ -331,10 +327,8 @@ class SchedulerConfig(BaseModel):
         return self.capacity
 
 
-class RuntimeConfig(BaseModel):
+class RuntimeConfig(ConfigSection):
     """How the microbatches execute."""
-
-    model_config = _STRICT
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto``: the GPU when there is one, else the CPU; ``cuda`` on a host without one: ``validate``
@@ -379,10 +373,8 @@ class RuntimeConfig(BaseModel):
         )
 
 
-class LoggingConfig(BaseModel):
+class LoggingConfig(ConfigSection):
     """What the run reports while training."""
-
-    model_config = _STRICT
 
     logging_steps: PositiveInt = 10
     """Log each job's loss, learning rate and gradient norm (and write its TensorBoard scalars) every this
@@ -397,10 +389,8 @@ class LoggingConfig(BaseModel):
     """Show a rich progress bar with per-job loss and tokens/s."""
 
 
-class TrainerConfig(BaseModel):
+class TrainerConfig(ConfigSection):
     """A whole run: one base model, several jobs, and how to schedule, execute, log and save."""
-
-    model_config = _STRICT
 
     output_dir: str
     """Run folder: checkpoints, the plan, the summary and (by default) the adapters."""
@@ -487,7 +477,11 @@ class TrainerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _distinct_outputs(self) -> TrainerConfig:
-        """A job's adapter folder is replaced whole at the end: it must hold nothing else the run reads or writes."""
+        """A job's adapter folder is replaced whole at the end: it must hold nothing else the run reads or writes.
+
+        Nor be, or lie inside, one of the files and folders the run writes in ``output_dir``
+        (:data:`~lorafusion_megatron.run_layout.RUN_OUTPUTS`).
+        """
 
         def place(path: str | Path) -> Path:
             return Path(os.path.abspath(path))
@@ -503,12 +497,20 @@ class TrainerConfig(BaseModel):
             for what, dataset in (("dataset", job.dataset), ("eval_dataset", job.eval_dataset)):
                 if dataset is not None and dataset.path is not None:
                     inputs.append((f"job {job.name!r}'s {what}", dataset.path))
+        if self.logging.tensorboard_dir is not None:
+            inputs.append(("logging.tensorboard_dir", self.logging.tensorboard_dir))
         seen: dict[Path, str] = {}
         for job in self.jobs:
             folder = place(self.job_output_dir(job))
             own = f"job {job.name!r} writes its adapter to {folder}, replacing that folder when it ends"
             if holds(folder, run):
                 raise ValueError(f"{own}, and it holds output_dir {run}: give the job a folder of its own")
+            for name in RUN_OUTPUTS:
+                if holds(run / name, folder):
+                    raise ValueError(
+                        f"{own}, but the run writes its own {name} there (in output_dir): give the job a folder "
+                        f"of its own, e.g. the default {run / 'adapters' / job.name}"
+                    )
             for what, path in inputs:
                 if holds(folder, place(path)):
                     raise ValueError(f"{own}, and it holds {what} ({place(path)}): give the job a folder of its own")
@@ -530,7 +532,7 @@ class TrainerConfig(BaseModel):
     @property
     def checkpoint_dir(self) -> Path:
         """Folder holding ``checkpoint-<n>`` sub-folders."""
-        return Path(self.output_dir) / "checkpoints"
+        return Path(self.output_dir) / CHECKPOINTS
 
 
 def fingerprinted_config(config: TrainerConfig) -> dict[str, Any]:

@@ -23,10 +23,7 @@ from rich.table import Table
 from lorafusion_megatron.atomic_files import write_json_atomically
 from lorafusion_megatron.evaluation import EvalLoss
 
-__all__ = ["EVAL_HISTORY", "EvalHistory", "eval_table"]
-
-EVAL_HISTORY = "eval_history.json"
-"""File name of the history in the run's output folder."""
+__all__ = ["EvalHistory", "eval_table"]
 
 _log = logging.getLogger(__name__)
 

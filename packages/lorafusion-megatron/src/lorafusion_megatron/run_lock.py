@@ -21,10 +21,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from lorafusion_megatron.errors import TrainerError
+from lorafusion_megatron.run_layout import LOCK_FILE
 
-__all__ = ["LOCK_FILE", "run_lock"]
-
-LOCK_FILE = ".lorafusion-run.lock"
+__all__ = ["run_lock"]
 
 _log = logging.getLogger(__name__)
 

@@ -28,11 +28,12 @@ from lorafusion_megatron.checkpoint import (
 from lorafusion_megatron.config import TrainerConfig
 from lorafusion_megatron.data.job_data import JobData, load_job_data
 from lorafusion_megatron.dropout_seeds import drawing_for, install_dropout_seeding
-from lorafusion_megatron.eval_reporting import EVAL_HISTORY, EvalHistory, eval_table
+from lorafusion_megatron.eval_reporting import EvalHistory, eval_table
 from lorafusion_megatron.executor import StopSignal, execute_plan
 from lorafusion_megatron.gc_tuning import start_up_objects_frozen
 from lorafusion_megatron.planning import check_plan, make_plan, plan_from_json
 from lorafusion_megatron.reporting import ProgressDisplay, TensorBoardLogger, summary_table
+from lorafusion_megatron.run_layout import EVAL_HISTORY, PLAN, SUMMARY
 from lorafusion_megatron.run_lock import run_lock
 from lorafusion_megatron.state import JobProgress, RunState
 
@@ -170,7 +171,7 @@ class Trainer:
             _log.info("resuming from %s at microbatch %d", checkpoint_path, state.position)
         else:
             plan = make_plan(config, prepared.jobs)
-            write_text_atomically(Path(config.output_dir) / "plan.json", plan.model_dump_json(indent=1))
+            write_text_atomically(Path(config.output_dir) / PLAN, plan.model_dump_json(indent=1))
             # An earlier run's evaluations (train --overwrite): this run writes its own, or none.
             (Path(config.output_dir) / EVAL_HISTORY).unlink(missing_ok=True)
             state = RunState(
@@ -208,7 +209,7 @@ class Trainer:
             latest = None if history is None else history.latest(job["name"])
             job["eval_loss"] = None if latest is None else latest.loss
         summary["eval"] = {} if history is None else history.to_json()
-        write_json_atomically(Path(self.config.output_dir) / "summary.json", summary)
+        write_json_atomically(Path(self.config.output_dir) / SUMMARY, summary)
 
 
 class _Session:

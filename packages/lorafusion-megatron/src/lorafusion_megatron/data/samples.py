@@ -254,9 +254,11 @@ def fit_to_capacity(
     if dropped_empty:
         _log.warning("dataset %s: %d sample(s) have no trained token and were dropped", source, dropped_empty)
     if not kept:
+        # Truncation keeps a long sample's first `capacity` tokens: it helps only where they hold a target.
+        fix = "raise scheduler.capacity" + (", or set scheduler.long_samples: truncate" if mode == "drop" else "")
         raise TrainerError(
             f"dataset {source} has no usable samples: {len(samples)} read, {dropped_long} longer than the capacity "
-            f"({capacity}) dropped, {dropped_empty} without a trained token (empty response, or all cut off); "
-            "check the fields, raise scheduler.capacity, or set scheduler.long_samples: truncate"
+            f"({capacity}) dropped, {truncated} truncated, {dropped_empty} without a trained token (empty response, "
+            f"or all cut off); check the fields, or {fix}"
         )
     return kept, report

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lorafusion_megatron.pipeline.options import SCHEDULES, ParallelConfig
+from lorafusion_megatron.run_layout import PROFILE_TABLE
 
 if TYPE_CHECKING:
     from lorafusion_megatron.config import TrainerConfig
@@ -117,7 +118,7 @@ def profile(
     options: dict[str, Any] = {} if not candidates else {"candidates": tuple(candidates)}
     report = launch_profile(config, parallel, **options)
     if report is not None:
-        console.print((Path(config.output_dir) / "profile.md").read_text(encoding="utf-8"), markup=False)
+        console.print((Path(config.output_dir) / PROFILE_TABLE).read_text(encoding="utf-8"), markup=False)
         console.print(f"Chosen capacity: {report['chosen_capacity']} tokens (used by `capacity: auto`)")
         if report["chosen_recomputed_layers"] is not None:
             counts = ", ".join(map(str, report["chosen_recomputed_layers"]))

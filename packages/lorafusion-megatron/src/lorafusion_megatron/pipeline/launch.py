@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.pipeline.options import ParallelConfig
+from lorafusion_megatron.run_layout import PIPELINE_SUMMARY, PROFILE_REPORT
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -198,7 +199,7 @@ def launch(
 
     if resume:
         check_resumable(config, parallel)
-    return _start(functools.partial(run_rank, resume=resume), config, parallel, backend, "pipeline_summary.json")
+    return _start(functools.partial(run_rank, resume=resume), config, parallel, backend, PIPELINE_SUMMARY)
 
 
 def launch_profile(
@@ -218,7 +219,7 @@ def launch_profile(
     """
     from lorafusion_megatron.profiler.run import profile_rank
 
-    return _start(functools.partial(profile_rank, **options), config, parallel, backend, "profile.json")
+    return _start(functools.partial(profile_rank, **options), config, parallel, backend, PROFILE_REPORT)
 
 
 def run_demo(

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from lorafusion_megatron.config_section import ConfigSection
 
 __all__ = ["SCHEDULES", "ParallelConfig", "Schedule"]
 
@@ -17,10 +19,8 @@ SCHEDULES: tuple[Schedule, ...] = ("lorafusion", "megatron-1f1b", "mlora")
 """The schedules the pipeline runtime executes (the plan's, and the paper's two baselines)."""
 
 
-class ParallelConfig(BaseModel):
+class ParallelConfig(ConfigSection):
     """Pipeline and data parallelism of a run (tensor parallelism is always 1)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     pipeline_stages: int = Field(default=1, ge=1)
     """Pipeline stages ``S``: the decoder layers are split into ``S`` balanced stages, one per GPU."""

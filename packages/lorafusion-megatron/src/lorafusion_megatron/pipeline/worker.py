@@ -20,6 +20,7 @@ from lorafusion_megatron.atomic_files import write_json_atomically, write_text_a
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.pipeline.options import ParallelConfig
 from lorafusion_megatron.pipeline.stall import Heartbeat, StallWatchdog, no_heartbeat
+from lorafusion_megatron.run_layout import PIPELINE_SUMMARY, PLAN
 
 if TYPE_CHECKING:
     import torch
@@ -131,7 +132,7 @@ def shared_plan(
         found = checkpoint_to_resume(config.checkpoint_dir, resume=resume)
         if found is None:
             plan_json = make_pipeline_plan(config, data, parallel).model_dump_json()
-            write_text_atomically(Path(config.output_dir, "plan.json"), plan_json)
+            write_text_atomically(Path(config.output_dir, PLAN), plan_json)
             return plan_json, None
         read_run_state(found, fingerprint=run_fingerprint(config, data), parallel=parallel)
         return (found / "plan.json").read_text(encoding="utf-8"), str(found)
@@ -322,7 +323,7 @@ def run_rank(
         summary["checkpoint"] = None if saved is None else str(saved)
         summary["run_state"] = next(state for _, state in everyone if state is not None)
         summary["rank0_phase_seconds"] = phases.seconds
-        path = Path(config.output_dir) / "pipeline_summary.json"
+        path = Path(config.output_dir) / PIPELINE_SUMMARY
         write_json_atomically(path, summary)
         write_json_atomically(path.with_name("pipeline_trace.json"), chrome_trace([stats for stats, _ in everyone]))
         _log.info(

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from lorafusion_megatron.atomic_files import write_json_atomically, write_text_atomically
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.pipeline.options import ParallelConfig
+from lorafusion_megatron.run_layout import PROFILE_REPORT, PROFILE_TABLE
 
 if TYPE_CHECKING:
     from lorafusion_megatron.config import TrainerConfig
@@ -46,12 +47,10 @@ DEFAULT_CANDIDATES = (1024, 2048, 4096, 8192, 16384, 32768)
 CPU_CANDIDATES = (128, 256, 512, 1024)
 """Capacities tried on the CPU unless told otherwise: a GPU's range would take minutes per stage there."""
 
-_REPORT = "profile.json"
-
 
 def _report(output_dir: str | Path) -> dict[str, Any] | None:
     """The ``profile.json`` of this output folder, if a previous ``profile`` run wrote one."""
-    path = Path(output_dir) / _REPORT
+    path = Path(output_dir) / PROFILE_REPORT
     if not path.is_file():
         return None
     document: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
@@ -138,7 +137,7 @@ def write_report(
         "chosen_capacity": chosen,
         "chosen_recomputed_layers": chosen_option.recomputed_layers,
     }
-    path = output_dir / _REPORT
+    path = output_dir / PROFILE_REPORT
     write_json_atomically(path, document)
     lines = [
         f"# Profile: {parallel.pipeline_stages} stage(s) x {parallel.data_parallel} replica(s) on {device}",
@@ -192,7 +191,7 @@ def write_report(
         if recompute is not None:
             row += f" {', '.join(map(str, o.recomputed_layers)) if o.recomputed_layers and not ran_out else '-'} |"
         lines.append(row)
-    write_text_atomically(output_dir / "profile.md", "\n".join(lines) + "\n")
+    write_text_atomically(output_dir / PROFILE_TABLE, "\n".join(lines) + "\n")
     return path
 
 
