@@ -437,24 +437,30 @@ def test_a_name_no_layer_holds_is_named_once(patched_model: torch.nn.Module, mon
     assert "['alpha', 'beta', 'gamma']" in unheld[0]
 
 
+@pytest.mark.parametrize(
+    "rows",
+    [ROW_ADAPTERS, ["alpha", "beta", "alpha", "__base__", "beta"]],
+    ids=["a-run-per-copy", "interleaved-copies"],
+)
 @pytest.mark.parametrize("saved", [["lm_head"], ["embed_tokens", "lm_head"]], ids=["lm_head", "embed_and_head"])
-def test_modules_to_save_route_each_segment_to_its_adapters_copy(saved: list[str]) -> None:
+def test_modules_to_save_route_each_segment_to_its_adapters_copy(saved: list[str], rows: list[str]) -> None:
     """Per-adapter heads and embeddings (``modules_to_save``, as SEQ_CLS heads or added tokens bring):
     each segment's tokens go through its adapter's copy, the original module for ``__base__`` and
-    adapters without one (gamma). Logits and every gradient, copies included, match PEFT row by row;
-    so do a deep copy's and a ``torch.load``-ed copy's, and unpatching restores PEFT's forward."""
+    adapters without one (gamma); interleaved segments of one copy are gathered into one call. Logits
+    and every gradient, copies included, match PEFT row by row; so do a deep copy's and a
+    ``torch.load``-ed copy's, and unpatching restores PEFT's forward."""
     model = tiny_peft_model(modules_to_save={"alpha": saved, "beta": saved})
     model.train()
     ids = input_ids()
-    expected = per_row_reference(model, ids)
+    expected = per_row_reference(model, ids, rows)
     assert any(".lm_head.modules_to_save.beta." in name for name in expected[1])
     patch_peft_model(model)
-    assert_context_matches_rows(model, ids, ROW_ADAPTERS, expected)
+    assert_context_matches_rows(model, ids, rows, expected)
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
     for other in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
-        assert_context_matches_rows(other, ids, ROW_ADAPTERS, expected)
+        assert_context_matches_rows(other, ids, rows, expected)
     unpatch_peft_model(model)
     assert all("forward" not in vars(m) for m in model.modules())
 

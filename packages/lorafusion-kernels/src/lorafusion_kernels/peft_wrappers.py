@@ -6,15 +6,15 @@ per-adapter rows of an embedding) applies one adapter's copy to every token of a
 Inside :func:`lorafusion_kernels.multi_lora_batch` the tokens are consecutive segments of several
 adapters, so the tokens of segment ``j`` need the copy of adapter ``segment_adapters[j]`` (or the
 original module, for ``"__base__"`` and adapters without a copy). This module decides which copy
-each segment needs and runs them: one call per run of consecutive segments that share a copy, the
-outputs concatenated in token order. That is exact only for modules that act on each token alone,
-so it serves wrappers around ``nn.Linear`` and ``nn.Embedding`` (PEFT's own mixed batches serve
-these and convolutions, per sample); any other wrapper whose one copy would be wrong for some
-segment is refused.
+each segment needs and runs them: one call per copy on all of its tokens, the outputs put back in
+token order. That is exact only for modules that act on each token alone, so it serves wrappers
+around ``nn.Linear`` and ``nn.Embedding`` (PEFT's own mixed batches serve these and convolutions,
+per sample); any other wrapper whose one copy would be wrong for some segment is refused.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -131,9 +131,10 @@ def segment_wrapper_forward(
 ) -> torch.Tensor:
     """``wrapper``'s output with each segment's tokens through the copy of that segment's adapter.
 
-    One call per run of consecutive segments needing one copy: ``y[t] = copy_j(x[t])`` for token
-    ``t`` of segment ``j``. A batch whose segments all need one copy calls it once with the
-    arguments unchanged (any wrapped module, any arguments after the input).
+    One call per copy, on the tokens of every segment that needs it: ``y[t] = copy_j(x[t])`` for
+    token ``t`` of segment ``j`` (so each copy's weight gradient is computed once, however its
+    segments interleave with others'). A batch whose segments all need one copy calls it once with
+    the arguments unchanged (any wrapped module, any arguments after the input).
 
     Args:
         wrapper: A PEFT ``AuxiliaryTrainingWrapper``.
@@ -158,6 +159,40 @@ def segment_wrapper_forward(
     if len(copies) == 1 and args:
         return _call_copy(wrapper, copies.pop(), *args, **kwargs)
     rows, lead = _token_rows(wrapper, batch, adapter_names, args, kwargs)
-    pieces = [_call_copy(wrapper, copy, rows[start : start + length]) for start, length, copy in runs]
-    out = torch.cat(pieces, dim=0)
+    if len(copies) == len(runs):  # one run per copy: slices, in token order
+        pieces = [_call_copy(wrapper, copy, rows[start : start + length]) for start, length, copy in runs]
+        out = torch.cat(pieces, dim=0)
+    else:
+        owned = {copy: _token_index([(s, n) for s, n, c in runs if c == copy], rows.device) for copy in copies}
+        pieces = [_call_copy(wrapper, copy, rows.index_select(0, index)) for copy, index in owned.items()]
+        out = _PlaceRows.apply(tuple(owned.values()), *pieces)  # type: ignore[no-untyped-call]
     return out.reshape(*lead, *out.shape[1:])
+
+
+def _token_index(runs: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """The tokens of ``runs`` (``(start, length)``), in order, as an int64 index built on ``device``."""
+    return torch.cat([torch.arange(start, start + length, device=device) for start, length in runs])
+
+
+class _PlaceRows(torch.autograd.Function):
+    """``out[indices[c]] = pieces[c]``: each copy's output rows put back at its tokens (``indices`` cover ``T``).
+
+    One write of ``out`` forward and one read of its gradient backward; the built-in alternatives
+    (``index_copy_`` per copy, or ``cat`` then a gather) pass over the ``[T, N]`` output again per
+    copy or twice. Outputs of several dtypes are placed in the one that holds them all.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, indices: tuple[torch.Tensor, ...], *pieces: torch.Tensor) -> torch.Tensor:
+        dtype = functools.reduce(torch.promote_types, (p.dtype for p in pieces))
+        out = pieces[0].new_empty((sum(p.shape[0] for p in pieces), *pieces[0].shape[1:]), dtype=dtype)
+        for index, piece in zip(indices, pieces, strict=True):
+            out.index_copy_(0, index, piece.to(dtype))
+        ctx.indices = indices
+        ctx.dtypes = [p.dtype for p in pieces]
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        pieces = (grad.index_select(0, index).to(dtype) for index, dtype in zip(ctx.indices, ctx.dtypes, strict=True))
+        return (None, *pieces)
