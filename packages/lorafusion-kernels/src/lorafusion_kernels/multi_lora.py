@@ -461,10 +461,8 @@ def multi_lora_torch(
     a sibling call's members share each token's mask, as in the kernels). Autograd differentiates it
     directly (it keeps the masked inputs; memory is not a concern here).
     """
-    if seed is not None:
-        seed = check_seed(seed)  # as the kernels' path checks it, whether or not a segment draws a mask
-    elif any(p > 0.0 for p in dropout_p):
-        seed = int(draw_seed("cpu").item())
+    if any(p > 0.0 for p in dropout_p):  # the seed is read (and checked) only with dropout, as on the kernels' path
+        seed = int(draw_seed("cpu").item()) if seed is None else check_seed(seed)
     y = functional.linear(x, weight, bias)
     pieces = []
     for start, length, adapter in batch.nonempty_segments():
