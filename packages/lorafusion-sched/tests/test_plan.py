@@ -206,3 +206,39 @@ def test_failed_workers_fall_back_to_greedy(fast_options: PlanOptions, monkeypat
         p = plan(jobs, options)
     assert verify(p) == []
     assert p.stats.workers == 1
+
+
+def test_a_milp_plan_longer_than_the_greedy_plan_keeps_the_greedy_sequence() -> None:
+    """Regression: every task's MILP packing here is no worse than greedy's, but after the no-ops and
+    the merge the plan had 56 microbatches against greedy's 55. ``time_limit=None``: the same solves
+    on every machine."""
+    lengths = {
+        "a0": ((1534, 536, 274, 1807, 2199, 466, 399, 629, 674, 1385, 1700), 4),
+        "a1": ((1029, 1442, 1450, 1041, 2080, 45, 2129, 259, 1723, 456, 1723, 1882, 304, 409, 1867, 601, 1565, 757), 7),
+        "a2": (
+            (2300, 140, 1410, 1744, 1141, 1158, 578, 343, 1817, 2237, 1285, 773, 2295, 181, 902, 1821, 2077, 1673, 559,
+             2269, 2212, 140, 807, 1163, 2277, 844, 1087, 226),
+            6,
+        ),
+        "a3": (
+            (1166, 1574, 539, 151, 791, 1231, 848, 1836, 1206, 14, 173, 1754, 1788, 2255, 43, 683, 423, 1504, 1717, 945,
+             1101, 1645, 2050),
+            6,
+        ),
+        "a4": (
+            (636, 374, 1342, 881, 172, 1612, 1539, 1141, 1350, 800, 2065, 969, 150, 2013, 1012, 842, 1151, 659, 755),
+            8,
+        ),
+    }  # fmt: skip
+    jobs = [AdapterJob(name=n, sample_tokens=t, global_batch_size=g) for n, (t, g) in lengths.items()]
+    options = PlanOptions(
+        capacity=2304, pipeline_stages=2, padding_multiple=64, neighbourhood=None, time_limit=None, node_limit=50,
+        workers=1,
+    )  # fmt: skip
+    with_milp = plan(jobs, options)
+    greedy = plan(jobs, options.model_copy(update={"use_milp": False}))
+    assert greedy.stats.num_microbatches == 55
+    assert with_milp.stats.num_microbatches == 55
+    assert with_milp.stats.milp_runs > 0
+    assert with_milp.stats.milp_wins == 0, "the plan uses no MILP packing"
+    assert verify(with_milp) == []

@@ -269,7 +269,9 @@ class PlanStats(BaseModel):
     num_tasks: WholeNumber = Field(description="Packing problems: (group, global batch) pairs.")
     greedy_at_bound: WholeNumber = Field(description="Tasks where greedy met both lower bounds, so no MILP ran.")
     milp_runs: WholeNumber = Field(description="Tasks where the MILP ran.")
-    milp_wins: WholeNumber = Field(description="Tasks where the MILP beat greedy (fewer or a smaller last microbatch).")
+    milp_wins: WholeNumber = Field(
+        description="Tasks whose MILP packing beat greedy (fewer or a smaller last microbatch) and is in the plan."
+    )
     milp_timeouts: WholeNumber = Field(description="MILP solves stopped by the time or node limit.")
     merged_samples: WholeNumber = Field(description="Samples moved into an earlier microbatch by the merge pass.")
     dropped_samples: WholeNumber = Field(description="Samples left out by drop_last.")
