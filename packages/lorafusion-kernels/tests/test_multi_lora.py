@@ -639,10 +639,12 @@ def test_a_call_may_give_more_adapters_than_its_batch(path: str, request: pytest
     assert [a.grad is not None for a in inputs["lora_a"]] == [True, True, False, False]
 
 
-@pytest.mark.usefixtures("torch_path")
-def test_a_one_adapter_float64_batch_takes_the_torch_path() -> None:
+@pytest.mark.parametrize("path", [pytest.param("interpreter", marks=INTERPRET), "torch_path"])
+def test_float64_takes_the_torch_path_for_any_batch(path: str, request: pytest.FixtureRequest) -> None:
     """Regression: float64 ran on the torch path with several adapters, but a one-adapter batch went to
-    FusedLoRA, which refuses it: whether a call ran depended on the batch's composition."""
+    FusedLoRA, which refuses it (and the interpreter took float64 for the kernels and refused it):
+    whether a call ran depended on the batch's composition and the environment."""
+    request.getfixturevalue(path)
     inputs = detached(make_inputs(MIXED, torch.float32), torch.float64)
     args = (inputs["x"], inputs["weight"], inputs["lora_a"], inputs["lora_b"])
     for adapters in ((0, 0, 0, 0, 0, 0), MIXED.adapters):

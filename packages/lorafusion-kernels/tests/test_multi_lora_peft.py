@@ -94,8 +94,9 @@ def train_all_adapters(model: torch.nn.Module) -> None:
 
 
 def adapter_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """The adapters' own tensors: LoRA weights and ``modules_to_save`` copies."""
-    return {n: p for n, p in model.named_parameters() if "lora_" in n or ".modules_to_save." in n}
+    """The adapters' own tensors: LoRA weights, ``modules_to_save`` copies and trainable-token rows."""
+    own = ("lora_", ".modules_to_save.", "trainable_tokens_delta")
+    return {n: p for n, p in model.named_parameters() if any(part in n for part in own)}
 
 
 def input_ids(device: str = "cpu") -> torch.Tensor:
@@ -493,7 +494,8 @@ def test_sequence_classification_heads_train_per_adapter_in_one_batch() -> None:
 
 
 def test_trainable_tokens_route_each_segment_to_its_adapters_rows() -> None:
-    """PEFT's trainable tokens (per-adapter rows of the embedding) route per segment like modules_to_save."""
+    """PEFT's trainable tokens (per-adapter rows of the embedding) route per segment like modules_to_save:
+    logits and gradients (the rows' deltas included) as PEFT row by row, a deep copy's too."""
     model = tiny_peft_model()
     for name in ("alpha", "beta"):
         model.add_adapter(f"{name}_tokens", peft.LoraConfig(target_modules=["q_proj"], trainable_token_indices=[3, 5]))
@@ -502,15 +504,15 @@ def test_trainable_tokens_route_each_segment_to_its_adapters_rows() -> None:
         for name, param in model.named_parameters():
             if "trainable_tokens_delta" in name:
                 param.normal_()
+    train_all_adapters(model)
     rows = ["alpha_tokens", "beta", "beta_tokens", "__base__", "alpha_tokens"]
     ids = input_ids()
     ids[:, 0] = 3  # every row reads a trainable token
     expected = per_row_reference(model, ids, rows)
+    assert any("trainable_tokens_delta.beta_tokens" in name for name in expected[1])
     patch_peft_model(model)
-    model.zero_grad(set_to_none=True)
-    with multi_lora_batch(*row_batch(rows=rows)):
-        logits = model(input_ids=ids).logits
-    torch.testing.assert_close(logits.detach(), expected[0], rtol=1e-4, atol=1e-5)
+    assert_context_matches_rows(model, ids, rows, expected)
+    assert_context_matches_rows(copy.deepcopy(model), ids, rows, expected)
 
 
 def test_modules_to_save_of_other_modules_that_differ_per_segment_are_refused() -> None:
@@ -531,6 +533,34 @@ def test_a_routed_wrapper_checks_the_token_count() -> None:
     patch_peft_model(model)
     with multi_lora_batch(*row_batch()), pytest.raises(LoRAFusionKernelsError, match="lm_head got 6 tokens"):
         model.base_model.model.lm_head(torch.randn(2, 3, 32))
+
+
+def test_an_explicit_adapter_names_none_is_no_names() -> None:
+    """Regression: ``head(h, adapter_names=None)`` (which PEFT accepts) reached the copy's forward
+    inside the block (``TypeError``), or was refused as an extra argument."""
+    model = tiny_peft_model(modules_to_save={"alpha": ["lm_head"], "beta": ["lm_head"]})
+    patch_peft_model(model)
+    head = model.base_model.model.lm_head
+    h = torch.randn(len(ROW_ADAPTERS), SEQ, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), multi_lora_batch(*row_batch()):
+        torch.testing.assert_close(head(h, adapter_names=None), head(h), rtol=0, atol=0)
+    rows = ["beta"] * len(ROW_ADAPTERS)  # one copy, not the active one: called once with the arguments
+    with torch.no_grad(), multi_lora_batch(*row_batch(rows=rows)):
+        torch.testing.assert_close(head(h, adapter_names=None), head.modules_to_save["beta"](h), rtol=0, atol=0)
+
+
+def test_unpatching_leaves_a_forward_that_hooks_installed_later() -> None:
+    """``unpatch_peft_model`` removes its own instance forwards only, not one that (say) accelerate put
+    on a wrapper or a layer after patching: removing that hook later restores the wrapper's forward."""
+    model = tiny_peft_model(modules_to_save={"alpha": ["lm_head"]})
+    patch_peft_model(model)
+    head = model.base_model.model.lm_head
+    q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
+    for module in (head, q_proj):
+        module.forward = functools.partial(lambda m, *a, **k: type(m).forward(m, *a, **k), module)
+    hooked = {id(module): module.forward for module in (head, q_proj)}
+    unpatch_peft_model(model)
+    assert all(vars(module).get("forward") is hooked[id(module)] for module in (head, q_proj))
 
 
 def test_a_wrapper_wrapped_before_patching_is_refused_when_copies_differ() -> None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
@@ -57,3 +58,19 @@ def test_a_folder_in_the_way_is_the_launchers_clear_error(tmp_path: Path) -> Non
     (tmp_path / "summary.json").mkdir()
     with pytest.raises(TrainerError, match="it is a folder"):
         write_json_atomically(tmp_path / "summary.json", {})
+
+
+def test_a_full_disk_is_the_launchers_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ``OSError`` while writing (ENOSPC here) names the file and leaves its previous content."""
+    path = tmp_path / "summary.json"
+    path.write_text("old", encoding="utf-8")
+
+    def full(self: Path, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(TrainerError, match=r"cannot write .*summary\.json: No space left on device"):
+        write_json_atomically(path, {})
+    monkeypatch.undo()
+    assert path.read_text(encoding="utf-8") == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]

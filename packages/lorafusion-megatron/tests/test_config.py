@@ -134,7 +134,8 @@ def test_an_adapter_folder_holds_nothing_the_run_needs(config_dict, tmp_path: Pa
 
 
 @pytest.mark.parametrize(
-    "place", ["checkpoints", "checkpoints/mine", "summary.json", "plan.json", ".lorafusion-run.lock"]
+    "place",
+    ["checkpoints", "checkpoints/mine", "summary.json", "plan.json", "pipeline_trace.json", ".lorafusion-run.lock"],
 )
 def test_an_adapter_folder_is_none_of_the_runs_own_outputs(config_dict, tmp_path: Path, place: str) -> None:
     """Regression: such a folder passed validation, then the whole run trained and failed at its end

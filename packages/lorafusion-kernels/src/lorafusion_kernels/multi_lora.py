@@ -205,8 +205,6 @@ def check_call(
         raise LoRAFusionKernelsError(f"weight dtype {weight.dtype} must match x dtype {x.dtype}")
     if weight.dim() != 2:
         raise LoRAFusionKernelsError(f"weight must be [N, K], got {list(weight.shape)}")
-    if runs_triton(x) and x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise LoRAFusionKernelsError(f"the Triton kernels take float16, bfloat16 or float32, got {x.dtype}")
     tensors = [x, weight, *lora, *([bias] if bias is not None else [])]
     devices = {t.device for t in tensors}
     if len(devices) != 1:

@@ -550,6 +550,7 @@ def _wrapper_forward(wrapper: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
     """
     peft_forward: Callable[..., torch.Tensor] = type(wrapper).forward
     if kwargs.get("adapter_names") is None:
+        kwargs.pop("adapter_names", None)  # an explicit None means no names, as in PEFT
         rows, routing = _ACTIVE_ROWS.get(), _ACTIVE.get()
         if rows is not None:
             kwargs = {**kwargs, "adapter_names": list(rows)}
@@ -700,7 +701,9 @@ def uninstall_peft_mixed_batches(model: nn.Module) -> None:
     for module in model.modules():
         handle = vars(module).pop(_GUARD_HOOKS, None)
         if handle == _ROUTED_FORWARD:
-            del module.forward
+            forward = vars(module).get("forward")
+            if isinstance(forward, functools.partial) and forward.func is _wrapper_forward:
+                del module.forward  # not a forward that hooks installed since (theirs to remove)
         elif handle is not None:
             handle.remove()
         if MODULE_PATH in vars(module):

@@ -247,7 +247,9 @@ def unpatch_peft_model(model: nn.Module) -> int:
     unfuse_sibling_layers(model)
     for module in model.modules():
         if getattr(module, _PATCHED, False):
-            del module.forward
+            forward = vars(module).get("forward")
+            if isinstance(forward, functools.partial) and forward.func is _patched_forward:
+                del module.forward  # not a forward that hooks installed since (theirs to remove)
             delattr(module, _PATCHED)
             restored += 1
     return restored

@@ -25,12 +25,15 @@ def write_text_atomically(path: Path, text: str) -> None:
     """Replace ``path`` by ``text`` (UTF-8) in one rename, the data flushed to disk before it.
 
     Raises:
-        TrainerError: ``path`` cannot be written (the scheduler's message: what is in the way).
+        TrainerError: ``path`` cannot be written: a folder in the way (the scheduler's message), a
+            full disk or a read-only file system.
     """
     try:
         write_atomically(path, lambda temporary: temporary.write_text(text, encoding="utf-8"))
     except SchedError as error:
         raise TrainerError(str(error)) from error
+    except OSError as error:  # a full disk, a read-only file system: the file keeps its previous content
+        raise TrainerError(f"cannot write {path}: {error.strerror or error}; it keeps its previous content") from error
 
 
 def write_json_atomically(path: Path, data: Any) -> None:

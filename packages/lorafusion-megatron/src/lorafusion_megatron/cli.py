@@ -4,7 +4,7 @@
 for a GPU); what this host lacks it prints as warnings (:mod:`lorafusion_megatron.host_checks`).
 Every command turns a :class:`TrainerError` into one clear message and exit status 2 (1 for an
 interrupted run that wrote a checkpoint, 130 for a Ctrl-C that stopped it at once, 3 with a
-traceback for any other error: a bug, or the host's).
+traceback for any other error: a bug, or a host failure that no check names).
 """
 
 from __future__ import annotations
@@ -326,11 +326,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             soft_wrap=True,
         )
         return 130
-    except Exception:  # a bug or the host (a full disk): its own status, as 1 means "interrupted, checkpoint written"
+    except Exception:  # a bug (or the host's): its own status, as 1 means "interrupted, checkpoint written"
         _console.print_exception()
         _console.print(
-            "[bold red]crashed[/]: checkpoints are written whole or not at all, so the newest one (if any) is "
-            "intact; `train ... --resume` continues from it once the cause is fixed",
+            "[bold red]crashed[/] (status 3). Checkpoints are written whole or not at all: after a crash in "
+            "`train`, `train ... --resume` continues from the newest one once the cause is fixed",
             highlight=False,
             soft_wrap=True,
         )

@@ -305,8 +305,8 @@ class SchedulerConfig(ConfigSection):
     milp_time_limit: float | None = Field(default=0.5, gt=0)
     """Seconds per packing MILP before the greedy packing is kept. A busy host then finds fewer MILP
     answers, so two runs of one config may pack, and train, differently (``--resume`` reuses the
-    checkpoint's plan: exact either way). ``null``: each solve stops at HiGHS's node limit alone,
-    the same plan and adapters on every run, planning a few times slower."""
+    checkpoint's plan: exact either way). ``null``: each solve stops at HiGHS's node limit alone:
+    the same plan on every run (on the CPU, the same adapters too), planning a few times slower."""
 
     @model_validator(mode="after")
     def _capacity_multiple(self) -> SchedulerConfig:

@@ -11,6 +11,7 @@ __all__ = [
     "EVAL_HISTORY",
     "LOCK_FILE",
     "PIPELINE_SUMMARY",
+    "PIPELINE_TRACE",
     "PLAN",
     "PROFILE_REPORT",
     "PROFILE_TABLE",
@@ -24,6 +25,8 @@ SUMMARY = "summary.json"
 """Per-job results, written when the run ends."""
 PIPELINE_SUMMARY = "pipeline_summary.json"
 """The pipeline runtime's summary (several processes)."""
+PIPELINE_TRACE = "pipeline_trace.json"
+"""Every rank's forwards and backwards as a Chrome trace (several processes)."""
 EVAL_HISTORY = "eval_history.json"
 """Every evaluation of the run so far, by job."""
 CHECKPOINTS = "checkpoints"
@@ -35,4 +38,14 @@ PROFILE_TABLE = "profile.md"
 LOCK_FILE = ".lorafusion-run.lock"
 """The run lock: one run per output folder."""
 
-RUN_OUTPUTS = (PLAN, SUMMARY, PIPELINE_SUMMARY, EVAL_HISTORY, CHECKPOINTS, PROFILE_REPORT, PROFILE_TABLE, LOCK_FILE)
+RUN_OUTPUTS = (
+    PLAN,
+    SUMMARY,
+    PIPELINE_SUMMARY,
+    PIPELINE_TRACE,
+    EVAL_HISTORY,
+    CHECKPOINTS,
+    PROFILE_REPORT,
+    PROFILE_TABLE,
+    LOCK_FILE,
+)

@@ -36,11 +36,12 @@ def runs_triton(t: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
     tensors take the plain torch path: the shipped launch configs size their tiles for 2-byte
     operands, and an fp32 GEMM at those tiles needs more shared memory than a Hopper SM has (327,696
     bytes of 232,448 for the multi-adapter forward, seen on an H100). bfloat16 CPU tensors take it
-    too: the interpreter's ``tl.dot`` gives wrong results on bfloat16 operands.
+    too: the interpreter's ``tl.dot`` gives wrong results on bfloat16 operands. Other dtypes (float64)
+    take it on every device.
     """
     if t.is_cuda:
         return (dtype or t.dtype) in (torch.float16, torch.bfloat16)
-    return t.device.type == "cpu" and (dtype or t.dtype) != torch.bfloat16 and interpreting()
+    return t.device.type == "cpu" and (dtype or t.dtype) in (torch.float16, torch.float32) and interpreting()
 
 
 _FITTING_STAGES: dict[Hashable, int] = {}

@@ -20,7 +20,7 @@ from lorafusion_megatron.atomic_files import write_json_atomically, write_text_a
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.pipeline.options import ParallelConfig
 from lorafusion_megatron.pipeline.stall import Heartbeat, StallWatchdog, no_heartbeat
-from lorafusion_megatron.run_layout import PIPELINE_SUMMARY, PLAN
+from lorafusion_megatron.run_layout import PIPELINE_SUMMARY, PIPELINE_TRACE, PLAN
 
 if TYPE_CHECKING:
     import torch
@@ -325,7 +325,7 @@ def run_rank(
         summary["rank0_phase_seconds"] = phases.seconds
         path = Path(config.output_dir) / PIPELINE_SUMMARY
         write_json_atomically(path, summary)
-        write_json_atomically(path.with_name("pipeline_trace.json"), chrome_trace([stats for stats, _ in everyone]))
+        write_json_atomically(path.with_name(PIPELINE_TRACE), chrome_trace([stats for stats, _ in everyone]))
         _log.info(
             "%s: %.0f tokens/s, bubble ratio per stage %s",
             program.name,
