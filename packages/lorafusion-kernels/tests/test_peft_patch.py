@@ -90,7 +90,7 @@ def test_patched_model_matches_peft(force_fused):
     for name in grads:
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
     assert lorafusion_kernels.unpatch_peft_model(model) == 4
-    assert all("forward" not in vars(m) for m in model.modules())
+    assert all(not {"forward", "_replicate_for_data_parallel"} & vars(m).keys() for m in model.modules())
 
 
 def test_autocast_runs_fused_with_nn_linear_operands(force_fused, fused_calls):
@@ -278,7 +278,43 @@ def test_a_patched_model_pickles_and_copies(force_fused, fused_calls):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=kind)
         assert len(fused_calls) == len(TARGETS), kind
         assert lorafusion_kernels.unpatch_peft_model(other) == len(TARGETS), kind
-        assert all("forward" not in vars(m) for m in other.modules()), kind
+        left = {"forward", "_replicate_for_data_parallel"}
+        assert all(not left & vars(m).keys() for m in other.modules()), kind
+
+
+def test_data_parallel_replicas_run_their_own_layers(force_fused):
+    """Regression: ``nn.DataParallel`` (the HF Trainer's wrapper on several GPUs without torchrun) copies
+    each module's ``__dict__``, so a replica's patched forward ran the original layer, whose weights
+    sit on the first GPU. Each replica's forward is now bound to the replica itself."""
+    model = tiny_model(modules_to_save=["lm_head"])
+    lorafusion_kernels.patch_peft_model(model)
+    routed = [m for m in model.modules() if "forward" in vars(m)]
+    assert len(routed) == len(TARGETS) + 1, "the LoRA layers and the lm_head wrapper"
+    for module in routed:
+        replica = module._replicate_for_data_parallel()
+        assert replica.forward.args[0] is replica
+        assert replica._replicate_for_data_parallel().forward.args[0] is not module
+
+
+@pytest.mark.multigpu(gpus=2)
+@pytest.mark.filterwarnings("ignore:Was asked to gather along dimension 0:UserWarning")  # DataParallel's loss
+def test_gpu_data_parallel_matches_one_gpu(fused_calls):
+    """The patched model inside ``nn.DataParallel`` on two GPUs: fused on both, as on one GPU."""
+    model = tiny_model().cuda()
+    lorafusion_kernels.patch_peft_model(model)
+    ids = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(1)).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref_logits, ref_grads = loss_and_grads(model, ids)
+        fused_calls.clear()
+        model.zero_grad()
+        parallel = torch.nn.DataParallel(model, device_ids=[0, 1])
+        out = parallel(input_ids=ids, labels=ids)
+        out.loss.mean().backward()
+    assert len(fused_calls) == 2 * len(TARGETS), "every layer fused on both GPUs"
+    torch.testing.assert_close(out.logits.detach().float(), ref_logits.float(), rtol=2e-2, atol=2e-2)
+    for name, param in model.named_parameters():
+        if name in ref_grads:
+            assert (param.grad - ref_grads[name]).norm() / ref_grads[name].norm() < 5e-2, name
 
 
 def two_adapters_on_different_layers():

@@ -22,6 +22,7 @@ from lorafusion_kernels._kernels._common import MAX_RANK
 from lorafusion_kernels.autocast import call_as_linear, linear_compute_dtype
 from lorafusion_kernels.base_layers import base_weight
 from lorafusion_kernels.errors import MODULE_PATH, LoRAFusionKernelsError, OnceWarnings, module_path
+from lorafusion_kernels.instance_forward import bind_forward, unbind_forward
 from lorafusion_kernels.metadata import MultiLoRABatch
 from lorafusion_kernels.module_hooks import parts_wrapped
 from lorafusion_kernels.multi_lora import fused_multi_lora_linear
@@ -678,8 +679,7 @@ def install_peft_mixed_batches(model: nn.Module) -> None:
         elif isinstance(module, AuxiliaryTrainingWrapper) and "forward" in vars(module):
             setattr(module, _GUARD_HOOKS, module.register_forward_pre_hook(_wrapper_guard, with_kwargs=True))
         elif isinstance(module, AuxiliaryTrainingWrapper):
-            # A partial pickles, as in the patch; setattr: mypy refuses assigning to a method.
-            setattr(module, "forward", functools.partial(_wrapper_forward, module))  # noqa: B010
+            bind_forward(module, _wrapper_forward)
             setattr(module, _GUARD_HOOKS, _ROUTED_FORWARD)
     check = vars(model).get(_LATE_CHECK)
     if check is None:
@@ -701,9 +701,7 @@ def uninstall_peft_mixed_batches(model: nn.Module) -> None:
     for module in model.modules():
         handle = vars(module).pop(_GUARD_HOOKS, None)
         if handle == _ROUTED_FORWARD:
-            forward = vars(module).get("forward")
-            if isinstance(forward, functools.partial) and forward.func is _wrapper_forward:
-                del module.forward  # not a forward that hooks installed since (theirs to remove)
+            unbind_forward(module, _wrapper_forward)
         elif handle is not None:
             handle.remove()
         if MODULE_PATH in vars(module):

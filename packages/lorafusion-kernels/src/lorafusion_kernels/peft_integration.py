@@ -40,6 +40,7 @@ from lorafusion_kernels._kernels._common import runs_triton
 from lorafusion_kernels.autocast import autocast_dtype, call_as_linear, linear_compute_dtype
 from lorafusion_kernels.base_layers import base_weight, unsupported_base
 from lorafusion_kernels.errors import OnceWarnings
+from lorafusion_kernels.instance_forward import bind_forward, unbind_forward
 from lorafusion_kernels.lora import fused_lora_linear
 from lorafusion_kernels.module_hooks import parts_wrapped
 from lorafusion_kernels.multi_lora_routing import install_peft_mixed_batches, uninstall_peft_mixed_batches
@@ -232,7 +233,7 @@ def patch_peft_model(model: nn.Module) -> int:
             continue
         # A partial, not a bound method: a bound method pickles as a lookup of its name on the
         # instance, which fails when the model is loaded (``_patched_forward`` is no attribute).
-        module.forward = functools.partial(_patched_forward, module)
+        bind_forward(module, _patched_forward)
         setattr(module, _PATCHED, True)
         patched += 1
     # Mixed-adapter batches (multi_lora_batch, adapter_names=): see lorafusion_kernels.multi_lora.
@@ -247,9 +248,7 @@ def unpatch_peft_model(model: nn.Module) -> int:
     unfuse_sibling_layers(model)
     for module in model.modules():
         if getattr(module, _PATCHED, False):
-            forward = vars(module).get("forward")
-            if isinstance(forward, functools.partial) and forward.func is _patched_forward:
-                del module.forward  # not a forward that hooks installed since (theirs to remove)
+            unbind_forward(module, _patched_forward)
             delattr(module, _PATCHED)
             restored += 1
     return restored
