@@ -439,17 +439,17 @@ def test_a_name_no_layer_holds_is_named_once(patched_model: torch.nn.Module, mon
 
 
 @pytest.mark.parametrize(
-    "rows",
-    [ROW_ADAPTERS, ["alpha", "beta", "alpha", "__base__", "beta"]],
-    ids=["a-run-per-copy", "interleaved-copies"],
+    ("saved", "rows"),
+    [(["lm_head"], ROW_ADAPTERS), (["embed_tokens", "lm_head"], ["alpha", "beta", "alpha", "__base__", "beta"])],
+    ids=["lm_head-a-run-per-copy", "embed_and_head-interleaved-copies"],
 )
-@pytest.mark.parametrize("saved", [["lm_head"], ["embed_tokens", "lm_head"]], ids=["lm_head", "embed_and_head"])
 def test_modules_to_save_route_each_segment_to_its_adapters_copy(saved: list[str], rows: list[str]) -> None:
     """Per-adapter heads and embeddings (``modules_to_save``, as SEQ_CLS heads or added tokens bring):
     each segment's tokens go through its adapter's copy, the original module for ``__base__`` and
     adapters without one (gamma); interleaved segments of one copy are gathered into one call. Logits
     and every gradient, copies included, match PEFT row by row; so do a deep copy's and a
-    ``torch.load``-ed copy's, and unpatching restores PEFT's forward."""
+    ``torch.load``-ed copy's (checked once: the interpreter makes each run slow), and unpatching
+    restores PEFT's forward."""
     model = tiny_peft_model(modules_to_save={"alpha": saved, "beta": saved})
     model.train()
     ids = input_ids()
@@ -457,11 +457,12 @@ def test_modules_to_save_route_each_segment_to_its_adapters_copy(saved: list[str
     assert any(".lm_head.modules_to_save.beta." in name for name in expected[1])
     patch_peft_model(model)
     assert_context_matches_rows(model, ids, rows, expected)
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    for other in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
-        assert_context_matches_rows(other, ids, rows, expected)
+    if len(saved) > 1:
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        for other in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+            assert_context_matches_rows(other, ids, rows, expected)
     unpatch_peft_model(model)
     assert all(not {"forward", "_replicate_for_data_parallel"} & vars(m).keys() for m in model.modules())
 
@@ -495,7 +496,7 @@ def test_sequence_classification_heads_train_per_adapter_in_one_batch() -> None:
 
 def test_trainable_tokens_route_each_segment_to_its_adapters_rows() -> None:
     """PEFT's trainable tokens (per-adapter rows of the embedding) route per segment like modules_to_save:
-    logits and gradients (the rows' deltas included) as PEFT row by row, a deep copy's too."""
+    logits and gradients (the rows' deltas included) as PEFT row by row."""
     model = tiny_peft_model()
     for name in ("alpha", "beta"):
         model.add_adapter(f"{name}_tokens", peft.LoraConfig(target_modules=["q_proj"], trainable_token_indices=[3, 5]))
@@ -512,7 +513,6 @@ def test_trainable_tokens_route_each_segment_to_its_adapters_rows() -> None:
     assert any("trainable_tokens_delta.beta_tokens" in name for name in expected[1])
     patch_peft_model(model)
     assert_context_matches_rows(model, ids, rows, expected)
-    assert_context_matches_rows(copy.deepcopy(model), ids, rows, expected)
 
 
 def test_modules_to_save_of_other_modules_that_differ_per_segment_are_refused() -> None:
