@@ -109,8 +109,12 @@ def _venv_removed_afterwards(session: nox.Session) -> Iterator[None]:
             shutil.rmtree(session.virtualenv.location, ignore_errors=True)
 
 
+PARALLEL = ("-n", "auto")
+"""pytest-xdist, one worker per CPU: the kernels' tests run Triton's interpreter, seconds per test."""
+
+
 def _pytest(session: nox.Session, package: Package, *extra: str) -> None:
-    session.run("pytest", str(package.path / "tests"), *extra, *session.posargs, env=package.test_env)
+    session.run("pytest", str(package.path / "tests"), *PARALLEL, *extra, *session.posargs, env=package.test_env)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -136,7 +140,7 @@ def _test_alone(session: nox.Session, package: Package) -> None:
     env = dict(package.test_env)
     if package is Package.SCHED:
         env["LORAFUSION_EXPECT_NO_TORCH"] = "1"
-    session.run("pytest", str(package.path / "tests"), "-m", "not slow", *session.posargs, env=env)
+    session.run("pytest", str(package.path / "tests"), *PARALLEL, "-m", "not slow", *session.posargs, env=env)
 
 
 @nox.session(tags=["tests"])
@@ -149,7 +153,7 @@ def tests_together(session: nox.Session) -> None:
         session.install(*CPU_CONSTRAINTS, "accelerate>=1.0")
         for package in Package:
             _pytest(session, package, "-m", "not slow")
-        session.run("pytest", str(ROOT / "integration-tests"), "-m", "not slow", *session.posargs)
+        session.run("pytest", str(ROOT / "integration-tests"), *PARALLEL, "-m", "not slow", *session.posargs)
 
 
 # ------------------------------------------------------------------------------------------------
