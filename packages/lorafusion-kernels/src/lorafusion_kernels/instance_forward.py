@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["bind_forward", "is_bound", "unbind_forward"]
+__all__ = ["bind_forward", "unbind_forward"]
 
 _REPLICATE = "_replicate_for_data_parallel"
 
@@ -33,16 +33,13 @@ def _replicate(module: nn.Module, func: Callable[..., Any]) -> nn.Module:
     return replica
 
 
-def is_bound(module: nn.Module, func: Callable[..., Any]) -> bool:
-    """Whether ``module``'s instance forward is still ``func`` (hooks installed since may have replaced it)."""
-    forward = vars(module).get("forward")
-    return isinstance(forward, functools.partial) and forward.func is func
+def _is_partial_of(value: object, func: Callable[..., Any]) -> bool:
+    return isinstance(value, functools.partial) and value.func is func
 
 
 def unbind_forward(module: nn.Module, func: Callable[..., Any]) -> None:
     """Undo :func:`bind_forward`; a ``forward`` that hooks installed since is theirs, and stays."""
-    if is_bound(module, func):
+    if _is_partial_of(vars(module).get("forward"), func):
         del module.forward
-    replicate = vars(module).get(_REPLICATE)
-    if isinstance(replicate, functools.partial) and replicate.func is _replicate:
+    if _is_partial_of(vars(module).get(_REPLICATE), _replicate):
         delattr(module, _REPLICATE)
