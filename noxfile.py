@@ -65,7 +65,9 @@ class Package(enum.StrEnum):
         match self:
             case Package.SCHED:
                 return f"{self.path}[plot]"
-            case Package.KERNELS | Package.MEGATRON:
+            case Package.MEGATRON:
+                return f"{self.path}[tensorboard]"
+            case Package.KERNELS:
                 return str(self.path)
             case _:
                 assert_never(self)
@@ -145,14 +147,17 @@ def _test_alone(session: nox.Session, package: Package) -> None:
 
 @nox.session(tags=["tests"])
 def tests_together(session: nox.Session) -> None:
-    """All three packages in one venv: every package's tests, then ``integration-tests/``."""
+    """All three packages in one venv with their optional packages: ``integration-tests/``, and the tests
+    marked ``together`` of each package (those that need peft, transformers, matplotlib or tensorboard
+    and so skip in its alone venv; the alone sessions ran the rest).
+    """
     with _venv_removed_afterwards(session):
         session.install(*CPU_CONSTRAINTS, *nox.project.dependency_groups(PYPROJECT, "test"))
         session.install(*CPU_CONSTRAINTS, *[arg for p in Package for arg in ("-e", p.editable_spec)])
         # The HF Trainer (the kernels' PEFT drop-in under its bf16 autocast) needs accelerate.
         session.install(*CPU_CONSTRAINTS, "accelerate>=1.0")
         for package in Package:
-            _pytest(session, package, "-m", "not slow")
+            _pytest(session, package, "-m", "together and not slow")
         session.run("pytest", str(ROOT / "integration-tests"), *PARALLEL, "-m", "not slow", *session.posargs)
 
 

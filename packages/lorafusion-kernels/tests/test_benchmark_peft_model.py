@@ -11,6 +11,8 @@ import pytest
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.together
+
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "bench_peft_model.py"
 
 

@@ -113,6 +113,7 @@ def test_torch_compile_matches_eager_fused():
         torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-4)
 
 
+@pytest.mark.together
 def test_peft_training_loss_matches_unpatched():
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")

@@ -35,6 +35,7 @@ from lorafusion_kernels import (  # noqa: E402
 # peft 0.21 calls a property that transformers 5 deprecates; nothing for us to act on.
 # The patched layers warn (once per reason) that CPU tensors take PEFT's own single-adapter path.
 pytestmark = [
+    pytest.mark.together,
     pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
     pytest.mark.filterwarnings("ignore:lorafusion. PEFT's own LoRA path is used for cpu tensors"),
 ]

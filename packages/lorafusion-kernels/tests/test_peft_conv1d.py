@@ -20,6 +20,7 @@ peft = pytest.importorskip("peft")
 
 pytestmark = [
     pytest.mark.interpret,
+    pytest.mark.together,
     pytest.mark.filterwarnings("ignore::FutureWarning"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     # PEFT says it turned fan_in_fan_out on for Conv1D targets.

@@ -21,6 +21,7 @@ peft = pytest.importorskip("peft")
 
 pytestmark = [
     pytest.mark.interpret,
+    pytest.mark.together,
     # transformers/peft deprecations raised inside their own code are not ours to fix.
     pytest.mark.filterwarnings("ignore::FutureWarning"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),

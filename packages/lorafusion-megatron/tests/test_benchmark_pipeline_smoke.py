@@ -180,6 +180,7 @@ def test_the_report_merges_calls_into_one_table(scripts: dict[str, ModuleType], 
         report.main([files[0], str(other)])
 
 
+@pytest.mark.together
 def test_the_report_draws_a_png(scripts: dict[str, ModuleType], tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     scripts["report"].main([*_two_calls(tmp_path), "--plot", str(tmp_path / "plot.png")])

@@ -214,6 +214,7 @@ def _assert_same_adapters(actual, expected) -> None:
             torch.testing.assert_close(actual[name][key], tensor, rtol=0, atol=0, msg=f"{name} {key}")
 
 
+@pytest.mark.together
 def test_evaluation_does_not_change_training_and_is_reported(run_config, tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -13,6 +13,7 @@ from lorafusion_megatron.pipeline import commands
 from lorafusion_megatron.pipeline.options import ParallelConfig
 
 
+@pytest.mark.together
 def test_two_stages_write_tensorboard_scalars_per_job_and_print_the_summary(tiny_base: Path, tmp_path: Path) -> None:
     """Two processes over gloo; the last stage (it has the losses) reports."""
     pytest.importorskip("tensorboard")

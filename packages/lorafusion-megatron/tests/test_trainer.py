@@ -293,6 +293,7 @@ def test_fused_sibling_layers_agree_with_plain_peft(make_config, tmp_path: Path,
             torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6, msg=key)
 
 
+@pytest.mark.together
 def test_tensorboard_scalars_per_job(make_config, tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
     config = make_config(logging={"tensorboard_dir": str(tmp_path / "tb"), "logging_steps": 1, "progress_bar": False})
