@@ -8,6 +8,7 @@ from lorafusion_sched import PlanOptions, plan
 from lorafusion_sched.workloads import synthetic_jobs
 
 
+@pytest.mark.together
 def test_timeline_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from lorafusion_sched.plot import plot_timeline
