@@ -379,4 +379,4 @@ def test_dys_dyb_column_blocks_and_row_groups(block_n: int, split: int) -> None:
     config = KernelConfig(block_m=16, block_n=block_n, block_k=16, split=split, num_stages=1)
     ds, db = lora_dys_dyb(dy, b, s, scaling=0.5, config=config)
     torch.testing.assert_close(ds.double(), 0.5 * dy.double() @ b.double(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(db.double(), dy.double().T @ s.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(db.double(), 0.5 * dy.double().T @ s.double(), rtol=1e-5, atol=1e-5)

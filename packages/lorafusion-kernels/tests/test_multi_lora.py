@@ -226,7 +226,7 @@ def test_dy_pass_leaves_zeros_past_each_rank() -> None:
     batch = MultiLoRABatch.from_segments(lengths, adapters, device="cpu")
     offsets = [sum(ranks[:a]) for a in range(len(ranks))]
     b_cat = torch.randn(n, sum(ranks), generator=gen)
-    s = torch.zeros(sum(lengths), 16)  # S' as the shrink writes it: zeros past each token's rank
+    s = torch.zeros(sum(lengths), 16)  # S as the shrink writes it: zeros past each token's rank
     rows = torch.repeat_interleave(torch.tensor(adapters), torch.tensor(lengths))
     for t, a in enumerate(rows.tolist()):
         s[t, : ranks[a]] = torch.randn(ranks[a], generator=gen)
@@ -244,7 +244,7 @@ def test_dy_pass_leaves_zeros_past_each_rank() -> None:
         assert torch.equal(ds[t, r:], torch.zeros(16 - r)), (t, a)
     for a, (r, o) in enumerate(zip(ranks, offsets, strict=True)):
         mine = rows == a
-        expected = dy[mine].double().T @ s[mine, :r].double()
+        expected = scaling[a].double() * dy[mine].double().T @ s[mine, :r].double()
         torch.testing.assert_close(db[:, o : o + r].double(), expected, rtol=1e-5, atol=1e-5)
 
 

@@ -9,16 +9,18 @@ Maths (shapes ``x [M, K]``, ``W [N, K]``, ``A [r, K]``, ``B [N, r]``, ``bias [N]
 
 Chain rule, with ``dy = dL/dy [M, N]`` (W is frozen and gets no gradient)::
 
-    dB    = scaling * dy^T S = dy^T S'                 [N, r]    (S' = scaling * S is what we save)
+    dB    = scaling * dy^T S                           [N, r]
     dS    = scaling * dy B                             [M, r]
     dA    = dS^T x_hat                                 [r, K]
     dx    = dy W + keep * (dS A) / (1 - p)             [M, K]
     dbias = sum_rows dy                                [N]       (only if bias requires grad)
 
 Kernels: forward ``lora_xa`` (dropout and ``x_hat A^T`` in one read of x), then ``lora_xw_sb``
-(``x W^T + S' B^T + bias`` in one GEMM); backward ``lora_dys_dyb`` (``dS`` and ``dB`` from one read
-of dy), ``lora_dsx`` (``dA``) and ``lora_dyw_dsa`` (``dx`` in one GEMM). Saved for backward: x, S'
-and the 8-byte seed; neither the mask nor ``x_hat`` is stored.
+(``x W^T + scaling * S B^T + bias`` in one GEMM); backward ``lora_dys_dyb`` (``dS`` and ``dB`` from
+one read of dy), ``lora_dsx`` (``dA``) and ``lora_dyw_dsa`` (``dx`` in one GEMM). Saved for backward:
+x, S (in x's dtype) and the 8-byte seed; neither the mask nor ``x_hat`` is stored. ``scaling`` is
+applied in fp32 inside the kernels, never stored in ``S``, so in fp16 ``S`` overflows where PEFT's
+``lora_A(dropout(x))`` does.
 
 Both halves are ``torch.library`` custom ops (``lorafusion::fused_lora_forward`` and
 ``lorafusion::fused_lora_backward``), so ``torch.compile`` traces through them. CUDA tensors run the
@@ -81,8 +83,8 @@ def _torch_forward(
     if dropout_p > 0.0:
         keep = dropout_keep_mask(int(seed.item()), x.shape[0], x.shape[1], dropout_p, device=x.device)
         x32 = x32 * keep
-    s = (x32 @ lora_a.float().T * (scaling / (1.0 - dropout_p))).to(x.dtype)
-    y = x.float() @ weight.float().T + s.float() @ lora_b.float().T
+    s = (x32 @ lora_a.float().T * (1.0 / (1.0 - dropout_p))).to(x.dtype)
+    y = x.float() @ weight.float().T + s.float() @ lora_b.float().T * scaling
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype), s
@@ -111,7 +113,7 @@ def _torch_backward(
         ds_a = ds_a * keep
     dx = dy32 @ weight.float() + ds_a
     da = ds.T @ x32 * inv_keep
-    db = dy32.T @ s.float()
+    db = dy32.T @ s.float() * scaling
     return dx.to(dy.dtype), da.to(lora_a.dtype), db.to(lora_b.dtype)
 
 
@@ -126,7 +128,7 @@ def _forward_impl(
     dropout_p: float,
     deterministic: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, S')`` for 2-D ``x [M, K]``: ``y [M, N]``, ``S' = scaling * x_hat A^T [M, r]``.
+    """``(y, S)`` for 2-D ``x [M, K]``: ``y [M, N]``, ``S = x_hat A^T [M, r]``.
 
     ``deterministic`` is read by the backward only (its autograd context keeps it).
     """
@@ -135,12 +137,12 @@ def _forward_impl(
     s = lora_xa(
         x,
         lora_a,
-        scale=scaling / (1.0 - dropout_p),
+        scale=1.0 / (1.0 - dropout_p),
         keep_threshold=keep_threshold(dropout_p),
         seed=seed,
         has_dropout=dropout_p > 0.0,
     )
-    y = lora_xw_sb(x, weight, s, lora_b, bias)
+    y = lora_xw_sb(x, weight, s, lora_b, bias, scaling=scaling)
     return y, s
 
 
@@ -303,7 +305,7 @@ class FusedLoRAFunction(torch.autograd.Function):
         dropout_p: float,
         deterministic: bool | None = None,
     ) -> torch.Tensor:
-        """``y [M, N]``; saves x, S' and the seed (plus references to the parameters).
+        """``y [M, N]``; saves x, S and the seed (plus references to the parameters).
 
         ``deterministic`` picks the backward without atomics; None follows :func:`deterministic_mode`.
         """

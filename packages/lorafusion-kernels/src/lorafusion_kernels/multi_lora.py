@@ -13,10 +13,10 @@ Gradients (``S[t] = x_hat[t] A_a^T``, ``dS[t] = scaling_a * dy[t] B_a``)::
     dx[t] = dy[t] W + keep_a(t, :) * (dS[t] A_a) / (1 - p_a)    dbias = sum_t dy[t]
 
 The keep mask follows the FusedLoRA rule (``lorafusion_kernels.dropout``) with ``row = t``, the
-token's row in the packed batch, and is regenerated in the backward (only ``x``,
-``S' = scaling * S`` and the seed are saved). The frozen GEMM is tiled over all ``T`` rows exactly
-as the frozen layer; only the rank-r LoRA term is routed per segment. A microbatch whose tokens all
-belong to one adapter takes the FusedLoRA path.
+token's row in the packed batch, and is regenerated in the backward (only ``x``, ``S`` and the seed
+are saved; ``scaling_a`` is applied in fp32 inside the kernels, never stored in ``S``). The frozen
+GEMM is tiled over all ``T`` rows exactly as the frozen layer; only the rank-r LoRA term is routed
+per segment. A microbatch whose tokens all belong to one adapter takes the FusedLoRA path.
 
 The runtime hook :func:`~lorafusion_kernels.multi_lora_routing.multi_lora_batch` and the PEFT
 routing of mixed-adapter batches live in :mod:`lorafusion_kernels.multi_lora_routing`.
@@ -90,12 +90,12 @@ class _AdapterParams:
 
     @property
     def group(self) -> int:
-        """Members ``G`` sharing each adapter's ``S'`` (1 for one layer)."""
+        """Members ``G`` sharing each adapter's ``S`` (1 for one layer)."""
         return max(1, len(self.members))
 
     @property
     def stacked_rank(self) -> int:
-        """Largest rank of an adapter's stacked ``A`` (``G r_a``): the width of ``S'`` and ``dS``."""
+        """Largest rank of an adapter's stacked ``A`` (``G r_a``): the width of ``S`` and ``dS``."""
         return self.group * self.max_rank
 
     @property
@@ -113,8 +113,6 @@ class _DeviceParams:
     """int32 ``[G + 1]``: the members' column bounds of a sibling call; None for one layer."""
     scaling: torch.Tensor
     """fp32 ``[n]``."""
-    s_scale: torch.Tensor
-    """fp32 ``[n]``: ``scaling_a / (1 - p_a)``, applied to ``S'`` before its one rounding."""
     inv_keep: torch.Tensor
     """fp32 ``[n]``: ``1 / (1 - p_a)``."""
     thresholds: torch.Tensor
@@ -147,7 +145,6 @@ def _device_params(params: _AdapterParams, device: torch.device) -> _DeviceParam
         a_ranks=ranks if g == 1 else ranks * g,
         bounds=put(bounds, torch.int32) if params.members else None,
         scaling=put(list(params.scaling), torch.float32),
-        s_scale=put([c / (1.0 - p) for c, p in zip(params.scaling, params.dropout_p, strict=True)], torch.float32),
         inv_keep=put([1.0 / (1.0 - p) for p in params.dropout_p], torch.float32),
         thresholds=put([keep_threshold(p) for p in params.dropout_p], torch.int32),
         zero_seed=put([0], torch.int64),
@@ -456,9 +453,12 @@ def multi_lora_torch(
     """Plain-torch path (CPU without the interpreter): per segment, with the kernels' dropout mask.
 
     ``lora_a[i]``/``lora_b[i]`` list adapter ``i``'s weights per member (one member for one layer;
-    a sibling call's members share each token's mask, as in the kernels). Autograd differentiates it
-    directly (it keeps the masked inputs; memory is not a concern here).
+    a sibling call's members share each token's mask, as in the kernels). The LoRA term is computed
+    in fp32 (or x's wider dtype) and rounded to x's dtype once, as the kernels do, so fp16 keeps the
+    range of fp32 adapters. Autograd differentiates it directly (it keeps the masked inputs; memory
+    is not a concern here).
     """
+    compute = torch.promote_types(x.dtype, torch.float32)
     if any(p > 0.0 for p in dropout_p):  # the seed is read (and checked) only with dropout, as on the kernels' path
         seed = int(draw_seed("cpu").item()) if seed is None else check_seed(seed)
     y = functional.linear(x, weight, bias)
@@ -474,17 +474,17 @@ def multi_lora_torch(
             keep = dropout_keep_mask(seed, length, x.shape[1], p, row_offset=start, device=x.device)
             xs = torch.where(keep, xs / (1.0 - p), torch.zeros_like(xs))
         deltas = [
-            functional.linear(functional.linear(xs, a.to(x.dtype)), b.to(x.dtype))
+            functional.linear(functional.linear(xs.to(compute), a.to(compute)), b.to(compute))
             for a, b in zip(members_a, members_b, strict=True)
         ]
-        pieces.append((torch.cat(deltas, dim=1) if len(deltas) > 1 else deltas[0]) * scaling[adapter])
+        pieces.append(((torch.cat(deltas, dim=1) if len(deltas) > 1 else deltas[0]) * scaling[adapter]).to(x.dtype))
     return y + torch.cat(pieces, dim=0)
 
 
 def shrink(
     x: torch.Tensor, a_cat: torch.Tensor, seed: torch.Tensor, batch: MultiLoRABatch, params: _AdapterParams
 ) -> torch.Tensor:
-    """``S' [T, BLOCK_R]``: every token's scaled ``dropout(x) A_a^T`` (``x`` contiguous)."""
+    """``S [T, BLOCK_R]``: every token's ``dropout(x) A_a^T`` (``x`` contiguous)."""
     dev = _device_params(params, x.device)
     return multi_lora_shrink(
         x,
@@ -494,7 +494,7 @@ def shrink(
         max_rank=params.stacked_rank,
         ranks=dev.a_ranks,
         thresholds=dev.thresholds,
-        s_scale=dev.s_scale,
+        inv_keep=dev.inv_keep,
         seed=seed,
         has_dropout=params.has_dropout,
     )
@@ -510,13 +510,13 @@ def _forward_core(
     batch: MultiLoRABatch,
     params: _AdapterParams,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y [T, N], S' [T, BLOCK_R])`` of the Triton path; ``S'`` is what the backward needs besides ``x``."""
+    """``(y [T, N], S [T, BLOCK_R])`` of the Triton path; ``S`` is what the backward needs besides ``x``."""
     x = x.contiguous()
     dev = _device_params(params, x.device)
     s = shrink(x, a_cat, seed, batch, params)
     y = multi_lora_linear(
-        x, weight, bias, s, b_cat.contiguous(), batch, ranks=dev.ranks, max_rank=params.max_rank, bounds=dev.bounds,
-        ranks_host=params.ranks,
+        x, weight, bias, s, b_cat.contiguous(), batch, ranks=dev.ranks, scaling=dev.scaling, max_rank=params.max_rank,
+        bounds=dev.bounds, ranks_host=params.ranks,
     )  # fmt: skip
     return y, s
 
@@ -772,12 +772,12 @@ def _save_for_backward(
     params: _AdapterParams,
     deterministic: bool,
 ) -> None:
-    """Saves ``x``, ``S'`` and the seed (no mask, no ``x_hat``).
+    """Saves ``x``, ``S`` and the seed (no mask, no ``x_hat``).
 
     Args:
         ctx: The autograd context.
         inputs: ``(x, W, bias, A_cat, B_cat, seed)``.
-        s: ``S' [T, BLOCK_R]`` from the forward.
+        s: ``S [T, BLOCK_R]`` from the forward.
         segments: ``(segment_lengths, segment_adapters, num_adapters)`` of the batch.
         params: Per-adapter ranks, scaling and p.
         deterministic: Whether the backward avoids atomics.
@@ -849,7 +849,7 @@ def _backward(
 
 
 class _FusedMultiLoRA(torch.autograd.Function):
-    """Autograd of the Triton path for eager calls; saves ``x``, ``S' = scaling * S`` and the seed.
+    """Autograd of the Triton path for eager calls; saves ``x``, ``S`` and the seed.
 
     Eager calls use this Function, which takes the :class:`MultiLoRABatch` object itself (no Python
     dispatch of a custom op, no lookup of the batch); under ``torch.compile`` the same forward and
@@ -901,14 +901,14 @@ def _dys_dyb_by_segment(
         rows = slice(start, start + length)
         if not params.members:
             ds[rows, :r] = (dy[rows] @ b_cat[:, roff : roff + r].to(dy.dtype)).float() * scale
-            db[:, roff : roff + r] += (dy[rows].t() @ s[rows, :r]).float()
+            db[:, roff : roff + r] += (dy[rows].t() @ s[rows, :r]).float() * scale
             continue
         n = dy.shape[1]
         b_a = b_cat[n * roff : n * (roff + r)].view(n, r)
         db_a = db[n * roff : n * (roff + r)].view(n, r)
         for g, cols in enumerate(_member_slices(params.members)):
             ds[rows, g * r : (g + 1) * r] = (dy[rows, cols] @ b_a[cols].to(dy.dtype)).float() * scale
-            db_a[cols] += (dy[rows, cols].t() @ s[rows, g * r : (g + 1) * r]).float()
+            db_a[cols] += (dy[rows, cols].t() @ s[rows, g * r : (g + 1) * r]).float() * scale
     return ds, db
 
 

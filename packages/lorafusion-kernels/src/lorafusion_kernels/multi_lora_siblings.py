@@ -10,7 +10,7 @@ One call computes all of them::
 with the members' weights stacked by rows into ``W [N, K]`` (``N = sum N_g``), so the frozen GEMM,
 the dropout mask and the shrink run once instead of ``G`` times and the backward's ``dx`` is one GEMM
 over all members. The LoRA kernels stay member-aware: a column tile of member ``g`` multiplies only
-``S'[:, g r_a : (g+1) r_a]`` by ``B_{a,g}`` (rank ``r_a``, never the stacked ``G r_a``), and ``dB_{a,g}``
+``S[:, g r_a : (g+1) r_a]`` by ``B_{a,g}`` (rank ``r_a``, never the stacked ``G r_a``), and ``dB_{a,g}``
 comes from member ``g``'s columns of ``dy`` only (``_kernels.multi_lora_fwd``/``multi_lora_bwd``).
 
 Dropout: members share each token's mask, as one LoRA layer on a fused ``qkv`` projection does.
@@ -195,7 +195,7 @@ class _FusedSiblingMembers(torch.autograd.Function):
         assert dev.bounds is not None
         ys = multi_lora_linear_members(
             x, weight, bias, s, b_flat.contiguous(), batch, members=params.members, ranks=dev.ranks,
-            max_rank=params.max_rank, bounds=dev.bounds, ranks_host=params.ranks,
+            scaling=dev.scaling, max_rank=params.max_rank, bounds=dev.bounds, ranks_host=params.ranks,
         )  # fmt: skip
         segments = (batch.segment_lengths, batch.segment_adapters, batch.num_adapters)
         _save_for_backward(ctx, (x, weight, bias, a_cat, b_flat, seed), s, segments, params, deterministic)

@@ -1,7 +1,7 @@
-"""Backward, skinny pass: ``dS = scaling * dy B`` and ``dB = dy^T S'`` from one read of dy.
+"""Backward, skinny pass: ``dS = scaling * dy B`` and ``dB = scaling * dy^T S`` from one read of dy.
 
-Shapes: ``dy [M, N]``, ``B [N, R]``, ``S' [M, R]`` (the saved, scaled activation), ``dS [M, R]``,
-``dB [N, R]``. ``dS`` is the gradient with respect to the unscaled ``S = x_hat A^T``.
+Shapes: ``dy [M, N]``, ``B [N, R]``, ``S [M, R]`` (the saved activation ``x_hat A^T``), ``dS [M, R]``,
+``dB [N, R]``. ``dS`` is the gradient with respect to ``S``.
 
 Default mode: program ``(g, j)`` owns row group ``g`` (consecutive row blocks) and column block ``j``
 of dy. It loads ``B``'s rows of block ``j`` once, sums the block's ``dB`` rows ``[BLOCK_N, R]`` in
@@ -13,7 +13,7 @@ atomics: 8.4M at ``M = 8192, N = 4096, r = 16``, and the pass took 51 us against
 2026-11-26; 133 against 41 us at ``r = 64``), its bytes floor being 20 us.
 
 Deterministic mode (no atomics, fixed summation order): one program per row block walks every column
-block and stores its ``dS`` rows once; a second launch of that kernel on ``dy^T`` with ``S'`` as the
+block and stores its ``dS`` rows once; a second launch of that kernel on ``dy^T`` with ``S`` as the
 right operand gives ``dB``; dy is then read twice.
 """
 
@@ -60,22 +60,22 @@ def dys_dyb_rows(
     DS_ATOMIC: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """The default mode's row loop over one column block: ``dS += ds_scale * dy B`` per row block; returns ``dy^T S'``.
+    """The default mode's row loop over one column block: ``dS += ds_scale * dy B`` per row block; returns ``dy^T S``.
 
     Args:
         dy_ptrs: ``[BLOCK_M, BLOCK_N]`` pointers to the first row block of ``dy``'s column block.
-        s_ptrs: ``[BLOCK_M, BLOCK_R]`` pointers to the same rows of ``S'``.
+        s_ptrs: ``[BLOCK_M, BLOCK_R]`` pointers to the same rows of ``S``.
         ds_ptrs: ``[BLOCK_M, BLOCK_R]`` pointers to the same rows of the fp32 ``dS``.
         offs_m: ``[BLOCK_M]`` indices of those rows.
         row1: Rows from here on are masked.
         steps: Row blocks to walk.
         n_mask: ``[BLOCK_N]`` columns of ``dy`` (and rows of ``b``) that exist.
-        s_cols: ``[BLOCK_R]`` columns of ``S'`` to load.
+        s_cols: ``[BLOCK_R]`` columns of ``S`` to load.
         r_mask: ``[BLOCK_R]`` columns of ``dS`` to write.
         b: ``[BLOCK_N, BLOCK_R]`` rows of ``B`` (any float dtype).
         ds_scale: Factor of ``dy B`` (fp32 scalar).
         stride_dy: Row stride of ``dy``.
-        stride_s: Row stride of ``S'``.
+        stride_s: Row stride of ``S``.
         stride_ds: Row stride of ``dS``.
         BLOCK_M: Rows per step.
         BLOCK_N: Columns of the block.
@@ -84,7 +84,8 @@ def dys_dyb_rows(
         DOT_PRECISION: ``tl.dot`` input precision.
 
     Returns:
-        ``[BLOCK_N, BLOCK_R]`` fp32: this column block's rows of ``dB``, summed over the rows walked.
+        ``[BLOCK_N, BLOCK_R]`` fp32: this column block's rows of ``dy^T S`` (``dB`` before its
+        ``scaling``), summed over the rows walked.
     """
     db_acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
     for _ in range(steps):
@@ -147,7 +148,7 @@ def _lora_dys_dyb_kernel(
         stride_dym, stride_sm, stride_dsm, BLOCK_M, BLOCK_N, BLOCK_R, DS_ATOMIC, DOT_PRECISION,
     )  # fmt: skip
     db_ptrs = db_ptr + offs_n.to(tl.int64)[:, None] * stride_dbn + offs_r[None, :]
-    tl.atomic_add(db_ptrs, db_acc, mask=nr_mask, sem="relaxed")
+    tl.atomic_add(db_ptrs, db_acc * ds_scale, mask=nr_mask, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -238,12 +239,12 @@ def lora_dys_dyb(
     accumulators: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: KernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dS = scaling * dy B`` and ``dB = dy^T S'``.
+    """``dS = scaling * dy B`` and ``dB = scaling * dy^T S``.
 
     Args:
         dy: ``[M, N]`` output gradient, unit stride along N.
         lora_b: ``[N, R]``.
-        s: ``[M, R]`` saved ``S'`` (``dy.dtype``).
+        s: ``[M, R]`` saved ``S`` (``dy.dtype``).
         scaling: The LoRA scaling (fp32 runtime scalar).
         deterministic: No atomics: two launches (dy read twice), bitwise reproducible.
         accumulators: Zeroed fp32 ``(dS [M, R], dB [N, R])`` with unit stride along R, to add into
@@ -264,8 +265,8 @@ def lora_dys_dyb(
         ds = torch.empty((m, r), dtype=dy.dtype, device=dy.device)
         db = torch.empty((n, r), dtype=lora_b.dtype, device=dy.device)
         _launch_ds_rows(dy, (dy.stride(0), dy.stride(1)), m, n, lora_b, ds, ds_scale=scaling, cfg=cfg)
-        # dB = dy^T S': the same kernel on the transposed view of dy, with S' as the right operand.
-        _launch_ds_rows(dy, (dy.stride(1), dy.stride(0)), n, m, s, db, ds_scale=1.0, cfg=cfg)
+        # dB = scaling * dy^T S: the same kernel on the transposed view of dy, with S as the right operand.
+        _launch_ds_rows(dy, (dy.stride(1), dy.stride(0)), n, m, s, db, ds_scale=scaling, cfg=cfg)
         return ds, db
     lora_b, s = lora_b.contiguous(), s.contiguous()
     if accumulators is None:

@@ -1,8 +1,9 @@
-"""Forward, first pass: ``S' = scale * (keep * x) A^T``, the dropout and the LoRA down-projection in one read of x.
+"""Forward, first pass: ``S = scale * (keep * x) A^T``, the dropout and the LoRA down-projection in one read of x.
 
-Shapes: ``x [M, K]``, ``A [R, K]``, ``S' [M, R]`` with ``scale = scaling / (1 - p)``. ``S'`` is the
-split point of the paper's graph: it is tiny, it feeds the fused GEMM ``x W^T + S' B^T`` and it is
-the only LoRA activation saved for backward (``dB = dy^T S'``).
+Shapes: ``x [M, K]``, ``A [R, K]``, ``S [M, R]``. FusedLoRA passes ``scale = 1 / (1 - p)``, so
+``S = x_hat A^T``, the split point of the paper's graph: it is tiny, it feeds the fused GEMM
+``x W^T + scaling * S B^T`` and it is the only LoRA activation saved for backward
+(``dB = scaling * dy^T S``).
 """
 
 from __future__ import annotations
@@ -106,12 +107,12 @@ def lora_xa(
     has_dropout: bool,
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
-    """``S' = scale * (keep * x) A^T``.
+    """``S = scale * (keep * x) A^T``.
 
     Args:
         x: ``[M, K]`` activations (fp16, bf16 or fp32).
         lora_a: ``[R, K]`` LoRA A (any float dtype; cast to ``x.dtype`` in the kernel).
-        scale: ``scaling / (1 - p)`` as a runtime fp32 scalar.
+        scale: ``1 / (1 - p)`` as a runtime fp32 scalar.
         keep_threshold: ``ceil(p * 2**16)``.
         seed: ``[1]`` int64 seed tensor on ``x``'s device (read only with dropout).
         has_dropout: Whether ``p > 0`` (compiles the RNG in; False draws no random numbers).

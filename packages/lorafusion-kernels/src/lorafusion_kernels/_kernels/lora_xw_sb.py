@@ -1,8 +1,9 @@
-"""Forward, fused GEMM: ``y = x W^T + S' B^T + bias`` with one fp32 accumulator.
+"""Forward, fused GEMM: ``y = x W^T + scaling * S B^T + bias`` with one fp32 accumulator.
 
-Shapes: ``x [M, K]``, ``W [N, K]``, ``S' [M, R]`` (already scaled), ``B [N, R]``, ``bias [N]``,
-``y [M, N]``. Each output tile starts its accumulator with the rank-R product ``S' B^T`` and then
-runs the K loop of ``x W^T`` on top, so the LoRA term costs no pass over ``[M, N]``.
+Shapes: ``x [M, K]``, ``W [N, K]``, ``S [M, R]`` (``x_hat A^T``, unscaled), ``B [N, R]``, ``bias [N]``,
+``y [M, N]``. Each output tile starts its accumulator with the rank-R product ``S B^T``, scales it in
+fp32 and then runs the K loop of ``x W^T`` on top, so the LoRA term costs no pass over ``[M, N]``.
+``scaling`` is applied here rather than stored in ``S``, so ``S`` has PEFT's range in fp16.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def _lora_xw_sb_kernel(
     stride_br,
     stride_ym,
     stride_yn,
+    scaling,
     HAS_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -64,7 +66,7 @@ def _lora_xw_sb_kernel(
     mask_r = offs_r < R
     s = tl.load(s_ptr + rows[:, None] * stride_sm + offs_r[None, :] * stride_sr, mask=mask_r[None, :], other=0.0)
     b = tl.load(b_ptr + cols[None, :] * stride_bn + offs_r[:, None] * stride_br, mask=mask_r[:, None], other=0.0)
-    acc = tl.dot(s, b.to(s.dtype), input_precision=DOT_PRECISION)
+    acc = tl.dot(s, b.to(s.dtype), input_precision=DOT_PRECISION) * scaling
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_ptrs = w_ptr + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
@@ -94,6 +96,7 @@ def _lora_xw_sb_tma_kernel(
     stride_sr,
     stride_bn,
     stride_br,
+    scaling,
     HAS_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -123,7 +126,7 @@ def _lora_xw_sb_tma_kernel(
         mask=(offs_n[None, :] < N) & mask_r[:, None],
         other=0.0,
     )
-    acc = tl.dot(s, b.to(s.dtype), input_precision=DOT_PRECISION)
+    acc = tl.dot(s, b.to(s.dtype), input_precision=DOT_PRECISION) * scaling
     for k in range(tl.cdiv(K, BLOCK_K)):
         x = x_desc.load([off_m, k * BLOCK_K])
         w = w_desc.load([off_n, k * BLOCK_K])
@@ -143,16 +146,18 @@ def lora_xw_sb(
     lora_b: torch.Tensor,
     bias: torch.Tensor | None,
     *,
+    scaling: float,
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
-    """``y = x W^T + S' B^T + bias``.
+    """``y = x W^T + scaling * S B^T + bias``.
 
     Args:
         x: ``[M, K]``.
         weight: ``[N, K]`` frozen base weight, same dtype as ``x``.
-        s: ``[M, R]`` scaled LoRA activation from :func:`lora_xa`, ``x.dtype``.
+        s: ``[M, R]`` LoRA activation ``x_hat A^T`` from :func:`lora_xa`, ``x.dtype``.
         lora_b: ``[N, R]`` LoRA B (any float dtype; cast in the kernel).
         bias: ``[N]`` or None.
+        scaling: The LoRA scaling (fp32 runtime scalar).
         config: Launch config; looked up by shape when None.
 
     Returns:
@@ -175,12 +180,12 @@ def lora_xw_sb(
             TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]),
             TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]),
             TensorDescriptor.from_tensor(y, [cfg.block_m, cfg.block_n]),
-            *lora, *sizes, *s.stride(), *lora_b.stride(), HAS_BIAS=bias is not None, **meta,
+            *lora, *sizes, *s.stride(), *lora_b.stride(), scaling, HAS_BIAS=bias is not None, **meta,
         )  # fmt: skip
         return y
     launch_fitting(
         _lora_xw_sb_kernel, grid,
         x, weight, *lora, y, *sizes, *x.stride(), *weight.stride(), *s.stride(), *lora_b.stride(), *y.stride(),
-        HAS_BIAS=bias is not None, **meta,
+        scaling, HAS_BIAS=bias is not None, **meta,
     )  # fmt: skip
     return y

@@ -2,18 +2,18 @@
 
 Notation as in ``multi_lora_fwd``; ``dy [T, N]``, token ``t`` of adapter ``a = a(t)``,
 ``x_hat[t] = keep_a(t, :) * x[t] / (1 - p_a)`` (the mask regenerated from the seed, never stored),
-``S = x_hat A_a^T`` and the saved ``S' = scaling_a * S``. Chain rule of ``y = x W^T + bias + S' B_a^T``:
+the saved ``S = x_hat A_a^T``. Chain rule of ``y = x W^T + bias + scaling_a S B_a^T``:
 
-    dS[t, :r_a] = scaling_a * dy[t] B_a                  (dy kernel, one adapter per tile)
-    dB_a        = sum_{t in a} dy[t]^T S'[t, :r_a]       (same kernel, same dy tile)
+    dS[t, :r_a] = scaling_a * dy[t] B_a                        (dy kernel, one adapter per tile)
+    dB_a        = scaling_a * sum_{t in a} dy[t]^T S[t, :r_a]  (same kernel, same dy tile)
     dA_a        = sum_{t in a} dS[t, :r_a]^T x_hat[t]    (runs of a's rows, added by atomics)
     dx[t]       = dy[t] W + keep_a(t, :) * (dS[t, :r_a] A_a) / (1 - p_a)   (one GEMM; or the dA
                   pass writes the second term, lora_dx, and cuBLAS adds dy W in place)
 
 A sibling call (``multi_lora_fwd``'s docstring: members ``g`` owning columns ``n_g .. n_{g+1}``,
-``S'[t, g r_a : (g+1) r_a]`` and ``B_{a,g}`` in ``B_flat``) splits the first two per member:
+``S[t, g r_a : (g+1) r_a]`` and ``B_{a,g}`` in ``B_flat``) splits the first two per member:
 ``dS[t, g r_a : (g+1) r_a] = scaling_a * dy[t, n_g : n_{g+1}] B_{a,g}`` and
-``dB_{a,g} = sum_{t in a} dy[t, n_g : n_{g+1}]^T S'[t, g r_a : (g+1) r_a]``; ``dA`` and ``dx`` see the
+``dB_{a,g} = scaling_a sum_{t in a} dy[t, n_g : n_{g+1}]^T S[t, g r_a : (g+1) r_a]``; ``dA`` and ``dx`` see the
 stacked ``A`` of rank ``G r_a`` and need nothing else.
 
 Only the tiles of adapter ``a`` ever touch ``dA_a``/``dB_a`` (the columns/rows ``roff_a .. roff_a + r_a``
@@ -137,7 +137,7 @@ def _multi_lora_dy_kernel(
 
     One layer has ``G = 1`` and column blocks over all ``N`` columns. In a sibling call program ``g``
     covers only member ``g``'s columns ``bounds[g] .. bounds[g + 1]`` (blocks past them do nothing), with
-    ``B_{a,g}`` (``B_flat[N roff_a + n r_a + j]``) and ``S'[:, g r_a + j]``, and writes
+    ``B_{a,g}`` (``B_flat[N roff_a + n r_a + j]``) and ``S[:, g r_a + j]``, and writes
     ``dS[:, g r_a + j]``: the work and the tiles of one layer of rank ``r_a`` (``BLOCK_R`` covers
     ``r_a``, not ``G r_a``). With ``MEMBER_DY > 0`` each member's ``dy`` is its own ``[T, N_g]``
     tensor (``dy_ptr``, ``dy1_ptr``, ...). ``MEMBER_ALIGN`` divides every member bound (16 where every
@@ -184,7 +184,7 @@ def _multi_lora_dy_kernel(
         dy_ptrs = dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym + offs_n[None, :]
         stride_rows = stride_dym
     s_ptrs = s_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + (s_col + offs_r)[None, :]
-    # S' columns past r_a are zeros (the shrink writes them), so one layer reads whole rows even with
+    # S columns past r_a are zeros (the shrink writes them), so one layer reads whole rows even with
     # mixed ranks; a rank read at run time in the mask left this load unvectorised and out of the
     # pipeline (1.5-2.3x the time, H200). A sibling member's columns end at r_a.
     s_cols = r_mask if SIBLINGS else offs_r < BLOCK_R
@@ -196,7 +196,7 @@ def _multi_lora_dy_kernel(
         stride_sm, stride_dsm, BLOCK_M, BLOCK_N, BLOCK_R, ATOMIC_DS, DOT_PRECISION,
     )  # fmt: skip
     db_ptrs = db_cols + offs_n.to(tl.int64)[:, None] * stride_dbn + offs_r[None, :]
-    tl.atomic_add(db_ptrs, db_acc, mask=nr_mask, sem="relaxed")
+    tl.atomic_add(db_ptrs, db_acc * scale, mask=nr_mask, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["stride_os"])
@@ -538,7 +538,7 @@ def multi_lora_dys_dyb(
             gradients ``[T, N_g]`` (at most :data:`MAX_MEMBER_OUTPUTS`), each with unit stride along ``N_g``.
         b_cat: ``[N, R_tot]`` stacked B, or a sibling call's 1-D ``B_flat`` (any float dtype, cast to
             ``dy.dtype`` in the kernel).
-        s: ``S' [T, BLOCK_R]`` saved from the forward.
+        s: ``S [T, BLOCK_R]`` saved from the forward.
         batch: Routing metadata of this microbatch.
         ranks: int32 ``[n, 2]``: ``(r_a, roff_a)`` (per member for a sibling call).
         scaling: fp32 ``[n]``.

@@ -1,23 +1,24 @@
 """FusedMultiLoRA forward kernels: per-adapter dropout + shrink, and the shared GEMM with routed LoRA.
 
 Shapes: ``x [T, K]`` packed tokens, ``W [N, K]``, stacked adapters ``A_cat [R_tot, K]`` (adapter ``a``
-owns rows ``roff_a .. roff_a + r_a``) and ``B_cat [N, R_tot]`` (columns likewise), ``S' [T, BLOCK_R]``.
+owns rows ``roff_a .. roff_a + r_a``) and ``B_cat [N, R_tot]`` (columns likewise), ``S [T, BLOCK_R]``.
 Token ``t`` of adapter ``a = a(t)``:
 
-    S'[t, :r_a] = scaling_a / (1 - p_a) * (keep_a(t, :) * x[t, :]) A_a^T   (shrink, one adapter per tile)
-    y[t, :]     = x[t, :] W^T + bias + S'[t, :r_a] B_a^T                     (one GEMM, one accumulator)
+    S[t, :r_a] = (keep_a(t, :) * x[t, :]) A_a^T / (1 - p_a)               (shrink, one adapter per tile)
+    y[t, :]    = x[t, :] W^T + bias + scaling_a * S[t, :r_a] B_a^T          (one GEMM, one accumulator)
 
-``S'`` is FusedLoRA's split point, scaled once in fp32 before its single rounding.
+``S = x_hat A_a^T`` is FusedLoRA's split point, rounded once to x's dtype; ``scaling_a`` is applied in
+fp32 in the GEMM, never stored in ``S``, so in fp16 ``S`` overflows where PEFT's ``lora_A`` output does.
 
 Sibling calls (``G`` layers that read one ``x``, e.g. q/k/v, as one call): ``W`` stacks the members'
 weights by rows, member ``g`` owning columns ``n_g .. n_{g+1}`` of ``y``; each adapter's ``A`` stacks
-its members' ``A_{a,g}`` (rank ``G r_a``: ``S'[t, g r_a : (g+1) r_a]`` is member ``g``'s), and its ``B``
+its members' ``A_{a,g}`` (rank ``G r_a``: ``S[t, g r_a : (g+1) r_a]`` is member ``g``'s), and its ``B``
 is its members' ``B_{a,g} [N_g, r_a]`` stacked by rows into ``[N, r_a]`` at flat offset ``N roff_a`` of
 ``B_flat`` (``roff_a`` = sum of the earlier adapters' ``r``). A column tile of member ``g`` reads only
-``S'[:, g r_a : (g+1) r_a]`` and ``B_{a,g}``: the rank-``r_a`` work of one layer, not ``G r_a``.
+``S[:, g r_a : (g+1) r_a]`` and ``B_{a,g}``: the rank-``r_a`` work of one layer, not ``G r_a``.
 
 Routing tables come from :class:`lorafusion_kernels.metadata.MultiLoRABatch`; per-adapter
-``(r_a, roff_a)`` come as an int32 ``[n, 2]`` table, ``scaling_a / (1 - p_a)`` (fp32) and
+``(r_a, roff_a)`` come as an int32 ``[n, 2]`` table, ``scaling_a`` and ``1 / (1 - p_a)`` (fp32) and
 ``ceil(p_a * 2**16)`` (int32) as ``[n]`` vectors, so no value is rounded to the activation dtype and
 none is a constexpr.
 """
@@ -74,7 +75,7 @@ def _multi_lora_shrink_kernel(
     tiles_ptr,
     rank_ptr,
     thr_ptr,
-    s_scale_ptr,
+    inv_keep_ptr,
     seed_ptr,
     K,
     k_per_split,
@@ -108,7 +109,7 @@ def _multi_lora_shrink_kernel(
         )  # fmt: skip
         at = tl.load(a_rows + offs_k[:, None], mask=k_mask[:, None] & r_mask[None, :], other=0.0)
         acc = tl.dot(xt, at.to(xt.dtype), acc, input_precision=DOT_PRECISION)
-    acc = acc * tl.load(s_scale_ptr + adapter)
+    acc = acc * tl.load(inv_keep_ptr + adapter)
     s_ptrs = s_ptr + pid_s * stride_ss + offs_m.to(tl.int64)[:, None] * stride_sm + offs_r[None, :]
     tl.store(s_ptrs, acc.to(s_ptr.dtype.element_ty), mask=m_mask[:, None])
 
@@ -120,6 +121,7 @@ def _routed_sb(
     seg_ptr,
     seg_range_ptr,
     rank_ptr,
+    scaling_ptr,
     pid_m,
     offs_m,
     cols,
@@ -131,38 +133,42 @@ def _routed_sb(
     ONE_SEGMENT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """The fp32 tile the GEMM accumulates onto: ``S'[rows of a] B_a^T`` over the segments of row tile ``pid_m``.
+    """The fp32 tile the GEMM starts from: ``scaling_a S[rows of a] B_a^T`` over the segments of row tile ``pid_m``.
 
-    One small dot per segment, accumulated onto a zeroed tile in a loop; rows outside a segment load
-    zeros. ``ONE_SEGMENT`` (no tile straddles a segment boundary) compiles the loop out: one dot
-    makes the tile. With the loop the forward GEMM ran up to 19% slower at rank 64 (H100, 2026-11-26).
-    A first dot ahead of the loop (for any batch) was nearly as fast, but its operands took shared
-    memory a second time and the dx GEMM's 4-stage configs ran out of it. Only one
-    ``[BLOCK_M, BLOCK_N]`` fp32 tile is live (a second one spilled registers on H100 and made the
-    forward 7x slower). ``cols`` are valid (wrapped) columns.
+    One small dot per segment, accumulated onto a zeroed tile in a loop (rows outside a segment load
+    zeros), then each row times its adapter's ``scaling_a``: the segments' rows are disjoint, so one
+    per-row factor after the loop scales each exactly once. ``ONE_SEGMENT`` (no tile straddles a segment
+    boundary) compiles the loop out: one dot and one scalar factor make the tile. With the loop the
+    forward GEMM ran up to 19% slower at rank 64 (H100, 2026-11-26). A first dot ahead of the loop (for
+    any batch) was nearly as fast, but its operands took shared memory a second time and the dx GEMM's
+    4-stage configs ran out of it. Only one ``[BLOCK_M, BLOCK_N]`` fp32 tile is live (a second one
+    spilled registers on H100 and made the forward 7x slower). ``cols`` are valid (wrapped) columns.
     """
     offs_r = tl.arange(0, BLOCK_R)
     s_rows = s_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + offs_r[None, :]
     b_cols = b_ptr + cols.to(tl.int64)[None, :] * stride_bn + offs_r[:, None]
     seg_lo = tl.load(seg_range_ptr + pid_m * 2)
     if ONE_SEGMENT:
-        st, bt = _segment_sb(s_rows, b_cols, seg_ptr, rank_ptr, seg_lo, offs_m, offs_r)
-        acc = tl.dot(st, bt, input_precision=DOT_PRECISION)
+        adapter, rows_in, st, bt = _segment_sb(s_rows, b_cols, seg_ptr, rank_ptr, seg_lo, offs_m, offs_r)
+        acc = tl.dot(st, bt, input_precision=DOT_PRECISION) * tl.load(scaling_ptr + adapter)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        row_scaling = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for j in range(seg_lo, tl.load(seg_range_ptr + pid_m * 2 + 1)):
-            st, bt = _segment_sb(s_rows, b_cols, seg_ptr, rank_ptr, j, offs_m, offs_r)
+            adapter, rows_in, st, bt = _segment_sb(s_rows, b_cols, seg_ptr, rank_ptr, j, offs_m, offs_r)
             acc = tl.dot(st, bt, acc, input_precision=DOT_PRECISION)
+            row_scaling = tl.where(rows_in, tl.load(scaling_ptr + adapter), row_scaling)
+        acc = acc * row_scaling[:, None]
     return acc
 
 
 @triton.jit
 def _segment_sb(s_rows, b_cols, seg_ptr, rank_ptr, segment, offs_m, offs_r):
-    """Segment ``segment``'s operands on a tile: ``(S' rows (others zero), B_a^T columns in S''s dtype)``."""
-    _, roff, rows_in, r_mask = segment_rows(seg_ptr, rank_ptr, segment, offs_m, offs_r)
+    """Segment ``segment`` on a tile: ``(adapter, its rows, S rows (others zero), B_a^T columns in S's dtype)``."""
+    adapter, roff, rows_in, r_mask = segment_rows(seg_ptr, rank_ptr, segment, offs_m, offs_r)
     st = tl.load(s_rows, mask=rows_in[:, None] & r_mask[None, :], other=0.0)
     bt = tl.load(b_cols + roff, mask=r_mask[:, None], other=0.0)
-    return st, bt.to(st.dtype)
+    return adapter, rows_in, st, bt.to(st.dtype)
 
 
 @triton.jit
@@ -173,6 +179,7 @@ def _routed_sb_siblings(
     seg_ptr,
     seg_range_ptr,
     rank_ptr,
+    scaling_ptr,
     bounds_ptr,
     num_members,
     pid_m,
@@ -181,24 +188,38 @@ def _routed_sb_siblings(
     cols,
     N,
     stride_sm,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     UNIFORM_RANK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """:func:`_routed_sb` of a sibling call: per segment, one dot per member overlapping the column tile.
+    """:func:`_routed_sb` of a sibling call, added onto ``acc`` (which holds ``x W^T``).
 
-    ``BLOCK_R`` covers one member's rank ``r_a`` (not ``G r_a``); member ``g``'s dot reads
-    ``S'[rows, g r_a + j]`` and ``B_flat[N roff_a + n r_a + j]`` for its own columns ``n`` only.
-    ``UNIFORM_RANK`` (see :func:`uniform_rank`) makes the row stride of ``B_flat`` a constant.
+    Per segment, one dot per member overlapping the column tile. ``BLOCK_R`` covers one member's rank
+    ``r_a`` (not ``G r_a``); member ``g``'s dot reads ``S[rows, g r_a + j]`` and ``B_flat[N roff_a + n
+    r_a + j]`` for its own columns ``n`` only. ``UNIFORM_RANK`` (see :func:`uniform_rank`) makes the row
+    stride of ``B_flat`` a constant. ``scaling_a`` cannot multiply the dots' sum here, as ``acc``
+    already holds ``x W^T``: each row is divided by its ``scaling_a`` before the dots and multiplied
+    after (two fp32 roundings of ``x W^T``, relative ``2**-23``; a second ``[BLOCK_M, BLOCK_N]`` tile
+    would spill registers). Rows of an adapter with ``scaling_a = 0`` are left alone and skip their
+    dots.
     """
     offs_r = tl.arange(0, BLOCK_R)
     s_rows = s_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + offs_r[None, :]
     g_lo, g_hi = member_span(bounds_ptr, num_members, off_n, off_n + BLOCK_N)
     seg_lo = tl.load(seg_range_ptr + pid_m * 2)
     seg_hi = tl.load(seg_range_ptr + pid_m * 2 + 1)
+    row_scaling = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for j in range(seg_lo, seg_hi):
+        adapter, _, rows_in, _ = segment_rows(seg_ptr, rank_ptr, j, offs_m, offs_r)
+        row_scaling = tl.where(rows_in, tl.load(scaling_ptr + adapter), row_scaling)
+    scaled = row_scaling != 0.0
+    row_scaling = tl.where(scaled, row_scaling, 1.0)
+    acc = acc * (1.0 / row_scaling)[:, None]
     for j in range(seg_lo, seg_hi):
         adapter, roff, rows_in, r_mask = segment_rows(seg_ptr, rank_ptr, j, offs_m, offs_r)
+        rows_in = rows_in & scaled
         r = member_rank(rank_ptr, adapter, UNIFORM_RANK)
         b_cols = b_ptr + roff.to(tl.int64) * N + cols.to(tl.int64)[None, :] * r + offs_r[:, None]
         for g in range(g_lo, g_hi):
@@ -206,7 +227,7 @@ def _routed_sb_siblings(
             st = tl.load(s_rows + g * r, mask=rows_in[:, None] & r_mask[None, :], other=0.0)
             bt = tl.load(b_cols, mask=r_mask[:, None] & in_g[None, :], other=0.0)
             acc = tl.dot(st, bt.to(st.dtype), acc, input_precision=DOT_PRECISION)
-    return acc
+    return acc * row_scaling[:, None]
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -220,6 +241,7 @@ def _multi_lora_linear_kernel(
     seg_ptr,
     seg_range_ptr,
     rank_ptr,
+    scaling_ptr,
     bounds_ptr,
     num_members,
     T,
@@ -250,14 +272,14 @@ def _multi_lora_linear_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc = _routed_sb(
-            s_ptr, b_ptr, seg_ptr, seg_range_ptr, rank_ptr, pid_m, offs_m, cols, stride_sm, stride_bn, BLOCK_M,
-            BLOCK_N, BLOCK_R, ONE_SEGMENT, DOT_PRECISION,
+            s_ptr, b_ptr, seg_ptr, seg_range_ptr, rank_ptr, scaling_ptr, pid_m, offs_m, cols, stride_sm, stride_bn,
+            BLOCK_M, BLOCK_N, BLOCK_R, ONE_SEGMENT, DOT_PRECISION,
         )  # fmt: skip
     acc = dot_k_loop(acc, x_ptrs, w_ptrs, K, 1, 1, BLOCK_K, DOT_PRECISION)
     if SIBLINGS:
         acc = _routed_sb_siblings(
-            acc, s_ptr, b_ptr, seg_ptr, seg_range_ptr, rank_ptr, bounds_ptr, num_members, pid_m, offs_m,
-            pid_n * BLOCK_N, cols, N, stride_sm, BLOCK_N, BLOCK_R, UNIFORM_RANK, DOT_PRECISION,
+            acc, s_ptr, b_ptr, seg_ptr, seg_range_ptr, rank_ptr, scaling_ptr, bounds_ptr, num_members, pid_m,
+            offs_m, pid_n * BLOCK_N, cols, N, stride_sm, BLOCK_M, BLOCK_N, BLOCK_R, UNIFORM_RANK, DOT_PRECISION,
         )  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
@@ -304,6 +326,7 @@ def _multi_lora_linear_tma_kernel(
     seg_ptr,
     seg_range_ptr,
     rank_ptr,
+    scaling_ptr,
     bounds_ptr,
     num_members,
     T,
@@ -338,8 +361,8 @@ def _multi_lora_linear_tma_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc = _routed_sb(
-            s_ptr, b_ptr, seg_ptr, seg_range_ptr, rank_ptr, pid_m, offs_m, cols, stride_sm, stride_bn, BLOCK_M,
-            BLOCK_N, BLOCK_R, ONE_SEGMENT, DOT_PRECISION,
+            s_ptr, b_ptr, seg_ptr, seg_range_ptr, rank_ptr, scaling_ptr, pid_m, offs_m, cols, stride_sm, stride_bn,
+            BLOCK_M, BLOCK_N, BLOCK_R, ONE_SEGMENT, DOT_PRECISION,
         )  # fmt: skip
     for k in range(tl.cdiv(K, BLOCK_K)):
         xt = x_desc.load([off_m, k * BLOCK_K])
@@ -348,8 +371,8 @@ def _multi_lora_linear_tma_kernel(
     if SIBLINGS:
         # After the K loop: ahead of it, the members' loop delayed the TMA pipeline (gate/up +25%).
         acc = _routed_sb_siblings(
-            acc, s_ptr, b_ptr, seg_ptr, seg_range_ptr, rank_ptr, bounds_ptr, num_members, pid_m, offs_m, off_n,
-            cols, N, stride_sm, BLOCK_N, BLOCK_R, UNIFORM_RANK, DOT_PRECISION,
+            acc, s_ptr, b_ptr, seg_ptr, seg_range_ptr, rank_ptr, scaling_ptr, bounds_ptr, num_members, pid_m,
+            offs_m, off_n, cols, N, stride_sm, BLOCK_M, BLOCK_N, BLOCK_R, UNIFORM_RANK, DOT_PRECISION,
         )  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
@@ -369,29 +392,29 @@ def multi_lora_shrink(
     max_rank: int,
     ranks: torch.Tensor,
     thresholds: torch.Tensor,
-    s_scale: torch.Tensor,
+    inv_keep: torch.Tensor,
     seed: torch.Tensor,
     has_dropout: bool,
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
-    """``S'[t, :r_a] = scaling_a / (1 - p_a) * (keep_a * x[t]) A_a^T`` for every token, one adapter per tile.
+    """``S[t, :r_a] = (keep_a * x[t]) A_a^T / (1 - p_a)`` for every token, one adapter per tile.
 
     Args:
         x: ``[T, K]`` packed activations, unit stride along K.
         a_cat: ``[R_tot, K]`` stacked adapter A matrices (any float dtype, cast to ``x.dtype`` in the
             kernel), unit stride along K.
         batch: Routing metadata of this microbatch (tables on ``x``'s device).
-        block_r: Rank tile (power of two >= every ``r_a``, at least 16): the width of ``S'``.
+        block_r: Rank tile (power of two >= every ``r_a``, at least 16): the width of ``S``.
         max_rank: Largest ``r_a`` (the config lookup key).
         ranks: int32 ``[n, 2]``: ``(r_a, roff_a)``.
         thresholds: int32 ``[n]``: ``ceil(p_a * 2**16)``.
-        s_scale: fp32 ``[n]``: ``scaling_a / (1 - p_a)``.
+        inv_keep: fp32 ``[n]``: ``1 / (1 - p_a)``.
         seed: int64 ``[1]`` dropout seed (read only with dropout).
         has_dropout: Whether any adapter has ``p > 0`` (otherwise no RNG is compiled in).
         config: Launch config; looked up by shape when None.
 
     Returns:
-        ``S' [T, block_r]`` in ``x.dtype``; columns ``>= r_a`` of adapter ``a``'s rows are zero. A split
+        ``S [T, block_r]`` in ``x.dtype``; columns ``>= r_a`` of adapter ``a``'s rows are zero. A split
         of K writes fp32 partials that are summed in a fixed order (deterministic).
     """
     T, K = x.shape
@@ -409,7 +432,7 @@ def multi_lora_shrink(
             tiles.tiles,
             ranks,
             thresholds,
-            s_scale,
+            inv_keep,
             seed,
             K,
             k_per_split,
@@ -437,22 +460,24 @@ def multi_lora_linear(
     batch: MultiLoRABatch,
     *,
     ranks: torch.Tensor,
+    scaling: torch.Tensor,
     max_rank: int,
     bounds: torch.Tensor | None = None,
     ranks_host: tuple[int, ...] = (),
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
-    """``y [T, N] = x W^T + bias + S' B_a^T``, the LoRA term routed per segment (and member).
+    """``y [T, N] = x W^T + bias + scaling_a S B_a^T``, the LoRA term routed per segment (and member).
 
     Args:
         x: ``[T, K]``, unit stride along K.
         weight: ``[N, K]`` frozen weight, unit stride along K.
         bias: ``[N]`` or None.
-        s: ``S' [T, BLOCK_R]`` (scaled) from :func:`multi_lora_shrink`.
+        s: ``S [T, BLOCK_R]`` from :func:`multi_lora_shrink`.
         b_cat: ``[N, R_tot]`` stacked adapter B matrices, unit stride along R; for a sibling call
             ``B_flat``, 1-D (module docstring). Any float dtype, cast to ``x.dtype`` in the kernel.
         batch: Routing metadata of this microbatch.
         ranks: int32 ``[n, 2]``: ``(r_a, roff_a)`` (per member for a sibling call).
+        scaling: fp32 ``[n]``: ``scaling_a``.
         max_rank: Largest ``r_a`` (the config lookup key).
         bounds: int32 ``[G + 1]`` members' column bounds of a sibling call; None for one layer.
         ranks_host: The adapters' ranks ``r_a`` (a sibling call: equal nonzero ranks compile as a constant).
@@ -463,7 +488,7 @@ def multi_lora_linear(
     """
     y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     cfg = config or launch_config(LINEAR_KERNEL, x, m=x.shape[0], n=weight.shape[0], k=x.shape[1], r=max_rank)
-    _launch_linear(x, weight, bias, s, b_cat, batch, (y,), cfg, ranks, max_rank, bounds, ranks_host)
+    _launch_linear(x, weight, bias, s, b_cat, batch, (y,), cfg, ranks, scaling, max_rank, bounds, ranks_host)
     return y
 
 
@@ -495,6 +520,7 @@ def multi_lora_linear_members(
     *,
     members: tuple[int, ...],
     ranks: torch.Tensor,
+    scaling: torch.Tensor,
     max_rank: int,
     bounds: torch.Tensor,
     ranks_host: tuple[int, ...],
@@ -509,7 +535,7 @@ def multi_lora_linear_members(
     T, K = x.shape
     cfg = launch_config(LINEAR_KERNEL, x, m=T, n=weight.shape[0], k=K, r=max_rank)
     outputs = tuple(torch.empty((T, n), dtype=x.dtype, device=x.device) for n in members)
-    _launch_linear(x, weight, bias, s, b_flat, batch, outputs, cfg, ranks, max_rank, bounds, ranks_host)
+    _launch_linear(x, weight, bias, s, b_flat, batch, outputs, cfg, ranks, scaling, max_rank, bounds, ranks_host)
     return outputs
 
 
@@ -523,6 +549,7 @@ def _launch_linear(
     outputs: tuple[torch.Tensor, ...],
     cfg: KernelConfig,
     ranks: torch.Tensor,
+    scaling: torch.Tensor,
     max_rank: int,
     bounds: torch.Tensor | None,
     ranks_host: tuple[int, ...],
@@ -540,7 +567,7 @@ def _launch_linear(
     y = outputs[0]
     lora = (bias.contiguous() if bias is not None else y, s, b_cat)  # the kernels read the bias at unit stride
     members = (bounds, bounds.numel() - 1) if bounds is not None else (ranks, 1)
-    routing = (batch.segments, rows.seg_range, ranks, *members, T, N, K)
+    routing = (batch.segments, rows.seg_range, ranks, scaling, *members, T, N, K)
     flags = {
         "HAS_BIAS": bias is not None,
         "SIBLINGS": siblings,

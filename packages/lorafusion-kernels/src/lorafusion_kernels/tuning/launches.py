@@ -146,7 +146,7 @@ def single_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
     _, (db32, da32, ds32) = zeroed_fp32((n, r), (r, k), (m, r), device=x.device)
     return {
         "xa": lambda c: lambda: lora_xa(x, a, scale=2.0, config=c, **dropout),
-        "xw_sb": lambda c: lambda: lora_xw_sb(x, w, s, b, None, config=c),
+        "xw_sb": lambda c: lambda: lora_xw_sb(x, w, s, b, None, scaling=2.0, config=c),
         "dys_dyb": lambda c: lambda: lora_dys_dyb(dy, b, s, scaling=2.0, accumulators=(ds32, db32), config=c),
         "dsx": lambda c: (
             lambda: lora_dsx(ds32, x, out_dtype=problem.dtype, inv_keep=inv_keep, out=da32, config=c, **dropout)
@@ -196,11 +196,13 @@ def multi_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
     launches: dict[str, Launch] = {
         multi_lora_fwd.SHRINK_KERNEL: lambda c: (
             lambda: multi_lora_fwd.multi_lora_shrink(
-                x, a_cat, batch, block_r=params.block_r, s_scale=tables.s_scale, config=c, **dropout
+                x, a_cat, batch, block_r=params.block_r, inv_keep=tables.inv_keep, config=c, **dropout
             )
         ),
         multi_lora_fwd.LINEAR_KERNEL: lambda c: (
-            lambda: multi_lora_fwd.multi_lora_linear(x, w, None, s, b_cat, batch, config=c, **routing)
+            lambda: multi_lora_fwd.multi_lora_linear(
+                x, w, None, s, b_cat, batch, scaling=tables.scaling, config=c, **routing
+            )
         ),
         multi_lora_bwd.DY_KERNEL: lambda c: (
             lambda: multi_lora_bwd.multi_lora_dys_dyb(
