@@ -31,6 +31,7 @@ from lorafusion_megatron.testing import (
     INJECTED_FAILURE,
     run_rank_failing_in_first_forward,
     run_rank_hanging_in_first_forward,
+    run_rank_hanging_while_reading_data,
     two_job_config,
 )
 
@@ -148,27 +149,36 @@ def test_a_failing_rank_is_named_once_and_the_run_stops(
         pass
 
 
+HANGS = {
+    "first-forward": (run_rank_hanging_in_first_forward, "the forward of microbatch 0"),
+    "reading-data": (run_rank_hanging_while_reading_data, "reading the jobs' data"),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "backend",
+    ("backend", "where"),
     [
-        "gloo",
-        pytest.param("nccl", marks=pytest.mark.multigpu(gpus=2)),
+        ("gloo", "first-forward"),
+        ("gloo", "reading-data"),
+        pytest.param("nccl", "first-forward", marks=pytest.mark.multigpu(gpus=2)),
     ],
 )
 def test_a_hanging_rank_is_stopped_and_named_before_its_neighbour_times_out(
-    tiny_base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
+    tiny_base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str, where: str
 ) -> None:
-    """2 stages, ``collective_timeout_minutes: 1``: rank 1 sleeps in its first forward.
+    """2 stages, ``collective_timeout_minutes: 1``: rank 1 sleeps in its first forward, or while reading the data.
 
-    Its stall watchdog ends it after 54 s (0.9 of the timeout), before rank 0's transfer times out
-    at 60 s, so the launcher names rank 1, with the line where it sleeps.
+    Its stall watchdog ends it after 54 s (0.9 of the timeout), before rank 0's wait for it times out
+    at 60 s (66 s for the watchdog of rank 0, waiting), so the launcher names rank 1, with what it
+    was doing and the line where it sleeps.
     """
+    entry, doing = HANGS[where]
     message, seconds, _ = _launch_two_stages(
-        tiny_base, tmp_path, monkeypatch, run_rank_hanging_in_first_forward, backend, collective_timeout_minutes=1
+        tiny_base, tmp_path, monkeypatch, entry, backend, collective_timeout_minutes=1
     )
     assert 54 < seconds < 120, (seconds, message)
     assert message.startswith("pipeline rank 1 (stage 1, replica 0) failed, and the run stopped:\n"), message
-    stalled = r"RankStalledError: rank 1 \(stage 1, replica 0\) spent 5[45] s on the forward of microbatch 0 "
+    stalled = rf"RankStalledError: rank 1 \(stage 1, replica 0\) spent 5[45] s on {re.escape(doing)} "
     assert re.search(stalled, message), message
     assert ", in hang\n    time.sleep(3600)" in message, message

@@ -26,11 +26,13 @@ if TYPE_CHECKING:
 __all__ = [
     "INJECTED_FAILURE",
     "cpu_stage_layout",
+    "hang",
     "lora_grads",
     "plan_microbatch",
     "random_job",
     "run_rank_failing_in_first_forward",
     "run_rank_hanging_in_first_forward",
+    "run_rank_hanging_while_reading_data",
     "tiny_peft_model",
     "two_job_config",
 ]
@@ -197,21 +199,32 @@ def run_rank_failing_in_first_forward(config: Any, parallel: Any, **kwargs: Any)
         raise
 
 
+def hang(*args: Any, **options: Any) -> Any:
+    """Sleep for an hour, whatever it is called with: the hang that the tests inject into a rank."""
+    import time
+
+    time.sleep(3600)
+
+
+def run_rank_hanging_while_reading_data(config: Any, parallel: Any, **kwargs: Any) -> dict[str, Any] | None:
+    """As :func:`run_rank_hanging_in_first_forward`, except that rank 1 sleeps while reading the jobs' data."""
+    import lorafusion_megatron.trainer
+    from lorafusion_megatron.pipeline.worker import run_rank
+
+    if kwargs.get("rank") == 1:
+        lorafusion_megatron.trainer.prepare_data = hang  # this rank's own process
+    return run_rank(config, parallel, **kwargs)
+
+
 def run_rank_hanging_in_first_forward(config: Any, parallel: Any, **kwargs: Any) -> dict[str, Any] | None:
     """As :func:`run_rank_failing_in_first_forward`, except that rank 1 sleeps in its first forward and never fails.
 
     Its stall watchdog ends it after 0.9 of ``parallel.collective_timeout_minutes``
     (:mod:`~lorafusion_megatron.pipeline.stall`), before its neighbour's wait for it times out.
     """
-    import time
-
     from lorafusion_megatron.pipeline.engine import StageEngine
     from lorafusion_megatron.pipeline.worker import run_rank
 
     if kwargs.get("rank") == 1:
-
-        def hang(*args: Any, **options: Any) -> Any:
-            time.sleep(3600)
-
         StageEngine._forward = hang  # type: ignore[method-assign]  # this rank's own process
     return run_rank(config, parallel, **kwargs)

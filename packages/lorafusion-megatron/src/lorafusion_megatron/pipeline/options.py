@@ -38,12 +38,12 @@ class ParallelConfig(ConfigSection):
 
     collective_timeout_minutes: int = Field(default=30, ge=1)
     """How long a rank waits for its peers in a transfer or collective before it fails the run; one
-    action of a rank's own (a forward, a backward, its checkpoint file) that lasts 0.9 of it, or a wait
-    on other ranks that lasts 1.1 of it, ends the rank, named with its stack
-    (:mod:`~lorafusion_megatron.pipeline.stall`). A rank that hangs without failing (a stalled file
-    system, a deadlock) stalls the others about this long. Keep it above the longest wait of a healthy
-    rank: a stage's first exchange waits for the first forwards of the stages before it, each of which
-    may compile kernels."""
+    action of a rank's own (reading the data, planning, loading its layers, a forward, a backward,
+    its checkpoint file) that lasts 0.9 of it, or a wait on other ranks that lasts 1.1 of it, ends
+    the rank, named with its stack (:mod:`~lorafusion_megatron.pipeline.stall`). A rank that hangs
+    without failing (a stalled file system, a deadlock) stalls the others about this long. Keep it
+    above the longest start-up step and the longest wait of a healthy rank: a stage's first exchange
+    waits for the first forwards of the stages before it, each of which may compile kernels."""
 
     def layout_settings(self) -> dict[str, Any]:
         """What a checkpoint records and its resume must match: every setting but the collective timeout."""

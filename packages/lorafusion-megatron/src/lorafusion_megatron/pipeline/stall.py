@@ -8,12 +8,13 @@ timeout cannot be relied on there: torch's NCCL watchdog does not see a wait in 
 point-to-point operation between two ranks, and a timeout it sees ends the process about 70 s
 later (``benchmarks/nccl_timeout_probe.py``, 2 H200s).
 
-Each rank therefore runs a :class:`StallWatchdog` from the restore of its checkpoint to its last
-collective. The engine and the worker report every action to it (:meth:`StallWatchdog.beat`: a
-forward, a backward, an exchange with the neighbours, each phase of a checkpoint, the gathering
-of the adapters). When one action has lasted longer than its limit, a thread writes the
-rank's error down for the launcher (:func:`~lorafusion_megatron.pipeline.failures.note_failure`),
-with the main thread's stack, prints it, and ends the process at once (``os._exit``: the main
+Each rank therefore runs a :class:`StallWatchdog` from the start of its process groups to its last
+collective. The engine and the worker report every action to it (:meth:`StallWatchdog.beat`:
+reading the data, planning, building the rank's stage, a forward, a backward, an exchange with the
+neighbours, each phase of a checkpoint, the gathering of the adapters). When one action has lasted
+longer than its limit, a thread writes the rank's error down for the launcher
+(:func:`~lorafusion_megatron.pipeline.failures.note_failure`), with the main thread's stack,
+prints it, and ends the process at once (``os._exit``: the main
 thread may be blocked in a transfer or a CUDA call that no exception can interrupt). The launcher
 then stops the other ranks and names this one. With it, the NCCL run above ends after the stalled
 rank's 54 s and names rank 1 (2 H200s, the ``multigpu`` hanging-rank test).

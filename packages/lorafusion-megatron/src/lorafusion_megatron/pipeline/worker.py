@@ -70,16 +70,25 @@ class _Phases:
         self.mark = now
 
 
-def _rank_zero_decides(layout: Layout, decide: Callable[[], Any]) -> Any:
-    """``decide()`` on rank 0, its result (or its :class:`TrainerError`) on every rank."""
+def _rank_zero_decides(
+    layout: Layout, decide: Callable[[], Any], *, what: str = "decision", heartbeat: Heartbeat = no_heartbeat
+) -> Any:
+    """``decide()`` on rank 0, its result (or its :class:`TrainerError`) on every rank.
+
+    ``heartbeat`` hears of rank 0 deciding ``what`` (its own work), then of every rank's wait for the
+    broadcast of it.
+    """
     import torch.distributed as dist
 
     message: list[Any] = [None]
     if layout.rank == 0:
+        heartbeat(f"deciding the {what}")
         try:
             message[0] = ("ok", decide())
         except TrainerError as exc:
             message[0] = ("error", str(exc))
+    waiting_for = f"sending the {what} to the other ranks" if layout.rank == 0 else f"waiting for rank 0's {what}"
+    heartbeat(waiting_for, waiting=True)
     dist.broadcast_object_list(message, src=0)
     kind, value = message[0]
     if kind == "error":
@@ -111,7 +120,12 @@ def _run_lock_on_rank_zero(config: TrainerConfig, layout: Layout) -> Iterator[No
 
 
 def shared_plan(
-    config: TrainerConfig, data: dict[str, JobData], parallel: ParallelConfig, layout: Layout, resume: bool
+    config: TrainerConfig,
+    data: dict[str, JobData],
+    parallel: ParallelConfig,
+    layout: Layout,
+    resume: bool,
+    heartbeat: Heartbeat = no_heartbeat,
 ) -> tuple[Plan, Path | None]:
     """The plan every rank executes, and the checkpoint to resume from (``None`` for a fresh run).
 
@@ -120,7 +134,7 @@ def shared_plan(
     fresh run refuses a folder holding checkpoints, as the single-process trainer does; a resume
     refuses a checkpoint of another config or other parallel settings before its plan is checked
     (a plan for other stages or replicas would be refused too, but with advice to plan again,
-    which a resume cannot do).
+    which a resume cannot do). ``heartbeat`` hears of the planning and of the waits for its broadcast.
     """
     from lorafusion_megatron.adapters_io import check_run_outputs
     from lorafusion_megatron.checkpoint import checkpoint_to_resume, run_fingerprint
@@ -137,7 +151,7 @@ def shared_plan(
         read_run_state(found, fingerprint=run_fingerprint(config, data), parallel=parallel)
         return (found / "plan.json").read_text(encoding="utf-8"), str(found)
 
-    plan_json, checkpoint = _rank_zero_decides(layout, decide)
+    plan_json, checkpoint = _rank_zero_decides(layout, decide, what="plan", heartbeat=heartbeat)
     plan = plan_from_json(plan_json)
     check_plan(plan, data, config, pipeline_stages=parallel.pipeline_stages, data_parallel=parallel.data_parallel)
     return plan, None if checkpoint is None else Path(checkpoint)
@@ -272,15 +286,19 @@ def run_rank(
             )
         if under_torchrun():  # the local launcher holds the run lock itself, for all its ranks
             held.enter_context(_run_lock_on_rank_zero(config, layout))
+        # Watched from here on: a rank stuck reading, planning or loading its layers would otherwise
+        # leave its peers waiting on it in a collective that NCCL may never time out.
+        watchdog = held.enter_context(StallWatchdog(parallel.collective_timeout_minutes * 60, layout))
+        watchdog.beat("reading the jobs' data")
         prepared = prepare_data(config)
         phases.done("data")
-        plan, checkpoint = shared_plan(config, prepared.jobs, parallel, layout, resume)
+        plan, checkpoint = shared_plan(config, prepared.jobs, parallel, layout, resume, watchdog.beat)
         phases.done("plan")
+        watchdog.beat("building its stage of the model")
         program = build_program(plan, parallel.schedule, parallel.baseline_microbatch_samples)
         if config.save_steps is not None:
             program = split_for_checkpoints(program, config.save_steps)
         session = _RankSession.build(config, parallel, layout, prepared.jobs, plan, program, phases)
-        watchdog = held.enter_context(StallWatchdog(parallel.collective_timeout_minutes * 60, layout))
         session.heartbeat = watchdog.beat
         watchdog.beat("restoring the checkpoint")
         start = session.restore(checkpoint) if checkpoint is not None else 0
