@@ -115,8 +115,16 @@ PARALLEL = ("-n", "auto")
 """pytest-xdist, one worker per CPU: the kernels' tests run Triton's interpreter, seconds per test."""
 
 
-def _pytest(session: nox.Session, package: Package, *extra: str) -> None:
-    session.run("pytest", str(package.path / "tests"), *PARALLEL, *extra, *session.posargs, env=package.test_env)
+def _pytest(session: nox.Session, package: Package, *extra: str, success_codes: list[int] | None = None) -> None:
+    session.run(
+        "pytest",
+        str(package.path / "tests"),
+        *PARALLEL,
+        *extra,
+        *session.posargs,
+        env=package.test_env,
+        success_codes=success_codes,
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -156,9 +164,11 @@ def tests_together(session: nox.Session) -> None:
         session.install(*CPU_CONSTRAINTS, *[arg for p in Package for arg in ("-e", p.editable_spec)])
         # The HF Trainer (the kernels' PEFT drop-in under its bf16 autocast) needs accelerate.
         session.install(*CPU_CONSTRAINTS, "accelerate>=1.0")
-        for package in Package:
-            _pytest(session, package, "-m", "together and not slow")
+        # Integration tests first: one of them explains a `together` marker that a test lacks.
         session.run("pytest", str(ROOT / "integration-tests"), *PARALLEL, "-m", "not slow", *session.posargs)
+        for package in Package:
+            # Exit status 5 ("no tests collected"): a package may have no test that needs more than it declares.
+            _pytest(session, package, "-m", "together and not slow", success_codes=[0, 5])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -101,11 +101,18 @@ def test_fused_lora(monkeypatch: pytest.MonkeyPatch, path: str, p: float) -> Non
     _assert_matches(_run(fused, leaves, dy), _run(reference, leaves64, dy), leaves)
 
 
+# Row tiles holding several segments (the GEMM's per-row scaling), and tiles of one segment each
+# (the interpreter's 32-row tiles: one scalar scaling per tile, ONE_SEGMENT).
+LAYOUTS = {"straddling": (LENGTHS, ADAPTERS), "tile-aligned": ((32, 32, 64), (0, 1, 2))}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("path", PATHS)
-def test_fused_multi_lora(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+def test_fused_multi_lora(monkeypatch: pytest.MonkeyPatch, path: str, layout: str) -> None:
     deterministic = _use_path(monkeypatch, path, multi_lora_module)
-    x, weight, lora_a, lora_b, dy = _inputs(sum(LENGTHS), 45, RANKS)
-    segments = {"segment_lengths": LENGTHS, "segment_adapters": ADAPTERS, "scaling": SCALING, "dropout_p": DROPOUT_P}
+    lengths, adapters = LAYOUTS[layout]
+    x, weight, lora_a, lora_b, dy = _inputs(sum(lengths), 45, RANKS)
+    segments = {"segment_lengths": lengths, "segment_adapters": adapters, "scaling": SCALING, "dropout_p": DROPOUT_P}
     leaves = [x, *(a[0] for a in lora_a), *(b[0] for b in lora_b)]
     n = len(RANKS)
 
@@ -155,3 +162,24 @@ def test_fused_multi_lora_siblings(monkeypatch: pytest.MonkeyPatch, path: str) -
         )
 
     _assert_matches(_run(fused, leaves, dy), _run(reference, _as_float64(leaves), dy), leaves)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+def test_multi_lora_db_with_a_scaling_below_one(deterministic: bool) -> None:
+    """``scaling = 1/16``: ``dy^T S`` is past fp16's range, ``scaling * dy^T S`` is not (every dB path sums in fp32)."""
+    gen = torch.Generator().manual_seed(3)
+    t, n, r = 128, 32, 8
+    x = (200 * torch.randn(t, K, generator=gen)).half().requires_grad_()
+    weight = (torch.randn(n, K, generator=gen) / math.sqrt(K)).half()
+    lora_a = [(10 * torch.randn(r, K, generator=gen) / math.sqrt(K)).requires_grad_() for _ in range(2)]
+    lora_b = [(1e-3 * torch.randn(n, r, generator=gen)).requires_grad_() for _ in range(2)]
+    s = x.detach().double() @ lora_a[0].detach().double().T
+    dy = (4 * torch.sign(s[:, :1])).expand(t, n).half()  # every row pushes dy^T S the same way
+    y = fused_multi_lora_linear(
+        x, weight, lora_a, lora_b, segment_lengths=[64, 64], segment_adapters=[0, 1], scaling=1 / 16,
+        deterministic=deterministic,
+    )  # fmt: skip
+    (db,) = torch.autograd.grad(y, [lora_b[0]], dy)
+    unscaled = dy[:64].double().T @ s[:64]
+    assert unscaled.abs().max() > FP16_MAX > unscaled.abs().max() / 16  # the premise
+    assert rel_rms(db, unscaled / 16) < 1e-3

@@ -454,9 +454,10 @@ def multi_lora_torch(
 
     ``lora_a[i]``/``lora_b[i]`` list adapter ``i``'s weights per member (one member for one layer;
     a sibling call's members share each token's mask, as in the kernels). The LoRA term is computed
-    in fp32 (or x's wider dtype) and rounded to x's dtype once, as the kernels do, so fp16 keeps the
-    range of fp32 adapters. Autograd differentiates it directly (it keeps the masked inputs; memory
-    is not a concern here).
+    in fp32 (or x's wider dtype) and rounded to x's dtype before it is added to the frozen layer's
+    output, so no half-precision intermediate of it overflows (the kernels round once, after the
+    sum). Autograd differentiates it directly (it keeps the masked inputs; memory is not a concern
+    here).
     """
     compute = torch.promote_types(x.dtype, torch.float32)
     if any(p > 0.0 for p in dropout_p):  # the seed is read (and checked) only with dropout, as on the kernels' path
@@ -900,16 +901,37 @@ def _dys_dyb_by_segment(
             continue
         rows = slice(start, start + length)
         if not params.members:
-            ds[rows, :r] = (dy[rows] @ b_cat[:, roff : roff + r].to(dy.dtype)).float() * scale
-            db[:, roff : roff + r] += (dy[rows].t() @ s[rows, :r]).float() * scale
+            mine = slice(roff, roff + r)
+            _segment_ds_db(dy[rows], b_cat[:, mine], s[rows, :r], scale, ds[rows, :r], db[:, mine])
             continue
         n = dy.shape[1]
         b_a = b_cat[n * roff : n * (roff + r)].view(n, r)
         db_a = db[n * roff : n * (roff + r)].view(n, r)
         for g, cols in enumerate(_member_slices(params.members)):
-            ds[rows, g * r : (g + 1) * r] = (dy[rows, cols] @ b_a[cols].to(dy.dtype)).float() * scale
-            db_a[cols] += (dy[rows, cols].t() @ s[rows, g * r : (g + 1) * r]).float() * scale
+            member = slice(g * r, (g + 1) * r)
+            _segment_ds_db(dy[rows, cols], b_a[cols], s[rows, member], scale, ds[rows, member], db_a[cols])
     return ds, db
+
+
+ROW_CHUNK = 2048
+"""Rows of ``dy`` copied to fp32 at a time by :func:`_segment_ds_db` (the copy is ``ROW_CHUNK x N x 4`` bytes)."""
+
+
+def _segment_ds_db(
+    dy: torch.Tensor, b: torch.Tensor, s: torch.Tensor, scale: float, ds_out: torch.Tensor, db_out: torch.Tensor
+) -> None:
+    """``ds_out = scale * dy b`` and ``db_out += scale * dy^T s`` for one segment, in fp32, row chunk by row chunk.
+
+    ``dy [rows, n]``, ``b [n, r]`` (rounded to dy's dtype first, as the kernels do), ``s [rows, r]``;
+    ``ds_out``/``db_out`` are fp32 views. Summing in fp32 as the kernels do keeps fp16's range: a
+    half-precision ``dy^T s`` would overflow before a ``scale`` below 1 brings it back. The chunks
+    are summed in a fixed order, so the result is reproducible.
+    """
+    b32 = b.to(dy.dtype).float()
+    for lo in range(0, dy.shape[0], ROW_CHUNK):
+        chunk = dy[lo : lo + ROW_CHUNK].float()
+        ds_out[lo : lo + ROW_CHUNK] = chunk @ b32 * scale
+        db_out += chunk.t() @ s[lo : lo + ROW_CHUNK].float() * scale
 
 
 def _member_slices(members: Sequence[int]) -> list[slice]:
