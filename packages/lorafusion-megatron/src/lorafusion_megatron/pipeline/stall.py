@@ -14,9 +14,9 @@ reading the data, planning, building the rank's stage, a forward, a backward, an
 neighbours, each phase of a checkpoint, the gathering of the adapters). When one action has lasted
 longer than its limit, a thread writes the rank's error down for the launcher
 (:func:`~lorafusion_megatron.pipeline.failures.note_failure`), with the main thread's stack,
-prints it, and ends the process at once (``os._exit``: the main
-thread may be blocked in a transfer or a CUDA call that no exception can interrupt). The launcher
-then stops the other ranks and names this one. With it, the NCCL run above ends after the stalled
+prints it, and ends the process at once (``os._exit``: the main thread may be blocked in a
+transfer or a CUDA call that no exception can interrupt). The launcher then stops the other ranks
+and names this one. With it, the NCCL run above ends after the stalled
 rank's 54 s and names rank 1 (2 H200s, the ``multigpu`` hanging-rank test).
 
 The limit is a fraction of the collective timeout ``T``: ``0.9 T`` for the rank's own work and
