@@ -70,8 +70,8 @@ def _as_float64(tensors):
     return [t.detach().double().requires_grad_() for t in tensors]
 
 
-def _use_path(monkeypatch: pytest.MonkeyPatch, path: str, *modules) -> bool | None:
-    """Point ``modules`` at the torch path for ``"torch"``; the ``deterministic`` flag of the others."""
+def _use_path(monkeypatch: pytest.MonkeyPatch, path: str, *modules) -> bool:
+    """Point ``modules`` at the torch path for ``"torch"``; returns the call's ``deterministic`` flag."""
     if path == "torch":
         for module in modules:
             monkeypatch.setattr(module, "runs_triton", lambda t: False)
