@@ -162,6 +162,7 @@ HANGS = {
         ("gloo", "first-forward"),
         ("gloo", "reading-data"),
         pytest.param("nccl", "first-forward", marks=pytest.mark.multigpu(gpus=2)),
+        pytest.param("nccl", "reading-data", marks=pytest.mark.multigpu(gpus=2)),
     ],
 )
 def test_a_hanging_rank_is_stopped_and_named_before_its_neighbour_times_out(
