@@ -115,14 +115,21 @@ PARALLEL = ("-n", "auto")
 """pytest-xdist, one worker per CPU: the kernels' tests run Triton's interpreter, seconds per test."""
 
 
-def _pytest(session: nox.Session, package: Package, *extra: str, success_codes: list[int] | None = None) -> None:
+def _pytest(
+    session: nox.Session,
+    package: Package,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    success_codes: list[int] | None = None,
+) -> None:
+    """``package``'s tests with pytest-xdist; ``env`` defaults to the package's test environment."""
     session.run(
         "pytest",
         str(package.path / "tests"),
         *PARALLEL,
         *extra,
         *session.posargs,
-        env=package.test_env,
+        env=package.test_env if env is None else env,
         success_codes=success_codes,
     )
 
@@ -150,14 +157,15 @@ def _test_alone(session: nox.Session, package: Package) -> None:
     env = dict(package.test_env)
     if package is Package.SCHED:
         env["LORAFUSION_EXPECT_NO_TORCH"] = "1"
-    session.run("pytest", str(package.path / "tests"), *PARALLEL, "-m", "not slow", *session.posargs, env=env)
+    _pytest(session, package, "-m", "not slow", env=env)
 
 
 @nox.session(tags=["tests"])
 def tests_together(session: nox.Session) -> None:
-    """All three packages in one venv with their optional packages: ``integration-tests/``, and the tests
-    marked ``together`` of each package (those that need peft, transformers, matplotlib or tensorboard
-    and so skip in its alone venv; the alone sessions ran the rest).
+    """All three packages in one venv with their optional packages: integration tests, `together` tests.
+
+    Each package's tests marked ``together`` need peft, transformers, matplotlib or tensorboard and so
+    skip in its alone venv; the alone sessions ran the rest.
     """
     with _venv_removed_afterwards(session):
         session.install(*CPU_CONSTRAINTS, *nox.project.dependency_groups(PYPROJECT, "test"))
