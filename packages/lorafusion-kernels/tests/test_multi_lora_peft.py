@@ -31,6 +31,7 @@ from lorafusion_kernels import (  # noqa: E402
     routed_checkpoint_function,
     unpatch_peft_model,
 )
+from lorafusion_kernels.instance_forward import INSTANCE_ATTRIBUTES  # noqa: E402
 
 # peft 0.21 calls a property that transformers 5 deprecates; nothing for us to act on.
 # The patched layers warn (once per reason) that CPU tensors take PEFT's own single-adapter path.
@@ -465,7 +466,7 @@ def test_modules_to_save_route_each_segment_to_its_adapters_copy(saved: list[str
         for other in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
             assert_context_matches_rows(other, ids, rows, expected)
     unpatch_peft_model(model)
-    assert all(not {"forward", "_replicate_for_data_parallel"} & vars(m).keys() for m in model.modules())
+    assert all(not INSTANCE_ATTRIBUTES & vars(m).keys() for m in model.modules())
 
 
 def test_sequence_classification_heads_train_per_adapter_in_one_batch() -> None:

@@ -15,6 +15,7 @@ import lorafusion_kernels
 import lorafusion_kernels.lora as lora_module
 import lorafusion_kernels.peft_integration as integration
 from lorafusion_kernels.errors import LoRAFusionKernelsWarning
+from lorafusion_kernels.instance_forward import INSTANCE_ATTRIBUTES
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -91,7 +92,7 @@ def test_patched_model_matches_peft(force_fused):
     for name in grads:
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
     assert lorafusion_kernels.unpatch_peft_model(model) == 4
-    assert all(not {"forward", "_replicate_for_data_parallel"} & vars(m).keys() for m in model.modules())
+    assert all(not INSTANCE_ATTRIBUTES & vars(m).keys() for m in model.modules())
 
 
 def test_autocast_runs_fused_with_nn_linear_operands(force_fused, fused_calls):
@@ -279,8 +280,7 @@ def test_a_patched_model_pickles_and_copies(force_fused, fused_calls):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=kind)
         assert len(fused_calls) == len(TARGETS), kind
         assert lorafusion_kernels.unpatch_peft_model(other) == len(TARGETS), kind
-        left = {"forward", "_replicate_for_data_parallel"}
-        assert all(not left & vars(m).keys() for m in other.modules()), kind
+        assert all(not INSTANCE_ATTRIBUTES & vars(m).keys() for m in other.modules()), kind
 
 
 def test_data_parallel_replicas_run_their_own_layers(force_fused):

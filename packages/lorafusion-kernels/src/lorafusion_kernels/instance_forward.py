@@ -16,9 +16,12 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["bind_forward", "unbind_forward"]
+__all__ = ["INSTANCE_ATTRIBUTES", "bind_forward", "unbind_forward"]
 
 _REPLICATE = "_replicate_for_data_parallel"
+
+INSTANCE_ATTRIBUTES = frozenset({"forward", _REPLICATE})
+"""The instance attributes :func:`bind_forward` sets and :func:`unbind_forward` removes."""
 
 
 def bind_forward(module: nn.Module, func: Callable[..., Any]) -> None:
