@@ -78,6 +78,13 @@ def test_demo_refuses_a_count_below_one_by_its_flag(flag: str, capsys: pytest.Ca
     assert f"argument {flag}: 0 is less than 1" in capsys.readouterr().err
 
 
+def test_demo_refuses_a_negative_seed_by_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--seed", "-1"])
+    assert exit_info.value.code == 2
+    assert "argument --seed: -1 is less than 0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("value", "message"), [("0", "0 is not above 0"), ("soon", "'soon' is not a number")])
 def test_time_limit_is_refused_by_its_flag(value: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
@@ -128,6 +135,23 @@ def test_messages_keep_their_square_brackets(tmp_path: Path, capsys: pytest.Capt
     capsys.readouterr()
     assert main(["verify", str(tmp_path / "p.json")]) == 1
     assert "violation [capacity]" in " ".join(capsys.readouterr().out.split())
+
+
+def test_adapter_names_are_printed_as_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Rich read ``x[/b]`` in the plan table as a closing tag and crashed after the plan was written."""
+    adapters = [{"name": name, "sample_tokens": [5, 6], "global_batch_size": 1} for name in ("x[/b]", "chat[v2]")]
+    (tmp_path / "jobs.json").write_text(json.dumps({"adapters": adapters, "options": {"capacity": 64}}))
+    assert main(["plan", str(tmp_path / "jobs.json"), "-o", str(tmp_path / "p.json"), "--no-milp"]) == 0
+    assert "x[/b]+chat[v2]" in capsys.readouterr().out
+
+
+def test_simulate_refuses_a_forward_that_takes_no_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    jobs = {"adapters": [{"name": "a", "sample_tokens": [5, 6], "global_batch_size": 1}], "options": {"capacity": 64}}
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    assert main(["plan", str(tmp_path / "jobs.json"), "-o", str(tmp_path / "p.json"), "-q"]) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(tmp_path / "p.json"), "--forward-fixed", "0", "--forward-per-token", "0"]) == 2
+    assert "a forward that takes no time" in capsys.readouterr().err
 
 
 def test_simulate_with_bad_stage_factors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -223,3 +224,42 @@ def test_save_plan_follows_a_link_keeps_permissions_and_is_safe_across_threads(t
     assert failures == []
     assert load_plan(tmp_path / "shared.json") == p
     assert sorted(f.name for f in tmp_path.iterdir()) == ["plan.json", "shared.json", "v1.json"]
+
+
+def test_a_plan_file_cut_short_is_named_in_one_short_line(tmp_path: Path) -> None:
+    """The JSON parser's error carried the whole document, which the message used to print."""
+    p = plan([make_job("a", [100, 900, 300, 50] * 50, gbs=2)], PlanOptions(capacity=1024, use_milp=False))
+    save_plan(p, tmp_path / "plan.json")
+    text = (tmp_path / "plan.json").read_text()
+    (tmp_path / "cut.json").write_text(text[: len(text) // 2])
+    with pytest.raises(SchedError, match=r"cut.json: not valid JSON \(EOF while parsing .*\); cut short") as info:
+        load_plan(tmp_path / "cut.json")
+    assert len(str(info.value)) < 200
+
+
+def test_a_long_refused_value_is_shortened(tmp_path: Path) -> None:
+    (tmp_path / "jobs.json").write_text(json.dumps({"adapters": [{"name": "a", "sample_tokens": "x" * 10_000}]}))
+    with pytest.raises(SchedError) as info:
+        load_jobs(tmp_path / "jobs.json")
+    assert "xxx..." in str(info.value) and len(str(info.value)) < 400
+
+
+@pytest.mark.parametrize("load", [load_plan, load_jobs, read_lengths])
+def test_a_folder_is_not_reported_missing(tmp_path: Path, load: Callable[[Path], object]) -> None:
+    with pytest.raises(SchedError, match=r"is a folder; name a file"):
+        load(tmp_path)
+
+
+def test_a_jobs_file_takes_numbers_with_an_exponent_as_json_does(tmp_path: Path) -> None:
+    """PyYAML (YAML 1.1) reads ``1e3`` as a string; a jobs file written as JSON means a number."""
+    doc = '{"adapters": [{"name": "a", "sample_tokens": [3, 1e3, 1.5e3], "global_batch_size": 1}], '
+    (tmp_path / "jobs.json").write_text(doc + '"options": {"capacity": 4.096e3}}')
+    jobs, options = load_jobs(tmp_path / "jobs.json")
+    assert jobs[0].sample_tokens == (3, 1000, 1500)
+    assert options.capacity == 4096
+
+
+def test_unknown_top_level_keys_of_any_type_are_named(tmp_path: Path) -> None:
+    (tmp_path / "jobs.yaml").write_text("adapters: [{name: a, sample_tokens: [5], global_batch_size: 1}]\n1: x\nz: y\n")
+    with pytest.raises(SchedError, match=r"unknown top-level keys \['1', 'z'\]"):
+        load_jobs(tmp_path / "jobs.yaml")

@@ -1,13 +1,14 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import numpy as np
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from lorafusion_sched import AdapterJob, Plan, PlanOptions, SchedError, plan
+from lorafusion_sched import AdapterJob, Plan, PlanOptions, SchedError, plan, simulate, verify
 from lorafusion_sched.io import describe_validation_error
 from lorafusion_sched.models import (
     AdapterInfo,
@@ -214,3 +215,43 @@ def test_plan_json_schema_has_the_contract_fields() -> None:
     assert {"adapter", "global_batch", "samples", "tokens", "padded_tokens"} <= set(segment)
     assert {"segments", "noop", "step_after", "replica"} <= set(schema["$defs"]["Microbatch"]["properties"])
     json.dumps(schema)
+
+
+def test_the_public_functions_refuse_dicts_and_a_lone_job_with_how_to_build_them() -> None:
+    job = AdapterJob(name="a", sample_tokens=(5, 6), global_batch_size=1)
+    options = PlanOptions(capacity=64)
+    with pytest.raises(TypeError, match=r"jobs has type AdapterJob: pass a list of AdapterJob, e.g. plan\(\[job\]"):
+        plan(job, options)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"jobs\[0\] has type dict, not AdapterJob: .*AdapterJob.model_validate"):
+        plan([job.model_dump()], options)  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"options has type dict, not PlanOptions"):
+        plan([job], {"capacity": 64})  # type: ignore[arg-type]
+    document = json.loads(plan([job], options).model_dump_json())
+    with pytest.raises(TypeError, match=r"plan has type dict, not Plan: .*Plan.model_validate"):
+        verify(document)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"plan has type dict, not Plan"):
+        simulate(document)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"forward_fixed_s": 0.0, "forward_per_token_s": 0.0}, "a forward that takes no time"),
+        ({"forward_per_token_s": math.inf}, "forward_per_token_s"),
+        ({"backward_factor": math.nan}, "backward_factor"),
+        ({"stage_factors": (1.0, math.inf)}, "stage_factors"),
+    ],
+)
+def test_a_cost_model_refuses_costs_that_leave_nothing_to_simulate(fields: dict[str, object], needle: str) -> None:
+    with pytest.raises(ValidationError, match=needle):
+        CostModel.model_validate(fields)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -0.5, 1.5])
+def test_plan_stats_refuse_ratios_that_no_plan_has(value: float) -> None:
+    """A hand-edited NaN slipped past verify: ``abs(stated - want) > tol`` is False for NaN."""
+    p = plan([AdapterJob(name="a", sample_tokens=(5, 6), global_batch_size=1)], PlanOptions(capacity=64))
+    document = p.model_dump()
+    document["stats"]["fill_ratio"] = value
+    with pytest.raises(ValidationError, match="fill_ratio"):
+        Plan.model_validate(document)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -54,7 +54,7 @@ def _plan_table(plan: Plan) -> Table:
     table.add_column(justify="right")
     samples = sum(min(len(a.sample_tokens), a.num_global_batches * a.global_batch_size) for a in plan.adapters)
     table.add_row("adapters / samples", f"{len(plan.adapters)} / {samples:,}")
-    table.add_row("groups (first phase)", "  ".join("+".join(g) for g in s.groups))
+    table.add_row("groups (first phase)", escape("  ".join("+".join(g) for g in s.groups)))  # names are not markup
     table.add_row("microbatches", f"{s.num_microbatches - s.num_noops:,} + {s.num_noops} no-ops")
     over = (s.num_microbatches - s.num_noops) / s.lower_bound - 1 if s.lower_bound else 0.0
     table.add_row("lower bound", f"{s.lower_bound:,} ({over:+.1%})")
@@ -84,15 +84,22 @@ def _simulation_table(result: SimulationResult) -> Table:
     return table
 
 
-def _positive_int(text: str) -> int:
-    """An argparse type: a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is less than 1")
-    return value
+def _whole_number_from(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is less than {minimum}")
+        return value
+
+    return parse
+
+
+_positive_int = _whole_number_from(1)
 
 
 def _positive_seconds(text: str) -> float:
@@ -319,7 +326,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--capacity", type=_positive_int, default=4096, help="tokens per microbatch (default: 4096)")
     d.add_argument("--padding", type=_positive_int, default=64, help="segment padding multiple (default: 64)")
     d.add_argument("--truncate", action="store_true", help="cut samples longer than the capacity to it")
-    d.add_argument("--seed", type=int, default=0, help="synthetic lengths' seed (default: 0)")
+    d.add_argument("--seed", type=_whole_number_from(0), default=0, help="synthetic lengths' seed (default: 0)")
     d.add_argument("-o", "--output", type=Path, default=None, help="also write the plan JSON")
     d.add_argument("--png", type=Path, default=None, help="also draw the timelines (needs the plot extra)")
     _add_solver_args(d)

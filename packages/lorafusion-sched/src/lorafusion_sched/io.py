@@ -20,6 +20,7 @@ import csv
 import json
 import math
 import os
+import re
 import stat
 import threading
 from collections.abc import Callable
@@ -140,8 +141,7 @@ def read_lengths(path: str | Path, field: str | None = None) -> list[int]:
             a positive whole number; the message names the file and line or index.
     """
     path = Path(path)
-    if not path.is_file():
-        raise SchedError(f"lengths file {str(path)!r} does not exist")
+    _require_file(path, "lengths file")
     suffix = path.suffix.lower()
     text = _read_text(path)
     lengths: list[int] = []
@@ -165,6 +165,14 @@ def read_lengths(path: str | Path, field: str | None = None) -> list[int]:
     if not lengths:
         raise SchedError(f"{path}: no lengths found")
     return lengths
+
+
+def _require_file(path: Path, what: str) -> None:
+    """Raise unless ``path`` is a file: a missing path and a folder get different fixes."""
+    if path.is_dir():
+        raise SchedError(f"{what} {str(path)!r} is a folder; name a file")
+    if not path.is_file():
+        raise SchedError(f"{what} {str(path)!r} does not exist")
 
 
 def _read_text(path: Path) -> str:
@@ -199,10 +207,34 @@ def describe_validation_error(err: ValidationError, where: str = "") -> str:
         if e["type"] == "missing":
             parts.append(f"{where}{loc}: missing; this field is required")
             continue
+        if e["type"] == "json_invalid":  # its input is the whole document: not shown
+            detail = message.removeprefix("Invalid JSON: ")
+            parts.append(f"{where.rstrip(': ') or 'input'}: not valid JSON ({detail}); cut short or edited by hand?")
+            continue
         value = e.get("input")
         shown = repr(value) if not isinstance(value, dict | list | tuple) else type(value).__name__
+        if len(shown) > _SHOWN_CHARACTERS:
+            shown = shown[: _SHOWN_CHARACTERS - 3] + "..."
         parts.append(f"{where}{loc or '(top level)'} = {shown}: {message}")
     return "; ".join(parts)
+
+
+_SHOWN_CHARACTERS = 80
+"""The most characters of a refused value that an error message shows."""
+
+
+class _JobsLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, also reading ``1e3`` and ``1.5e3`` as numbers, as JSON and YAML 1.2 do.
+
+    PyYAML follows YAML 1.1, whose floats need a dot and a signed exponent (``1.0e+3``): ``1e3``
+    would be a string, and a jobs file written as JSON would then be refused where a lengths file
+    takes the same number.
+    """
+
+
+_JobsLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
 
 
 def load_jobs(path: str | Path) -> tuple[list[AdapterJob], PlanOptions]:
@@ -212,15 +244,14 @@ def load_jobs(path: str | Path) -> tuple[list[AdapterJob], PlanOptions]:
         SchedError: With the field and value at fault.
     """
     path = Path(path)
-    if not path.is_file():
-        raise SchedError(f"jobs file {str(path)!r} does not exist")
+    _require_file(path, "jobs file")
     try:
-        raw = yaml.safe_load(_read_text(path))  # YAML is a superset of JSON
+        raw = yaml.load(_read_text(path), Loader=_JobsLoader)  # a SafeLoader; YAML is a superset of JSON
     except yaml.YAMLError as err:
         raise SchedError(f"{path}: cannot parse ({err})") from None
     if not isinstance(raw, dict) or "adapters" not in raw:
         raise SchedError(f"{path}: expected a mapping with 'adapters' (a list) and 'options' (a mapping)")
-    unknown = sorted(set(raw) - {"adapters", "options"})
+    unknown = sorted(str(key) for key in set(raw) - {"adapters", "options"})
     if unknown:
         raise SchedError(f"{path}: unknown top-level keys {unknown}; a jobs file has only 'adapters' and 'options'")
     adapters = raw["adapters"]
@@ -313,8 +344,7 @@ def load_plan(path: str | Path) -> Plan:
         SchedError: Missing file or a document that is not a valid plan.
     """
     path = Path(path)
-    if not path.is_file():
-        raise SchedError(f"plan file {str(path)!r} does not exist")
+    _require_file(path, "plan file")
     try:
         return Plan.model_validate_json(_read_text(path))
     except ValidationError as err:

@@ -39,6 +39,7 @@ __all__ = [
     "Segment",
     "SimulationResult",
     "Violation",
+    "require_model",
 ]
 
 SCHEMA_VERSION = 1
@@ -91,6 +92,19 @@ def _check_whole_numbers(value: object, info: ValidationInfo) -> object:
     if isinstance(value, str | bytes | dict) or not isinstance(value, Iterable):
         return value
     return [_whole_number(item, f"{info.field_name}[{i}]") for i, item in enumerate(value)]
+
+
+def require_model(value: object, model: type[BaseModel], name: str) -> None:
+    """Raise a ``TypeError`` that says how to build a ``model`` when ``value`` is not one.
+
+    The public functions call it on their arguments, so that a dict (e.g. a plan from ``json.load``)
+    or a lone job is refused at the call, not deep inside the planner.
+    """
+    if not isinstance(value, model):
+        raise TypeError(
+            f"{name} has type {type(value).__name__}, not {model.__name__}: build one with {model.__name__}(...) "
+            f"or, from a dict, {model.__name__}.model_validate(...)"
+        )
 
 
 WholeNumber = Annotated[int, BeforeValidator(_check_whole_number)]
@@ -262,8 +276,12 @@ class PlanStats(BaseModel):
     num_microbatches: WholeNumber = Field(description="All microbatches, no-ops included.")
     num_noops: WholeNumber = Field(description="No-op microbatches inserted for the bubble lemma or data parallel.")
     lower_bound: WholeNumber = Field(description="ceil(sum over adapter global batches of padded tokens / capacity).")
-    fill_ratio: StrictFloat = Field(description="Padded tokens / (non-no-op microbatches x capacity).")
-    token_ratio: StrictFloat = Field(description="Real tokens / (non-no-op microbatches x capacity).")
+    fill_ratio: StrictFloat = Field(
+        ge=0, le=1, allow_inf_nan=False, description="Padded tokens / (non-no-op microbatches x capacity)."
+    )
+    token_ratio: StrictFloat = Field(
+        ge=0, le=1, allow_inf_nan=False, description="Real tokens / (non-no-op microbatches x capacity)."
+    )
     num_groups: WholeNumber = Field(description="Adapter groups used (summed over phases when adapters run out).")
     groups: tuple[tuple[str, ...], ...] = Field(description="Groups of the first phase, in execution order.")
     num_tasks: WholeNumber = Field(description="Packing problems: (group, global batch) pairs.")
@@ -277,7 +295,9 @@ class PlanStats(BaseModel):
     dropped_samples: WholeNumber = Field(description="Samples left out by drop_last.")
     workers: WholeNumber = Field(description="Processes that solved MILPs (1: in this process).")
     solve_seconds: StrictFloat = Field(
-        description="Wall time of plan(), seconds (the only field that differs between runs when time_limit is None)."
+        ge=0,
+        allow_inf_nan=False,
+        description="Wall time of plan(), seconds (the only field that differs between runs when time_limit is None).",
     )
 
 
@@ -366,10 +386,12 @@ class CostModel(BaseModel):
 
     model_config = _FROZEN
 
-    forward_fixed_s: StrictFloat = Field(default=2e-3, ge=0)
-    forward_per_token_s: StrictFloat = Field(default=2e-5, ge=0)
-    backward_factor: StrictFloat = Field(default=2.0, gt=0)
-    stage_factors: tuple[StrictFloat, ...] | None = Field(default=None, description="One positive factor per stage.")
+    forward_fixed_s: StrictFloat = Field(default=2e-3, ge=0, allow_inf_nan=False)
+    forward_per_token_s: StrictFloat = Field(default=2e-5, ge=0, allow_inf_nan=False)
+    backward_factor: StrictFloat = Field(default=2.0, gt=0, allow_inf_nan=False)
+    stage_factors: tuple[Annotated[StrictFloat, Field(allow_inf_nan=False)], ...] | None = Field(
+        default=None, description="One positive factor per stage."
+    )
 
     @field_validator("stage_factors")
     @classmethod
@@ -377,6 +399,15 @@ class CostModel(BaseModel):
         if value is not None and (not value or min(value) <= 0):
             raise ValueError(f"stage_factors = {value}: give one positive factor per pipeline stage")
         return value
+
+    @model_validator(mode="after")
+    def _forward_takes_time(self) -> CostModel:
+        if self.forward_fixed_s == 0 and self.forward_per_token_s == 0:
+            raise ValueError(
+                "forward_fixed_s = forward_per_token_s = 0: a forward that takes no time leaves nothing to "
+                "simulate; give either a positive value"
+            )
+        return self
 
     def forward_seconds(self, padded_tokens: int, stage: int) -> float:
         """Forward seconds of one microbatch on ``stage`` (0 for a no-op)."""

@@ -14,12 +14,21 @@ import os
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from lorafusion_sched.errors import SchedError
 from lorafusion_sched.grouping import AdapterProfile, Task, plan_tasks
 from lorafusion_sched.merge import merge_pass
-from lorafusion_sched.models import AdapterInfo, AdapterJob, Microbatch, Plan, PlanOptions, PlanStats, Segment
+from lorafusion_sched.models import (
+    AdapterInfo,
+    AdapterJob,
+    Microbatch,
+    Plan,
+    PlanOptions,
+    PlanStats,
+    Segment,
+    require_model,
+)
 from lorafusion_sched.packing import highs
 from lorafusion_sched.packing.pool import solve_in_workers
 from lorafusion_sched.packing.problem import Packing, PackingProblem, round_up
@@ -256,9 +265,16 @@ def plan(jobs: Iterable[AdapterJob], options: PlanOptions, *, progress: Progress
     Raises:
         SchedError: No jobs, repeated names, a sample longer than the capacity (unless
             ``truncate``), or ``drop_last`` leaving an adapter with nothing.
+        TypeError: ``jobs`` is not a list of :class:`AdapterJob` or ``options`` not a
+            :class:`PlanOptions` (e.g. dicts: build the models from them).
     """
     start = time.perf_counter()
+    if isinstance(jobs, AdapterJob | Mapping | str):
+        raise TypeError(f"jobs has type {type(jobs).__name__}: pass a list of AdapterJob, e.g. plan([job], options)")
     jobs = list(jobs)
+    for i, job in enumerate(jobs):
+        require_model(job, AdapterJob, f"jobs[{i}]")
+    require_model(options, PlanOptions, "options")
     lengths, truncated = _checked_lengths(jobs, options)
     d = options.data_parallel
     batches = [_num_batches(job, options.drop_last) for job in jobs]

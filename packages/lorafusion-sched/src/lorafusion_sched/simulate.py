@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lorafusion_sched.errors import SchedError
-from lorafusion_sched.models import CostModel, Plan, RunStats, SimulationResult
+from lorafusion_sched.models import CostModel, Plan, RunStats, SimulationResult, require_model
 from lorafusion_sched.packing.problem import round_up
 from lorafusion_sched.sequence import Slot, insert_noops
 
@@ -202,6 +202,8 @@ def _stats(name: str, pipelines: list[list[list[_Item]]], plan: Plan, cost: Cost
 
 
 def _check_cost(plan: Plan, cost: CostModel) -> None:
+    require_model(plan, Plan, "plan")
+    require_model(cost, CostModel, "cost_model")
     if cost.stage_factors is not None and len(cost.stage_factors) != plan.pipeline_stages:
         raise SchedError(
             f"cost_model.stage_factors has {len(cost.stage_factors)} entries: give one per pipeline stage "
@@ -231,6 +233,7 @@ def simulate(
     Raises:
         SchedError: If the cost model's stage factors do not match the pipeline, or
             ``microbatch_samples`` names an adapter the plan lacks or a count below 1.
+        TypeError: ``plan`` is not a :class:`Plan` or ``cost_model`` not a :class:`CostModel`.
     """
     cost = cost_model or CostModel()
     _check_cost(plan, cost)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypedDict, cast
 
-from lorafusion_sched.models import AdapterInfo, Microbatch, Plan, RuntimeSettings, Violation
+from lorafusion_sched.models import AdapterInfo, Microbatch, Plan, RuntimeSettings, Violation, require_model
 from lorafusion_sched.packing.problem import round_up
 
 __all__ = ["verify"]
@@ -288,7 +288,14 @@ def verify(plan: Plan, *, runtime: RuntimeSettings | None = None) -> list[Violat
 
     Returns:
         Violations ordered by kind of check, then by microbatch.
+
+    Raises:
+        TypeError: ``plan`` is not a :class:`Plan` (e.g. a dict from ``json.load``:
+            ``Plan.model_validate_json`` reads a file's text) or ``runtime`` not a :class:`RuntimeSettings`.
     """
+    require_model(plan, Plan, "plan")
+    if runtime is not None:
+        require_model(runtime, RuntimeSettings, "runtime")
     out: list[Violation] = []
     if runtime is not None:
         _check_settings(plan, runtime, out)
