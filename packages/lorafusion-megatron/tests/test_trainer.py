@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 from lorafusion_megatron.checkpoint import latest_checkpoint
-from lorafusion_megatron.config import parse_config
+from lorafusion_megatron.config import TrainerConfig, parse_config
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.executor import StopSignal
-from lorafusion_megatron.run_lock import run_lock
+from lorafusion_megatron.run_lock import run_lock, run_locks
 from lorafusion_megatron.trainer import Trainer
 
 
@@ -193,6 +193,23 @@ def test_a_second_run_into_the_same_output_dir_is_refused(make_config, tmp_path:
         Trainer(config).train()
     Trainer(config).train()  # released: the run goes ahead
     assert (tmp_path / "run" / "summary.json").is_file()
+
+
+def test_a_job_folder_outside_the_run_folder_is_locked_too(make_config, tmp_path: Path) -> None:
+    """Two runs with run folders of their own but one job folder both wrote it, the last one winning."""
+
+    def sharing(run: str) -> TrainerConfig:
+        config = make_config(output_dir=str(tmp_path / run))
+        first = config.jobs[0].model_copy(update={"output_dir": str(tmp_path / "shared" / "adapter")})
+        return config.model_copy(update={"jobs": [first, *config.jobs[1:]]})
+
+    in_use = r"adapter, job first's output folder, is in use by another run \(process \d+\)"
+    with run_locks(sharing("a")), pytest.raises(TrainerError, match=in_use):
+        Trainer(sharing("b")).train()
+    assert not (tmp_path / "b" / "summary.json").exists()
+    Trainer(sharing("b")).train()  # released: the run goes ahead
+    assert (tmp_path / "shared" / "adapter" / "adapter_config.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == [".adapter.lorafusion-run.lock", "adapter"]
 
 
 @pytest.mark.parametrize("code", [errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP])

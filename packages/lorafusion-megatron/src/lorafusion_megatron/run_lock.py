@@ -1,9 +1,13 @@
 """One run per output folder: an exclusive lock on ``<output_dir>/.lorafusion-run.lock`` while a run writes.
 
 Two runs into one folder would interleave their adapters, ``summary.json``, checkpoints and
-checkpoint pruning. The lock is an ``flock`` on the file: the operating system releases it when the
-process ends in any way (a crash or ``kill -9`` included), so a stale lock never blocks a later run.
-The file itself stays; it holds the last holder's process id, for the message.
+checkpoint pruning. A job whose ``output_dir`` lies outside the run's folder gets a lock of its own,
+``.<folder name>.lorafusion-run.lock`` beside that folder (not in it: the adapter folder is replaced
+whole), so two runs with different run folders cannot write one adapter folder either.
+
+A lock is an ``flock`` on its file: the operating system releases it when the process ends in any
+way (a crash or ``kill -9`` included), so a stale lock never blocks a later run. The file itself
+stays; it holds the last holder's process id, for the message.
 
 On a file system that does not lock files (Lustre mounted without ``flock``, NFS without a lock
 daemon: ``flock`` fails with ``ENOSYS``, ``ENOLCK`` or ``EOPNOTSUPP``) the run goes on without the
@@ -17,18 +21,40 @@ import fcntl
 import logging
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.run_layout import LOCK_FILE
 
-__all__ = ["run_lock"]
+if TYPE_CHECKING:
+    from lorafusion_megatron.config import TrainerConfig
+
+__all__ = ["run_lock", "run_locks"]
 
 _log = logging.getLogger(__name__)
 
 # flock's errors on a file system that does not lock files (not a lock held by someone else).
 _LOCKS_UNSUPPORTED = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP})
+
+
+@contextmanager
+def run_locks(config: TrainerConfig) -> Iterator[None]:
+    """Hold the run lock of ``config.output_dir`` and of every job folder outside it, inside the block.
+
+    Raises:
+        TrainerError: Another process holds one of them (naming the folder and its process id).
+    """
+    run_dir = Path(config.output_dir)
+    with ExitStack() as held:
+        held.enter_context(run_lock(run_dir))
+        for job in config.jobs:
+            folder = config.job_output_dir(job)
+            if not folder.resolve().is_relative_to(run_dir.resolve()):
+                what = f"{folder}, job {job.name}'s output folder,"
+                held.enter_context(_locked(folder.parent, f".{folder.name}{LOCK_FILE}", what))
+        yield
 
 
 @contextmanager
@@ -40,8 +66,15 @@ def run_lock(output_dir: Path) -> Iterator[None]:
     Raises:
         TrainerError: Another process holds it (naming its process id).
     """
-    output_dir.mkdir(parents=True, exist_ok=True)
-    descriptor = os.open(output_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    with _locked(output_dir, LOCK_FILE, str(output_dir)):
+        yield
+
+
+@contextmanager
+def _locked(folder: Path, name: str, what: str) -> Iterator[None]:
+    """Hold an ``flock`` on ``folder / name`` (both created if needed); ``what`` names the locked thing."""
+    folder.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(folder / name, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -49,8 +82,7 @@ def run_lock(output_dir: Path) -> Iterator[None]:
         except BlockingIOError:
             holder = os.pread(descriptor, 32, 0).decode(errors="replace").strip() or "unknown"
             raise TrainerError(
-                f"{output_dir} is in use by another run (process {holder}): wait for it to end, or choose "
-                "another output_dir"
+                f"{what} is in use by another run (process {holder}): wait for it to end, or choose another output_dir"
             ) from None
         except OSError as error:
             if error.errno not in _LOCKS_UNSUPPORTED:
@@ -58,7 +90,7 @@ def run_lock(output_dir: Path) -> Iterator[None]:
             _log.warning(
                 "%s is on a file system that does not lock files (%s): the run goes on without its run lock, so "
                 "nothing refuses a second run into this folder meanwhile (on Lustre, mount with -o flock)",
-                output_dir,
+                folder,
                 error.strerror,
             )
             locked = False

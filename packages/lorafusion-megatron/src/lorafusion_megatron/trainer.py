@@ -34,7 +34,7 @@ from lorafusion_megatron.gc_tuning import start_up_objects_frozen
 from lorafusion_megatron.planning import check_plan, make_plan, plan_from_json
 from lorafusion_megatron.reporting import ProgressDisplay, TensorBoardLogger, summary_table
 from lorafusion_megatron.run_layout import EVAL_HISTORY, PLAN, SUMMARY
-from lorafusion_megatron.run_lock import run_lock
+from lorafusion_megatron.run_lock import run_locks
 from lorafusion_megatron.state import JobProgress, RunState
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ class Trainer:
                 another run writing to the same ``output_dir``.
         """
         check_run_outputs(self.config)
-        with run_lock(Path(self.config.output_dir)):  # one run per output folder
+        with run_locks(self.config):  # one run per output folder (and job folder)
             remove_stale_staging(self.config.checkpoint_dir)
             return self._train(resume=resume, overwrite=overwrite)
 

@@ -94,9 +94,9 @@ def _start(
 
     from lorafusion_megatron.checkpoint import remove_stale_staging
     from lorafusion_megatron.pipeline.failures import supervise
-    from lorafusion_megatron.run_lock import run_lock
+    from lorafusion_megatron.run_lock import run_locks
 
-    with run_lock(Path(config.output_dir)), tempfile.TemporaryDirectory(prefix="lorafusion-rendezvous-") as folder:
+    with run_locks(config), tempfile.TemporaryDirectory(prefix="lorafusion-rendezvous-") as folder:
         remove_stale_staging(config.checkpoint_dir)
         init_method = Path(folder, "store").as_uri()
         context = spawn(  # type: ignore[no-untyped-call]

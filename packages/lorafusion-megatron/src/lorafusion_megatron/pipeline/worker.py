@@ -98,7 +98,7 @@ def _rank_zero_decides(
 
 @contextlib.contextmanager
 def _run_lock_on_rank_zero(config: TrainerConfig, layout: Layout) -> Iterator[None]:
-    """The output folder's run lock, held by global rank 0 inside the block; a refusal is raised on every rank.
+    """The run's locks (:func:`run_locks`), held by global rank 0 inside the block; a refusal is raised on every rank.
 
     Under ``torchrun`` no launcher process of this package holds it, so rank 0 does, and deletes
     the staging folders a killed run left (as the local launcher and the single-process trainer do).
@@ -107,12 +107,12 @@ def _run_lock_on_rank_zero(config: TrainerConfig, layout: Layout) -> Iterator[No
         TrainerError: Another run holds the lock (on every rank).
     """
     from lorafusion_megatron.checkpoint import remove_stale_staging
-    from lorafusion_megatron.run_lock import run_lock
+    from lorafusion_megatron.run_lock import run_locks
 
     with contextlib.ExitStack() as held:
 
         def take() -> None:
-            held.enter_context(run_lock(Path(config.output_dir)))
+            held.enter_context(run_locks(config))
             remove_stale_staging(config.checkpoint_dir)
 
         _rank_zero_decides(layout, take)
