@@ -219,6 +219,22 @@ def test_train_then_export_merged_model(tmp_path: Path, config_dict, tiny_base: 
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".merged")) == [], "no staging left"
 
 
+def test_export_never_overwrites_its_own_inputs(
+    tmp_path: Path, config_dict, tiny_base: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--overwrite`` replaced whatever ``--output`` named: a run folder holding the adapter, or the base."""
+    data = config_dict(base_model={"model_name_or_path": str(tiny_base), "dtype": "float32"})
+    assert main(["train", str(_write(tmp_path / "run.yaml", data))]) == 0
+    run = Path(data["output_dir"])
+    adapter = run / "adapters" / "first"
+    for output, what in ((run, "the adapter"), (adapter, "the adapter"), (tiny_base, "the base model")):
+        capsys.readouterr()
+        assert main(["export", str(adapter), "--output", str(output), "--overwrite"]) == 2
+        assert f"is or holds {what}" in " ".join(capsys.readouterr().err.split())
+    assert (adapter / "adapter_model.safetensors").is_file()
+    assert (tiny_base / "config.json").is_file()
+
+
 def test_export_refuses_a_preset_base(tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]) -> None:
     data = config_dict()
     assert main(["train", str(_write(tmp_path / "run.yaml", data))]) == 0

@@ -40,7 +40,8 @@ def merge_adapter(
 
     Raises:
         TrainerError: The adapter or base folder is missing, the base is a random-weight preset, or
-            ``output`` is a file or (without ``overwrite``) a non-empty folder.
+            ``output`` is a file, (without ``overwrite``) a non-empty folder, or is or holds the
+            adapter or the base.
     """
     import torch
     from peft import PeftModel
@@ -61,6 +62,12 @@ def merge_adapter(
     base_path = Path(base)
     if not (base_path / "config.json").is_file():
         raise TrainerError(f"base model folder {base_path} holds no config.json: pass --base FOLDER")
+    for what, folder in (("the adapter", adapter), ("the base model", base_path)):
+        if folder.resolve().is_relative_to(output.resolve()):
+            raise TrainerError(
+                f"--output {output} is or holds {what} ({folder}), which writing the merged model there would "
+                "delete: choose another folder"
+            )
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype))
     with quiet_peft_deprecations():
         merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
