@@ -4,6 +4,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -167,6 +168,24 @@ def test_periodic_checkpoints_keep_the_newest(make_config) -> None:
     assert names == ["checkpoint-4", "checkpoint-6"]
     state = json.loads((config.checkpoint_dir / "checkpoint-6" / "trainer_state.json").read_text())
     assert state["state"]["total_optimizer_steps"] == 6
+
+
+def test_a_damaged_checkpoint_is_named_with_the_one_to_resume_from(make_config) -> None:
+    """A file cut short gave a safetensors or pickle traceback (status 3) and pointed at the same checkpoint."""
+    config = make_config(save_steps=2, save_total_limit=2)
+    Trainer(config).train()
+    newest, before = config.checkpoint_dir / "checkpoint-6", "checkpoint-4"
+    for name in ("lora.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json", "plan.json"):
+        whole = (newest / name).read_bytes()
+        (newest / name).write_bytes(whole[: len(whole) // 2])
+        damaged = rf"checkpoint-6 is damaged: {name} cannot be read \(.+\); delete that folder, and --resume continues"
+        with pytest.raises(TrainerError, match=rf"{damaged} from {before}"):
+            Trainer(config).train(resume=True)
+        (newest / name).write_bytes(whole)
+    shutil.rmtree(config.checkpoint_dir / before)
+    (newest / "rng.pt").unlink()
+    with pytest.raises(TrainerError, match=r"rng.pt cannot be read .*; it is the only checkpoint: restore the file"):
+        Trainer(config).train(resume=True)
 
 
 def test_resume_refuses_a_checkpoint_of_another_config(make_config, tmp_path: Path) -> None:

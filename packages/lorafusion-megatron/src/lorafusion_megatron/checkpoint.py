@@ -24,13 +24,14 @@ import json
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from lorafusion_megatron.adapters_io import replace_dir, save_adapter
 from lorafusion_megatron.errors import TrainerError
+from lorafusion_megatron.planning import plan_from_json
 from lorafusion_megatron.run_layout import PROFILE_REPORT
 from lorafusion_megatron.state import RunState
 
@@ -48,8 +49,11 @@ __all__ = [
     "checkpoint_to_resume",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_torch_file",
     "prune_checkpoints",
+    "read_checkpoint_file",
     "read_checkpoint_meta",
+    "read_checkpoint_plan",
     "remove_stale_staging",
     "run_fingerprint",
     "save_checkpoint",
@@ -57,6 +61,7 @@ __all__ = [
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _FORMAT = 1
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -146,6 +151,53 @@ def prune_checkpoints(directory: Path, keep: int) -> None:
         shutil.rmtree(old)
 
 
+def read_checkpoint_file(checkpoint: Path, name: str, read: Callable[[Path], _T]) -> _T:
+    """``read(checkpoint / name)``; a file that is missing, cut short or altered raises what to do.
+
+    Checkpoints are renamed into place only when complete, so a damaged file was damaged since (a
+    full disk, a copy, a hand edit): the message names it and the checkpoint to resume from instead.
+
+    Raises:
+        TrainerError: Naming the file and the reader's error.
+    """
+    try:
+        return read(checkpoint / name)
+    except Exception as exc:  # safetensors, pickle, zip, JSON, schema and OS errors alike: the file is bad
+        before = [folder for _, folder in _checkpoints(checkpoint.parent) if folder != checkpoint]
+        go_on = (
+            f"delete that folder, and --resume continues from {before[-1].name}"
+            if before
+            else "it is the only checkpoint: restore the file, or train without --resume into a new output_dir"
+        )
+        raise TrainerError(
+            f"checkpoint {checkpoint} is damaged: {name} cannot be read ({_summary(exc)}); {go_on}"
+        ) from None
+
+
+def _summary(error: Exception) -> str:
+    """The error's type and first line, at most 200 characters (a parser's error may quote the whole file)."""
+    from pydantic import ValidationError
+
+    text = "; ".join(e["msg"] for e in error.errors()[:3]) if isinstance(error, ValidationError) else str(error)
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return f"{type(error).__name__}: {first[:200]}"
+
+
+def read_checkpoint_plan(checkpoint: Path) -> str:
+    """The plan JSON of ``checkpoint``, checked to parse as a plan.
+
+    Raises:
+        TrainerError: As :func:`read_checkpoint_file`.
+    """
+
+    def read(path: Path) -> str:
+        text = _read_text(path)
+        plan_from_json(text)
+        return text
+
+    return read_checkpoint_file(checkpoint, "plan.json", read)
+
+
 def read_checkpoint_meta(path: Path, *, fingerprint: RunFingerprint) -> dict[str, Any]:
     """``trainer_state.json`` of checkpoint ``path``, checked to come from a run of this config and data.
 
@@ -153,10 +205,7 @@ def read_checkpoint_meta(path: Path, *, fingerprint: RunFingerprint) -> dict[str
         TrainerError: The file is unreadable, or the checkpoint was written for other data or a
             different config (naming the changed keys when the checkpoint stores its config).
     """
-    try:
-        meta: dict[str, Any] = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise TrainerError(f"checkpoint {path} is unreadable ({exc}): delete it or resume from another") from None
+    meta: dict[str, Any] = read_checkpoint_file(path, "trainer_state.json", _read_json)
     stored_config, _, stored_data = str(meta.get("fingerprint")).partition("/")
     config_part, _, data_part = fingerprint.value.partition("/")
     if stored_config == config_part and stored_data and data_part and stored_data != data_part:
@@ -293,19 +342,35 @@ def load_checkpoint(
             f"checkpoint {path} was written by a pipeline run with parallel settings {meta.get('parallel')}: "
             "resume it with the same --pipeline-stages, --data-parallel and schedule"
         )
-    tensors = load_file(path / "lora.safetensors")
+    tensors = read_checkpoint_file(path, "lora.safetensors", load_file)
+    states = read_checkpoint_file(path, "optimizer.pt", load_torch_file)
+    rng = read_checkpoint_file(path, "rng.pt", load_torch_file)
+    plan_json = read_checkpoint_plan(path)
     with torch.no_grad():
         for params in adapter_parameters.values():
             for name, param in params.items():
                 param.copy_(tensors[f"param:{name}"])
                 grad = tensors.get(f"grad:{name}")
                 param.grad = None if grad is None else grad.to(param.device, param.dtype)
-    states = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
     for name, optimizer in optimizers.items():
         optimizer.load_state_dict(states[name])
-    rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=True)
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(rng["cuda"]))
     state = RunState.from_json(meta["state"])
-    return LoadedCheckpoint(path=path, state=state, plan_json=(path / "plan.json").read_text(encoding="utf-8"))
+    return LoadedCheckpoint(path=path, state=state, plan_json=plan_json)
+
+
+def _read_text(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(_read_text(path))
+
+
+def load_torch_file(path: Path) -> Any:
+    """A ``torch.save`` file of tensors and plain containers (``weights_only``: no code runs)."""
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)

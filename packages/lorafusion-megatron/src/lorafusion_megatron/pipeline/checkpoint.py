@@ -24,7 +24,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lorafusion_megatron.adapters_io import replace_dir
-from lorafusion_megatron.checkpoint import RunFingerprint, prune_checkpoints, read_checkpoint_meta
+from lorafusion_megatron.checkpoint import (
+    RunFingerprint,
+    load_torch_file,
+    prune_checkpoints,
+    read_checkpoint_file,
+    read_checkpoint_meta,
+)
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.pipeline.stall import Heartbeat, no_heartbeat
 
@@ -175,7 +181,7 @@ def load_rank_state(
     """Restore this rank's weights, gradients, optimizers and RNG; returns the engine's state."""
     import torch
 
-    state = torch.load(_rank_file(path, layout.rank), map_location="cpu", weights_only=True)
+    state = read_checkpoint_file(path, _rank_file(path, layout.rank).name, load_torch_file)
     with torch.no_grad():
         for params in parameters.values():
             for name, param in params.items():

@@ -137,7 +137,7 @@ def shared_plan(
     which a resume cannot do). ``heartbeat`` hears of the planning and of the waits for its broadcast.
     """
     from lorafusion_megatron.adapters_io import check_run_outputs
-    from lorafusion_megatron.checkpoint import checkpoint_to_resume, run_fingerprint
+    from lorafusion_megatron.checkpoint import checkpoint_to_resume, read_checkpoint_plan, run_fingerprint
     from lorafusion_megatron.pipeline.checkpoint import read_run_state
     from lorafusion_megatron.planning import check_plan, plan_from_json
 
@@ -149,7 +149,7 @@ def shared_plan(
             write_text_atomically(Path(config.output_dir, PLAN), plan_json)
             return plan_json, None
         read_run_state(found, fingerprint=run_fingerprint(config, data), parallel=parallel)
-        return (found / "plan.json").read_text(encoding="utf-8"), str(found)
+        return read_checkpoint_plan(found), str(found)
 
     plan_json, checkpoint = _rank_zero_decides(layout, decide, what="plan", heartbeat=heartbeat)
     plan = plan_from_json(plan_json)
