@@ -220,6 +220,21 @@ def test_yaml_duplicate_key_is_an_error(tmp_path: Path) -> None:
         load_config(path)
 
 
+def test_a_key_beside_a_merge_overrides_the_anchors(tmp_path: Path) -> None:
+    """YAML's merge key: the mapping's own keys win. The duplicate check counted merged keys as its own."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "output_dir: out\nbase_model: {model_name_or_path: tiny}\nx-lora: &lora {r: 4, lora_alpha: 8}\n"
+        "jobs:\n  - {name: one, <<: *lora, dataset: {path: one.jsonl}}\n"
+        "  - name: two\n    <<: *lora\n    r: 8\n    dataset: {path: two.jsonl}\n"
+    )
+    config = load_config(path)
+    assert [(job.r, job.lora_alpha) for job in config.jobs] == [(4, 8), (8, 8)]
+    path.write_text(path.read_text() + "    r: 16\n")
+    with pytest.raises(TrainerError, match="line 10: key 'r' appears twice"):
+        load_config(path)
+
+
 def test_relative_paths_resolve_against_the_config_file(tmp_path: Path) -> None:
     folder = tmp_path / "configs"
     folder.mkdir()

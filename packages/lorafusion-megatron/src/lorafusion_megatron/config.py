@@ -619,13 +619,21 @@ def parse_config(data: Any, *, source: str = "config") -> TrainerConfig:
         raise TrainerError(f"{source} has {exc.error_count()} problem(s):\n{lines}") from None
 
 
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """A safe loader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+    """A safe loader that refuses a key given twice in one mapping (PyYAML keeps the last silently).
+
+    Keys merged in with ``<<: *anchor`` are not the mapping's own: a key written beside the merge
+    overrides the anchor's, as YAML's merge key specifies (a job's own ``r`` over a shared default).
+    """
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        self.flatten_mapping(node)
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == _MERGE_TAG:
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise TrainerError(f"line {key_node.start_mark.line + 1}: key {key!r} appears twice in one mapping")
