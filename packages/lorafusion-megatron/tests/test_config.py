@@ -271,6 +271,24 @@ def test_overrides_set_dotted_keys(tmp_path: Path) -> None:
     assert config.scheduler.capacity == 512
 
 
+def test_overrides_name_a_job_by_index_or_name_and_say_what_is_wrong(tmp_path: Path) -> None:
+    """``jobs.copy.r``, ``jobs.5`` and ``output_dir.x`` crashed with a traceback (status 3)."""
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "output_dir: out\nbase_model: {model_name_or_path: tiny}\n"
+        "jobs:\n  - {name: one, dataset: {synthetic: xsum}}\n  - {name: two, dataset: {synthetic: xsum}}\n"
+    )
+    config = load_config(path, {"jobs.two.r": 4, "jobs.0.lora_alpha": 2})
+    assert [(job.r, job.lora_alpha) for job in config.jobs] == [(16, 2), (4, 32)]
+    for dotted, message in (
+        ("jobs.copy.r", r"override jobs.copy.r: jobs has no entry 'copy': give an index from 0 to 1 or a name \(one"),
+        ("jobs.5", r"jobs has no entry '5': give an index from 0 to 1"),
+        ("output_dir.x", r"override output_dir.x: output_dir is 'out' in .*, not a mapping or list, so it has no 'x'"),
+    ):
+        with pytest.raises(TrainerError, match=message):
+            load_config(path, {dotted: 1})
+
+
 def test_missing_config_file(tmp_path: Path) -> None:
     with pytest.raises(TrainerError, match="cannot read config"):
         load_config(tmp_path / "nope.yaml")

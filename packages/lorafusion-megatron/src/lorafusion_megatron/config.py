@@ -710,16 +710,39 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Tr
 
 
 def _set_dotted(data: Any, dotted: str, value: Any, *, source: str) -> None:
+    """Set ``dotted`` (e.g. ``jobs.0.r``, or ``jobs.copy.r`` by the job's name) in ``data`` to ``value``.
+
+    Raises:
+        TrainerError: A part names no list entry, or lies inside a value that is not a mapping or list.
+    """
     if not isinstance(data, dict):
         raise TrainerError(f"{source}: expected a mapping at the top level")
     *parents, last = dotted.split(".")
     node: Any = data
-    for part in parents:
-        try:
-            node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
-        except (IndexError, TypeError):
-            raise TrainerError(f"override {dotted}: {part!r} does not exist in {source}") from None
-    if isinstance(node, list):
-        node[int(last)] = value
-    else:
-        node[last] = value
+    for depth, part in enumerate([*parents, last]):
+        where = ".".join(parents[:depth]) or "the top level"
+        if isinstance(node, list):
+            key: Any = _list_index(node, part, f"override {dotted}: {where}")
+        elif isinstance(node, dict):
+            key = part
+        else:
+            raise TrainerError(
+                f"override {dotted}: {where} is {node!r} in {source}, not a mapping or list, so it has no {part!r}"
+            )
+        if depth == len(parents):
+            node[key] = value
+        elif isinstance(node, dict):
+            node = node.setdefault(key, {})
+        else:
+            node = node[key]
+
+
+def _list_index(items: list[Any], part: str, where: str) -> int:
+    """The entry of ``items`` that ``part`` names: its index, or its ``name`` (a job's)."""
+    names = {item["name"]: i for i, item in enumerate(items) if isinstance(item, dict) and "name" in item}
+    if part in names:
+        return names[part]
+    if part.isdigit() and int(part) < len(items):
+        return int(part)
+    named = f" or a name ({', '.join(map(str, names))})" if names else ""
+    raise TrainerError(f"{where} has no entry {part!r}: give an index from 0 to {len(items) - 1}{named}")
