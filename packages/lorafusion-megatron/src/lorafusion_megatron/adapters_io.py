@@ -30,6 +30,7 @@ __all__ = [
     "replace_adapter",
     "replace_dir",
     "save_adapter",
+    "sort_target_modules",
 ]
 
 
@@ -163,12 +164,12 @@ def save_adapter(model: PeftModel, adapter: str, directory: Path) -> None:
             for item in Path(tmp).iterdir():
                 if item != written:
                     os.replace(item, written / item.name)
-        _sort_target_modules(written / "adapter_config.json")
+        sort_target_modules(written / "adapter_config.json")
         replace_adapter(written, directory, adapter)
 
 
-def _sort_target_modules(config_file: Path) -> None:
-    """Rewrite ``config_file`` with ``target_modules`` sorted.
+def sort_target_modules(config_file: Path) -> None:
+    """Rewrite ``config_file`` with ``target_modules`` sorted (and its keys, ending in a newline).
 
     PEFT keeps them in a set, whose order differs per process, so the same adapter would otherwise
     be written differently by different runs or pipeline ranks.
@@ -176,4 +177,4 @@ def _sort_target_modules(config_file: Path) -> None:
     config = json.loads(config_file.read_text(encoding="utf-8"))
     if isinstance(config.get("target_modules"), list):
         config["target_modules"] = sorted(config["target_modules"])
-        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")

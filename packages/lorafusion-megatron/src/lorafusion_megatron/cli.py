@@ -259,7 +259,11 @@ def _parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text, description=help_text)
         sub.add_argument("config", type=Path, help="the run's YAML file")
         sub.add_argument(
-            "--set", action="append", default=[], metavar="KEY=VALUE", help="override a key, e.g. jobs.0.r=8 or jobs.chat.r=8"
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a key, e.g. jobs.0.r=8 or jobs.chat.r=8",
         )
         return sub
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lorafusion_megatron.adapters_io import replace_adapter
+from lorafusion_megatron.adapters_io import replace_adapter, sort_target_modules
 
 if TYPE_CHECKING:
     import torch
@@ -71,6 +71,7 @@ def write_adapter(model: PeftModel, adapter: str, tensors: Mapping[str, torch.Te
         config.inference_mode = True
         config.layers_to_transform = None  # this stage's layers; the saved adapter covers all of them
         config.save_pretrained(str(written))
+        sort_target_modules(written / "adapter_config.json")
         ordered = {key: tensors[key].contiguous() for key in sorted(tensors)}
         save_file(ordered, str(written / "adapter_model.safetensors"), metadata={"format": "pt"})
         replace_adapter(written, directory, adapter)
