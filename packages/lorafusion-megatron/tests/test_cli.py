@@ -131,6 +131,14 @@ def test_set_overrides_and_bad_override(capsys: pytest.CaptureFixture[str]) -> N
     assert "write KEY=VALUE" in capsys.readouterr().err
 
 
+def test_validate_refuses_more_stages_than_layers(capsys: pytest.CaptureFixture[str]) -> None:
+    """``plan`` and ``train`` refused it; ``validate`` passed it."""
+    config = str(EXAMPLES / "tiny-synthetic.yaml")
+    assert main(["validate", config, "--set", "parallel.pipeline_stages=3"]) == 2
+    assert "pipeline_stages = 3 must be between 1 and the model's 2 decoder layers" in capsys.readouterr().err
+    assert main(["validate", config, "--set", "parallel.pipeline_stages=2"]) == 0
+
+
 def test_plan_prints_statistics_and_writes_json(
     tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -40,18 +40,27 @@ def _model_config(config: TrainerConfig) -> dict[str, object] | None:
     return value if isinstance(value, dict) else None
 
 
-def _recomputation_problem(config: TrainerConfig, stages: int) -> str | None:
-    """What is wrong with ``runtime.activation_checkpointing``'s counts for ``stages`` stages, if anything."""
-    from lorafusion_megatron.pipeline.partition import recomputed_layers
+def _partition_problem(config: TrainerConfig, stages: int) -> str | None:
+    """Why the model cannot be split into ``stages`` stages with ``runtime.activation_checkpointing``, if so.
+
+    Only the partition's own refusals count (more stages than decoder layers, a recomputation count
+    a stage cannot hold); a model config it cannot read is left to the run, which names what it lacks.
+    """
+    from lorafusion_megatron.pipeline.partition import partition_model, recomputed_layers
 
     setting = config.runtime.activation_checkpointing
     model = _model_config(config)
-    if not isinstance(setting, list) or model is None:
+    if model is None:
         return None
     try:
-        recomputed_layers(model, stages, setting)
-    except (TrainerError, KeyError, TypeError, ValueError) as exc:
+        if isinstance(setting, list):
+            recomputed_layers(model, stages, setting)  # partitions the model first
+        elif stages > 1:
+            partition_model(model, stages)
+    except TrainerError as exc:
         return str(exc)
+    except (KeyError, TypeError, ValueError):  # a config the partition cannot read
+        pass
     return None
 
 
@@ -160,9 +169,9 @@ def _problems(config: TrainerConfig, pipeline_stages: int) -> list[str]:
         problems.append(f"output_dir: {config.output_dir} cannot be created or written")
     if config.logging.tensorboard_dir is not None and not _writable_ancestor(Path(config.logging.tensorboard_dir)):
         problems.append(f"logging.tensorboard_dir: {config.logging.tensorboard_dir} cannot be created or written")
-    recomputation = _recomputation_problem(config, pipeline_stages)
-    if recomputation is not None:
-        problems.append(recomputation)
+    partition = _partition_problem(config, pipeline_stages)
+    if partition is not None:
+        problems.append(partition)
     return problems
 
 
