@@ -362,6 +362,44 @@ def test_adapter_names_in_eval_matches_peft_mixed_batch() -> None:
     torch.testing.assert_close(again, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_a_failed_adapter_names_call_leaves_no_hooks_behind(mode: str) -> None:
+    """PEFT removes its per-call hooks after a ``yield`` without ``finally``: after an error inside an
+    eval call they stayed, and every later call of the model failed on the old ``adapter_names``."""
+    model = tiny_peft_model()
+    patch_peft_model(model)
+    model.train(mode == "train")
+    ids = input_ids()
+
+    def fail(module: torch.nn.Module, args: object, output: object) -> None:
+        raise RuntimeError("failed inside the call")
+
+    handle = model.get_output_embeddings().register_forward_hook(fail)
+    with pytest.raises(RuntimeError, match="failed inside the call"):
+        model(input_ids=ids, adapter_names=ROW_ADAPTERS)
+    handle.remove()
+    with torch.no_grad():
+        one_row = model(input_ids=ids[:1]).logits
+    assert one_row.shape[0] == 1
+
+
+def test_adapter_names_on_rows_a_model_flattened_name_the_layer_and_the_way_out() -> None:
+    """OPT runs fc1/fc2 on ``[batch x tokens, hidden]``: PEFT's message named neither layer nor remedy."""
+    torch.manual_seed(0)
+    config = transformers.OPTConfig(
+        vocab_size=97, hidden_size=32, ffn_dim=48, num_hidden_layers=1, num_attention_heads=4, word_embed_proj_dim=32
+    )
+    model = peft.get_peft_model(
+        transformers.OPTForCausalLM(config), peft.LoraConfig(target_modules=["fc1"], r=4), adapter_name="one"
+    )
+    model.add_adapter("two", peft.LoraConfig(target_modules=["fc1"], r=4))
+    patch_peft_model(model)
+    model.eval()
+    flattened = r"got 2 and 10 respectively, at .*layers\.0\.fc1 \(input \(10, 32\)\).*with multi_lora_batch instead"
+    with torch.no_grad(), pytest.raises(LoRAFusionKernelsError, match=flattened):
+        model(input_ids=torch.randint(0, 97, (2, 5)), adapter_names=["one", "two"])
+
+
 def test_unpatched_model_still_refuses_adapter_names_in_training() -> None:
     model = tiny_peft_model()
     model.train()

@@ -253,13 +253,15 @@ def _unroute_checkpoints(model: nn.Module) -> None:
             delattr(module, _CHECKPOINT_SETTER)
 
 
-def _rows_to_batch(x: torch.Tensor, adapter_names: Sequence[str]) -> tuple[MultiLoRABatch, tuple[str, ...]]:
+def _rows_to_batch(layer: Any, x: torch.Tensor, adapter_names: Sequence[str]) -> tuple[MultiLoRABatch, tuple[str, ...]]:
     """PEFT's per-sample ``adapter_names`` (one per row of ``x [B, ..., K]``) as consecutive segments."""
     rows = x.shape[0] if x.dim() >= 2 else 0
     if len(adapter_names) != rows:
         raise LoRAFusionKernelsError(
             f"Length of `adapter_names` should be the same as the number of inputs, but got "
-            f"{len(adapter_names)} and {rows} respectively."
+            f"{len(adapter_names)} and {rows} respectively, at {module_path(layer)} (input {tuple(x.shape)}). "
+            "A model that flattens its rows before this layer (OPT's fc1/fc2 see [batch x tokens, hidden]) "
+            "cannot take adapter_names=; pack the rows as segments with multi_lora_batch instead"
         )
     names = tuple(dict.fromkeys(adapter_names))
     index = {name: i for i, name in enumerate(names)}
@@ -309,7 +311,7 @@ def peft_multi_lora_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: A
     if adapter_names is None:
         adapter_names = _ACTIVE_ROWS.get()  # a recomputed forward: PEFT's per-call hooks are gone
     if adapter_names is not None:
-        batch, names = _rows_to_batch(x, adapter_names)
+        batch, names = _rows_to_batch(layer, x, adapter_names)
     else:
         routing = _ACTIVE.get()
         if routing is None:
@@ -465,22 +467,24 @@ def _mixed_batch_hooks(lora_model: Any, original: Any, *args: Any, **kwargs: Any
     inference path; the patched layers route them through FusedMultiLoRA (or a per-segment loop)
     with dropout and gradients, so the check is skipped while PEFT registers its per-layer hooks.
     """
-    adapter_names = kwargs.get("adapter_names")
-    if adapter_names is None or not lora_model.training:
-        with original(*args, **kwargs):
-            yield
-        return
-    lora_model.training = False
+    adapter_names: Any = kwargs.get("adapter_names")
+    mixed_training = adapter_names is not None and lora_model.training
+    if mixed_training:
+        lora_model.training = False  # what PEFT's check refuses adapter_names under
     try:
         hooks = original(*args, **kwargs)
         hooks.__enter__()
     finally:
-        lora_model.training = True
-    token = _ACTIVE_ROWS.set(tuple(adapter_names))
+        if mixed_training:
+            lora_model.training = True
+    token = _ACTIVE_ROWS.set(tuple(adapter_names)) if mixed_training else None
     try:
         yield
     finally:
-        _ACTIVE_ROWS.reset(token)
+        if token is not None:
+            _ACTIVE_ROWS.reset(token)
+        # As if the call had succeeded: PEFT's generator removes its per-call hooks after its
+        # ``yield`` without a ``finally``, so an error thrown into it would leave them on the model.
         hooks.__exit__(None, None, None)
 
 
