@@ -287,6 +287,9 @@ def test_overrides_name_a_job_by_index_or_name_and_say_what_is_wrong(tmp_path: P
     ):
         with pytest.raises(TrainerError, match=message):
             load_config(path, {dotted: 1})
+    path.write_text(path.read_text().replace("name: two", "name: '0'"))
+    with pytest.raises(TrainerError, match=r"jobs: '0' is both entry 0 and the name of entry 1; rename that job"):
+        load_config(path, {"jobs.0.r": 4})
 
 
 def test_missing_config_file(tmp_path: Path) -> None:

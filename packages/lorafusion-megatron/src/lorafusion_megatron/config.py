@@ -738,11 +738,18 @@ def _set_dotted(data: Any, dotted: str, value: Any, *, source: str) -> None:
 
 
 def _list_index(items: list[Any], part: str, where: str) -> int:
-    """The entry of ``items`` that ``part`` names: its index, or its ``name`` (a job's)."""
+    """The entry of ``items`` that ``part`` names: its index, or its ``name`` (a job's).
+
+    A job named by digits (``"1"``) that is not entry 1 makes ``1`` ambiguous, and is refused.
+    """
     names = {item["name"]: i for i, item in enumerate(items) if isinstance(item, dict) and "name" in item}
-    if part in names:
-        return names[part]
-    if part.isdigit() and int(part) < len(items):
-        return int(part)
-    named = f" or a name ({', '.join(map(str, names))})" if names else ""
-    raise TrainerError(f"{where} has no entry {part!r}: give an index from 0 to {len(items) - 1}{named}")
+    index = int(part) if part.isdigit() and int(part) < len(items) else None
+    named = names.get(part)
+    if index is not None and named is not None and index != named:
+        raise TrainerError(f"{where}: {part!r} is both entry {index} and the name of entry {named}; rename that job")
+    if index is not None:
+        return index
+    if named is not None:
+        return named
+    choices = f" or a name ({', '.join(map(str, names))})" if names else ""
+    raise TrainerError(f"{where} has no entry {part!r}: give an index from 0 to {len(items) - 1}{choices}")
