@@ -395,9 +395,12 @@ def test_adapter_names_on_rows_a_model_flattened_name_the_layer_and_the_way_out(
     model.add_adapter("two", peft.LoraConfig(target_modules=["fc1"], r=4))
     patch_peft_model(model)
     model.eval()
-    flattened = r"got 2 and 10 respectively, at .*layers\.0\.fc1 \(input \(10, 32\)\).*with multi_lora_batch instead"
-    with torch.no_grad(), pytest.raises(LoRAFusionKernelsError, match=flattened):
+    flattened = r"got 2 and 10 respectively, at .*layers\.0\.fc1 \(input \(10, 32\)\)\. The model flattens"
+    with torch.no_grad(), pytest.raises(LoRAFusionKernelsError, match=flattened + ".*with multi_lora_batch instead"):
         model(input_ids=torch.randint(0, 97, (2, 5)), adapter_names=["one", "two"])
+    no_hint = r"got 3 and 10 respectively, at \S+ \(input \(10, 32\)\)$"  # not whole rows per name
+    with torch.no_grad(), pytest.raises(LoRAFusionKernelsError, match=no_hint):
+        model(input_ids=torch.randint(0, 97, (2, 5)), adapter_names=["one", "two", "one"])
 
 
 def test_unpatched_model_still_refuses_adapter_names_in_training() -> None:

@@ -235,6 +235,21 @@ def test_a_key_beside_a_merge_overrides_the_anchors(tmp_path: Path) -> None:
         load_config(path)
 
 
+def test_an_override_inside_a_merged_anchor_wins_over_the_anchor_it_merges(tmp_path: Path) -> None:
+    """PyYAML keeps merged keys by object identity: a one-letter ``r`` kept the inner anchor's value,
+    and an anchor defined deeper than its use read as a key given twice."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "output_dir: out\nbase_model: {model_name_or_path: tiny}\n"
+        "x-lora: &lora {r: 8, lora_alpha: 16}\nx-big: &big {<<: *lora, r: 64, lora_alpha: 128}\n"
+        "x-sizes: {huge: &huge {<<: *big, r: 128}}\n"
+        "jobs:\n  - &one {name: one, <<: *big, dataset: {synthetic: xsum}}\n  - {<<: *one, name: two}\n"
+        "  - {<<: [*huge, *lora], name: three, dataset: {synthetic: xsum}}\n"
+    )
+    config = load_config(path)
+    assert [(job.r, job.lora_alpha) for job in config.jobs] == [(64, 128), (64, 128), (128, 128)]
+
+
 def test_relative_paths_resolve_against_the_config_file(tmp_path: Path) -> None:
     folder = tmp_path / "configs"
     folder.mkdir()
@@ -283,6 +298,7 @@ def test_overrides_name_a_job_by_index_or_name_and_say_what_is_wrong(tmp_path: P
     for dotted, message in (
         ("jobs.copy.r", r"override jobs.copy.r: jobs has no entry 'copy': give an index from 0 to 1 or a name \(one"),
         ("jobs.5", r"jobs has no entry '5': give an index from 0 to 1"),
+        ("jobs.².r", r"jobs has no entry '²': give an index from 0 to 1"),
         ("output_dir.x", r"override output_dir.x: output_dir is 'out' in .*, not a mapping or list, so it has no 'x'"),
     ):
         with pytest.raises(TrainerError, match=message):

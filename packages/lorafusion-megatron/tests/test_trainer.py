@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lorafusion_megatron.checkpoint import latest_checkpoint
+from lorafusion_megatron.checkpoint import latest_checkpoint, read_checkpoint_file
 from lorafusion_megatron.config import TrainerConfig, parse_config
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.executor import StopSignal
@@ -182,6 +182,18 @@ def test_a_damaged_checkpoint_is_named_with_the_one_to_resume_from(make_config) 
         with pytest.raises(TrainerError, match=rf"{damaged} from {before}"):
             Trainer(config).train(resume=True)
         (newest / name).write_bytes(whole)
+    # Not damage, so no advice to delete: a plan of another version, a file this user may not read.
+    plan = json.loads((newest / "plan.json").read_text())
+    (newest / "plan.json").write_text(json.dumps({**plan, "schema_version": 2}))
+    with pytest.raises(TrainerError, match=r"plan.json is not a document this version .* \(schema_version: Input"):
+        Trainer(config).train(resume=True)
+    (newest / "plan.json").write_text(json.dumps(plan))
+
+    def forbidden(path: Path) -> None:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+    with pytest.raises(TrainerError, match=r"rng.pt cannot be read \(Permission denied\): fix its permissions"):
+        read_checkpoint_file(newest, "rng.pt", forbidden)
     shutil.rmtree(config.checkpoint_dir / before)
     (newest / "rng.pt").unlink()
     with pytest.raises(TrainerError, match=r"rng.pt cannot be read .*; it is the only checkpoint: restore the file"):
@@ -214,20 +226,29 @@ def test_a_second_run_into_the_same_output_dir_is_refused(make_config, tmp_path:
     assert (tmp_path / "run" / "summary.json").is_file()
 
 
-def test_a_job_folder_outside_the_run_folder_is_locked_too(make_config, tmp_path: Path) -> None:
-    """Two runs with run folders of their own but one job folder both wrote it, the last one winning."""
+def test_a_job_folder_is_locked_however_another_run_names_it(make_config, tmp_path: Path) -> None:
+    """Two runs with run folders of their own but one job folder both wrote it, the last one winning:
+    named alike, through a symbolic link, or as the other run's default folder."""
 
-    def sharing(run: str) -> TrainerConfig:
-        config = make_config(output_dir=str(tmp_path / run))
-        first = config.jobs[0].model_copy(update={"output_dir": str(tmp_path / "shared" / "adapter")})
+    def run(name: str, folder: Path | None) -> TrainerConfig:
+        config = make_config(output_dir=str(tmp_path / name))
+        if folder is None:
+            return config
+        first = config.jobs[0].model_copy(update={"output_dir": str(folder)})
         return config.model_copy(update={"jobs": [first, *config.jobs[1:]]})
 
-    in_use = r"adapter, job first's output folder, is in use by another run \(process \d+\)"
-    with run_locks(sharing("a")), pytest.raises(TrainerError, match=in_use):
-        Trainer(sharing("b")).train()
-    assert not (tmp_path / "b" / "summary.json").exists()
-    Trainer(sharing("b")).train()  # released: the run goes ahead
-    assert (tmp_path / "shared" / "adapter" / "adapter_config.json").is_file()
+    shared = tmp_path / "shared" / "adapter"
+    (tmp_path / "links").mkdir()
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "links" / "mine").symlink_to(shared, target_is_directory=True)
+    in_use = r", job first's output folder, is in use by another run \(process \d+\)"
+    cases = [(shared, shared), (shared, tmp_path / "links" / "mine"), (None, tmp_path / "a" / "adapters" / "first")]
+    for held, other in cases:
+        with run_locks(run("a", held)), pytest.raises(TrainerError, match=in_use):
+            Trainer(run("b", other)).train()
+        assert not (tmp_path / "b" / "summary.json").exists()
+    Trainer(run("b", shared)).train()  # released: the run goes ahead
+    assert (shared / "adapter_config.json").is_file()
     assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == [".adapter.lorafusion-run.lock", "adapter"]
 
 

@@ -241,7 +241,8 @@ def test_a_long_refused_value_is_shortened(tmp_path: Path) -> None:
     (tmp_path / "jobs.json").write_text(json.dumps({"adapters": [{"name": "a", "sample_tokens": "x" * 10_000}]}))
     with pytest.raises(SchedError) as info:
         load_jobs(tmp_path / "jobs.json")
-    assert "xxx..." in str(info.value) and len(str(info.value)) < 400
+    assert "xxx..." in str(info.value)
+    assert len(str(info.value)) < 400
 
 
 @pytest.mark.parametrize("load", [load_plan, load_jobs, read_lengths])

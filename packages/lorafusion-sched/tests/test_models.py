@@ -231,6 +231,8 @@ def test_the_public_functions_refuse_dicts_and_a_lone_job_with_how_to_build_them
         verify(document)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"plan has type dict, not Plan"):
         simulate(document)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"cost_model has type dict, not CostModel"):
+        simulate(plan([job], options), {})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -257,11 +257,16 @@ def _rows_to_batch(layer: Any, x: torch.Tensor, adapter_names: Sequence[str]) ->
     """PEFT's per-sample ``adapter_names`` (one per row of ``x [B, ..., K]``) as consecutive segments."""
     rows = x.shape[0] if x.dim() >= 2 else 0
     if len(adapter_names) != rows:
+        flattened = x.dim() == 2 and len(adapter_names) > 0 and rows % len(adapter_names) == 0
+        hint = (
+            ". The model flattens its rows before this layer (as OPT's fc1/fc2 see [batch x tokens, hidden]), "
+            "so it cannot take adapter_names=; pack the rows as segments with multi_lora_batch instead"
+            if flattened
+            else ""
+        )
         raise LoRAFusionKernelsError(
             f"Length of `adapter_names` should be the same as the number of inputs, but got "
-            f"{len(adapter_names)} and {rows} respectively, at {module_path(layer)} (input {tuple(x.shape)}). "
-            "A model that flattens its rows before this layer (OPT's fc1/fc2 see [batch x tokens, hidden]) "
-            "cannot take adapter_names=; pack the rows as segments with multi_lora_batch instead"
+            f"{len(adapter_names)} and {rows} respectively, at {module_path(layer)} (input {tuple(x.shape)}){hint}"
         )
     names = tuple(dict.fromkeys(adapter_names))
     index = {name: i for i, name in enumerate(names)}

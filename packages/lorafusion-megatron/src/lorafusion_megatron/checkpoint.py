@@ -152,35 +152,49 @@ def prune_checkpoints(directory: Path, keep: int) -> None:
 
 
 def read_checkpoint_file(checkpoint: Path, name: str, read: Callable[[Path], _T]) -> _T:
-    """``read(checkpoint / name)``; a file that is missing, cut short or altered raises what to do.
+    """``read(checkpoint / name)``; a file that cannot be read raises what to do about it.
 
-    Checkpoints are renamed into place only when complete, so a damaged file was damaged since (a
-    full disk, a copy, a hand edit): the message names it and the checkpoint to resume from instead.
+    Checkpoints are renamed into place only when complete, so a file that is missing, cut short or
+    does not parse was damaged since (a full disk, a copy, a hand edit): the message names it and
+    the checkpoint to resume from instead. A file this user may not read, and a plan this version
+    does not read (written by another version), are said to be that: deleting would not help.
 
     Raises:
         TrainerError: Naming the file and the reader's error.
     """
-    try:
-        return read(checkpoint / name)
-    except Exception as exc:  # safetensors, pickle, zip, JSON, schema and OS errors alike: the file is bad
-        before = [folder for _, folder in _checkpoints(checkpoint.parent) if folder != checkpoint]
-        go_on = (
-            f"delete that folder, and --resume continues from {before[-1].name}"
-            if before
-            else "it is the only checkpoint: restore the file, or train without --resume into a new output_dir"
-        )
-        raise TrainerError(
-            f"checkpoint {checkpoint} is damaged: {name} cannot be read ({_summary(exc)}); {go_on}"
-        ) from None
-
-
-def _summary(error: Exception) -> str:
-    """The error's type and first line, at most 200 characters (a parser's error may quote the whole file)."""
     from pydantic import ValidationError
 
-    text = "; ".join(e["msg"] for e in error.errors()[:3]) if isinstance(error, ValidationError) else str(error)
-    first = text.strip().splitlines()[0] if text.strip() else ""
-    return f"{type(error).__name__}: {first[:200]}"
+    try:
+        return read(checkpoint / name)
+    except PermissionError as exc:
+        raise TrainerError(
+            f"checkpoint {checkpoint}: {name} cannot be read ({exc.strerror}): fix its permissions"
+        ) from None
+    except ValidationError as exc:
+        if all(e["type"] != "json_invalid" for e in exc.errors()):
+            found = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'top level'}: {e['msg']}" for e in exc.errors()[:3])
+            raise TrainerError(
+                f"checkpoint {checkpoint}: {name} is not a document this version of lorafusion-megatron reads "
+                f"({found}); resume with the version that wrote it"
+            ) from None
+        raise TrainerError(_damaged(checkpoint, name, exc.errors()[0]["msg"])) from None
+    except (MemoryError, RecursionError):
+        raise
+    except Exception as exc:  # safetensors, pickle, zip, JSON and other OS errors alike: the file is bad
+        text = str(exc).strip()
+        first = text.splitlines()[0][:200] if text else ""  # a parser's error may quote the whole file
+        raise TrainerError(_damaged(checkpoint, name, f"{type(exc).__name__}: {first}")) from None
+
+
+def _damaged(checkpoint: Path, name: str, detail: str) -> str:
+    """The message for a damaged file: what the reader said and how to go on."""
+    before = [folder for _, folder in _checkpoints(checkpoint.parent) if folder != checkpoint]
+    go_on = (
+        f"delete that folder, and --resume continues from {before[-1].name}"
+        if before
+        else "it is the only checkpoint: restore the file, or train without --resume into a new output_dir"
+    )
+    return f"checkpoint {checkpoint} is damaged: {name} cannot be read ({detail}); {go_on}"
 
 
 def read_checkpoint_plan(checkpoint: Path) -> str:

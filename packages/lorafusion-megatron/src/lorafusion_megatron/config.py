@@ -620,6 +620,8 @@ def parse_config(data: Any, *, source: str = "config") -> TrainerConfig:
 
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+_VALUE_TAG = "tag:yaml.org,2002:value"
+_STR_TAG = "tag:yaml.org,2002:str"
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -628,6 +630,40 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     Keys merged in with ``<<: *anchor`` are not the mapping's own: a key written beside the merge
     overrides the anchor's, as YAML's merge key specifies (a job's own ``r`` over a shared default).
     """
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        """YAML's merge key, each key kept once: the mapping's own, else the first merged mapping's.
+
+        PyYAML's own keeps merged keys beside the keys that override them and tells keys apart by
+        object identity, so an override inside a merged anchor (``x-big: {<<: *small, r: 64}``)
+        could lose to the inner anchor's value, or read here as a key given twice.
+        """
+        own: list[tuple[yaml.Node, yaml.Node]] = []
+        merged: list[tuple[yaml.Node, yaml.Node]] = []
+        for key_node, value_node in node.value:
+            if key_node.tag != _MERGE_TAG:
+                if key_node.tag == _VALUE_TAG:  # the `=` key, read as a string (as PyYAML does)
+                    key_node.tag = _STR_TAG
+                own.append((key_node, value_node))
+                continue
+            sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+            for source in sources:
+                if not isinstance(source, yaml.MappingNode):
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping",
+                        node.start_mark,
+                        f"expected a mapping or list of mappings for merging, but found {source.id}",
+                        source.start_mark,
+                    )
+                self.flatten_mapping(source)
+                merged.extend(source.value)
+        seen = {_key_identity(key) for key, _ in own}
+        kept = []
+        for pair in merged:
+            if (identity := _key_identity(pair[0])) not in seen:
+                seen.add(identity)
+                kept.append(pair)
+        node.value = kept + own
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
@@ -639,6 +675,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 raise TrainerError(f"line {key_node.start_mark.line + 1}: key {key!r} appears twice in one mapping")
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+def _key_identity(key: yaml.Node) -> object:
+    """What makes two mapping keys the same key: a scalar's tag and text, another node itself."""
+    return (key.tag, key.value) if isinstance(key, yaml.ScalarNode) else id(key)
 
 
 def _resolve_relative(config: TrainerConfig, base: Path) -> TrainerConfig:
@@ -742,8 +783,12 @@ def _list_index(items: list[Any], part: str, where: str) -> int:
 
     A job named by digits (``"1"``) that is not entry 1 makes ``1`` ambiguous, and is refused.
     """
-    names = {item["name"]: i for i, item in enumerate(items) if isinstance(item, dict) and "name" in item}
-    index = int(part) if part.isdigit() and int(part) < len(items) else None
+    if not items:
+        raise TrainerError(f"{where} is an empty list: it has no entry {part!r} to set")
+    names = {
+        item["name"]: i for i, item in enumerate(items) if isinstance(item, dict) and isinstance(item.get("name"), str)
+    }
+    index = int(part) if part.isascii() and part.isdigit() and int(part) < len(items) else None
     named = names.get(part)
     if index is not None and named is not None and index != named:
         raise TrainerError(f"{where}: {part!r} is both entry {index} and the name of entry {named}; rename that job")

@@ -1,9 +1,9 @@
 """One run per output folder: an exclusive lock on ``<output_dir>/.lorafusion-run.lock`` while a run writes.
 
 Two runs into one folder would interleave their adapters, ``summary.json``, checkpoints and
-checkpoint pruning. A job whose ``output_dir`` lies outside the run's folder gets a lock of its own,
-``.<folder name>.lorafusion-run.lock`` beside that folder (not in it: the adapter folder is replaced
-whole), so two runs with different run folders cannot write one adapter folder either.
+checkpoint pruning. Each job's adapter folder gets a lock of its own too, the file
+``.<folder name>.lorafusion-run.lock`` beside it (not in it: the adapter folder is replaced whole),
+so two runs with different run folders cannot write one adapter folder either.
 
 A lock is an ``flock`` on its file: the operating system releases it when the process ends in any
 way (a crash or ``kill -9`` included), so a stale lock never blocks a later run. The file itself
@@ -41,19 +41,20 @@ _LOCKS_UNSUPPORTED = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, er
 
 @contextmanager
 def run_locks(config: TrainerConfig) -> Iterator[None]:
-    """Hold the run lock of ``config.output_dir`` and of every job folder outside it, inside the block.
+    """Hold the run lock of ``config.output_dir`` and of every job folder, inside the block.
+
+    A job folder's lock is named after its real path (symbolic links resolved), so two runs that
+    reach one folder by different paths, or one of them inside its own run folder, take one lock.
 
     Raises:
         TrainerError: Another process holds one of them (naming the folder and its process id).
     """
-    run_dir = Path(config.output_dir)
+    folders = {config.job_output_dir(job).resolve(): job.name for job in config.jobs}
     with ExitStack() as held:
-        held.enter_context(run_lock(run_dir))
-        for job in config.jobs:
-            folder = config.job_output_dir(job)
-            if not folder.resolve().is_relative_to(run_dir.resolve()):
-                what = f"{folder}, job {job.name}'s output folder,"
-                held.enter_context(_locked(folder.parent, f".{folder.name}{LOCK_FILE}", what))
+        held.enter_context(run_lock(Path(config.output_dir)))
+        for folder in sorted(folders):  # one order for every run: two runs never refuse each other
+            what = f"{folder}, job {folders[folder]}'s output folder,"
+            held.enter_context(_locked(folder.parent, f".{folder.name}{LOCK_FILE}", what))
         yield
 
 

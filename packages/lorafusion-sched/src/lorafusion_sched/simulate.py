@@ -235,7 +235,7 @@ def simulate(
             ``microbatch_samples`` names an adapter the plan lacks or a count below 1.
         TypeError: ``plan`` is not a :class:`Plan` or ``cost_model`` not a :class:`CostModel`.
     """
-    cost = cost_model or CostModel()
+    cost = CostModel() if cost_model is None else cost_model
     _check_cost(plan, cost)
     _check_microbatch_samples(plan, microbatch_samples or {})
     tokens = sum(mb.tokens for mb in plan.microbatches)
@@ -259,7 +259,7 @@ def _check_microbatch_samples(plan: Plan, per_mb: dict[str, int]) -> None:
 
 def timeline(plan: Plan, run: str = "lorafusion", cost_model: CostModel | None = None) -> list[Event]:
     """The events of replica 0 of one run (for plotting)."""
-    cost = cost_model or CostModel()
+    cost = CostModel() if cost_model is None else cost_model
     _check_cost(plan, cost)
     per_mb = baseline_microbatch_samples(plan)
     builders = {
