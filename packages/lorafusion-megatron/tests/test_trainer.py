@@ -241,7 +241,7 @@ def test_a_job_folder_is_locked_however_another_run_names_it(make_config, tmp_pa
     (tmp_path / "links").mkdir()
     (tmp_path / "shared").mkdir()
     (tmp_path / "links" / "mine").symlink_to(shared, target_is_directory=True)
-    in_use = r", job first's output folder, is in use by another run \(process \d+\)"
+    in_use = r"job first's output folder, is in use by another run \(process \d+\)"
     cases = [(shared, shared), (shared, tmp_path / "links" / "mine"), (None, tmp_path / "a" / "adapters" / "first")]
     for held, other in cases:
         with run_locks(run("a", held)), pytest.raises(TrainerError, match=in_use):

@@ -1,9 +1,9 @@
 """One run per output folder: an exclusive lock on ``<output_dir>/.lorafusion-run.lock`` while a run writes.
 
 Two runs into one folder would interleave their adapters, ``summary.json``, checkpoints and
-checkpoint pruning. Each job's adapter folder gets a lock of its own too, the file
+checkpoint pruning. A job's adapter folder outside the run folder gets a lock of its own, the file
 ``.<folder name>.lorafusion-run.lock`` beside it (not in it: the adapter folder is replaced whole),
-so two runs with different run folders cannot write one adapter folder either.
+so two runs with different run folders cannot write one adapter folder either (see :func:`run_locks`).
 
 A lock is an ``flock`` on its file: the operating system releases it when the process ends in any
 way (a crash or ``kill -9`` included), so a stale lock never blocks a later run. The file itself
@@ -41,20 +41,30 @@ _LOCKS_UNSUPPORTED = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, er
 
 @contextmanager
 def run_locks(config: TrainerConfig) -> Iterator[None]:
-    """Hold the run lock of ``config.output_dir`` and of every job folder, inside the block.
+    """Hold the run lock of ``config.output_dir``, and the locks of job folders outside it, inside the block.
 
-    A job folder's lock is named after its real path (symbolic links resolved), so two runs that
-    reach one folder by different paths, or one of them inside its own run folder, take one lock.
+    A job folder outside the run folder is locked by a file beside it, named after its real path
+    (symbolic links resolved), so two runs that reach one folder by different paths take one lock;
+    when it lies inside another run's folder (one with a run lock file), that run's lock is taken
+    too, since that run may write the folder as its own default. Every run takes them in one order.
 
     Raises:
         TrainerError: Another process holds one of them (naming the folder and its process id).
     """
-    folders = {config.job_output_dir(job).resolve(): job.name for job in config.jobs}
+    run_dir = Path(config.output_dir).resolve()
+    locks: dict[Path, str] = {}  # lock file -> what it guards, for the message
+    for job in config.jobs:
+        folder = config.job_output_dir(job).resolve()
+        if folder.is_relative_to(run_dir):
+            continue  # the run lock covers it
+        locks[folder.parent / f".{folder.name}{LOCK_FILE}"] = f"{folder}, job {job.name}'s output folder,"
+        other_run = next((parent for parent in folder.parents if (parent / LOCK_FILE).is_file()), None)
+        if other_run is not None:
+            locks[other_run / LOCK_FILE] = f"{other_run}, the run folder holding job {job.name}'s output folder,"
     with ExitStack() as held:
         held.enter_context(run_lock(Path(config.output_dir)))
-        for folder in sorted(folders):  # one order for every run: two runs never refuse each other
-            what = f"{folder}, job {folders[folder]}'s output folder,"
-            held.enter_context(_locked(folder.parent, f".{folder.name}{LOCK_FILE}", what))
+        for lock in sorted(locks):
+            held.enter_context(_locked(lock.parent, lock.name, locks[lock]))
         yield
 
 
