@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from lorafusion_megatron.config import TrainerConfig
     from lorafusion_megatron.data.job_data import JobData
     from lorafusion_megatron.optim import AdapterOptimizer
+    from lorafusion_sched.models import Plan
 
 __all__ = [
     "LoadedCheckpoint",
@@ -71,12 +72,12 @@ class LoadedCheckpoint:
     Attributes:
         path: The checkpoint folder.
         state: The run's position and counters.
-        plan_json: The plan being executed.
+        plan: The plan being executed.
     """
 
     path: Path
     state: RunState
-    plan_json: str
+    plan: Plan
 
 
 @dataclass(frozen=True)
@@ -197,19 +198,13 @@ def _damaged(checkpoint: Path, name: str, detail: str) -> str:
     return f"checkpoint {checkpoint} is damaged: {name} cannot be read ({detail}); {go_on}"
 
 
-def read_checkpoint_plan(checkpoint: Path) -> str:
-    """The plan JSON of ``checkpoint``, checked to parse as a plan.
+def read_checkpoint_plan(checkpoint: Path) -> Plan:
+    """The plan of ``checkpoint``.
 
     Raises:
         TrainerError: As :func:`read_checkpoint_file`.
     """
-
-    def read(path: Path) -> str:
-        text = _read_text(path)
-        plan_from_json(text)
-        return text
-
-    return read_checkpoint_file(checkpoint, "plan.json", read)
+    return read_checkpoint_file(checkpoint, "plan.json", lambda path: plan_from_json(_read_text(path)))
 
 
 def read_checkpoint_meta(path: Path, *, fingerprint: RunFingerprint) -> dict[str, Any]:
@@ -359,7 +354,7 @@ def load_checkpoint(
     tensors = read_checkpoint_file(path, "lora.safetensors", load_file)
     states = read_checkpoint_file(path, "optimizer.pt", load_torch_file)
     rng = read_checkpoint_file(path, "rng.pt", load_torch_file)
-    plan_json = read_checkpoint_plan(path)
+    plan = read_checkpoint_plan(path)
     with torch.no_grad():
         for params in adapter_parameters.values():
             for name, param in params.items():
@@ -372,7 +367,7 @@ def load_checkpoint(
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(rng["cuda"]))
     state = RunState.from_json(meta["state"])
-    return LoadedCheckpoint(path=path, state=state, plan_json=plan_json)
+    return LoadedCheckpoint(path=path, state=state, plan=plan)
 
 
 def _read_text(path: Path) -> str:

@@ -31,7 +31,7 @@ from lorafusion_megatron.dropout_seeds import drawing_for, install_dropout_seedi
 from lorafusion_megatron.eval_reporting import EvalHistory, eval_table
 from lorafusion_megatron.executor import StopSignal, execute_plan
 from lorafusion_megatron.gc_tuning import start_up_objects_frozen
-from lorafusion_megatron.planning import check_plan, make_plan, plan_from_json
+from lorafusion_megatron.planning import check_plan, make_plan
 from lorafusion_megatron.reporting import ProgressDisplay, TensorBoardLogger, summary_table
 from lorafusion_megatron.run_layout import EVAL_HISTORY, PLAN, SUMMARY
 from lorafusion_megatron.run_lock import run_locks
@@ -165,7 +165,7 @@ class Trainer:
                 adapter_parameters=session.parameters,
                 optimizers=session.optimizers,
             )
-            plan = plan_from_json(loaded.plan_json)
+            plan = loaded.plan
             check_plan(plan, prepared.jobs, config)
             state = loaded.state
             _log.info("resuming from %s at microbatch %d", checkpoint_path, state.position)

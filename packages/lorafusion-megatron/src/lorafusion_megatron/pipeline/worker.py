@@ -139,20 +139,19 @@ def shared_plan(
     from lorafusion_megatron.adapters_io import check_run_outputs
     from lorafusion_megatron.checkpoint import checkpoint_to_resume, read_checkpoint_plan, run_fingerprint
     from lorafusion_megatron.pipeline.checkpoint import read_run_state
-    from lorafusion_megatron.planning import check_plan, plan_from_json
+    from lorafusion_megatron.planning import check_plan
 
-    def decide() -> tuple[str, str | None]:
+    def decide() -> tuple[Plan, str | None]:
         check_run_outputs(config)
         found = checkpoint_to_resume(config.checkpoint_dir, resume=resume)
         if found is None:
-            plan_json = make_pipeline_plan(config, data, parallel).model_dump_json()
-            write_text_atomically(Path(config.output_dir, PLAN), plan_json)
-            return plan_json, None
+            made = make_pipeline_plan(config, data, parallel)
+            write_text_atomically(Path(config.output_dir, PLAN), made.model_dump_json())
+            return made, None
         read_run_state(found, fingerprint=run_fingerprint(config, data), parallel=parallel)
         return read_checkpoint_plan(found), str(found)
 
-    plan_json, checkpoint = _rank_zero_decides(layout, decide, what="plan", heartbeat=heartbeat)
-    plan = plan_from_json(plan_json)
+    plan, checkpoint = _rank_zero_decides(layout, decide, what="plan", heartbeat=heartbeat)
     check_plan(plan, data, config, pipeline_stages=parallel.pipeline_stages, data_parallel=parallel.data_parallel)
     return plan, None if checkpoint is None else Path(checkpoint)
 
