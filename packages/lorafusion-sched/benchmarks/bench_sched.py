@@ -13,17 +13,21 @@ SYNTHETIC (see ``lorafusion_sched.workloads``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.metadata
 import json
 import os
 import platform
+import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from lorafusion_sched import AdapterJob, CostModel, PlanOptions, plan, simulate, verify
+from lorafusion_sched import AdapterJob, CostModel, PlanOptions, plan, planner, simulate, verify
 from lorafusion_sched.planner import default_workers
+from lorafusion_sched.sequence import insert_noops
 from lorafusion_sched.workloads import synthetic_jobs
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sched.json"
@@ -128,6 +132,60 @@ def data_parallel_rows(samples: int) -> list[dict[str, Any]]:
                 "groups": [list(g) for g in s.groups],
                 "bubble": round(simulate(p).runs[0].bubble_ratio, 4),
                 "violations": len(verify(p)),
+            }
+        )
+    return rows
+
+
+@contextlib.contextmanager
+def given_order_only() -> Iterator[None]:
+    """Plan as before the list schedule: no-ops inserted into the groups' order, nothing reordered."""
+    saved = planner.fewest_noops  # type: ignore[attr-defined]
+    planner.fewest_noops = insert_noops  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        planner.fewest_noops = saved  # type: ignore[attr-defined]
+
+
+def random_workload(rng: random.Random, replicas: int) -> tuple[list[AdapterJob], PlanOptions]:
+    """1-5 adapters of 1-40 samples (16-4,096 tokens, uniform), global batch 1-8, S = 1-6."""
+    jobs = [
+        AdapterJob(
+            name=f"a{i}",
+            sample_tokens=tuple(rng.randint(16, CAPACITY) for _ in range(rng.randint(1, 40))),
+            global_batch_size=rng.randint(1, 8),
+        )
+        for i in range(rng.randint(1, 5))
+    ]
+    stages = rng.randint(1, 6)
+    return jobs, PlanOptions(
+        capacity=CAPACITY, pipeline_stages=stages, padding_multiple=PADDING, data_parallel=replicas, use_milp=False
+    )
+
+
+def reorder_rows(workloads: int) -> list[dict[str, Any]]:
+    """Small random workloads planned twice: no-ops in the groups' order, and with the list schedule."""
+    rows = []
+    for d in (1, 2, 4):
+        rng = random.Random(d)
+        cases = [random_workload(rng, d) for _ in range(workloads)]
+        with given_order_only():
+            before = [plan(jobs, o) for jobs, o in cases]
+        after = [plan(jobs, o) for jobs, o in cases]
+        pairs = [(a.stats, b.stats) for a, b in zip(after, before, strict=True)]
+        rows.append(
+            {
+                "data_parallel": d,
+                "workloads": workloads,
+                "with_noops": sum(b.num_noops > 0 for _a, b in pairs),
+                "shorter": sum(a.num_microbatches < b.num_microbatches for a, b in pairs),
+                "longer": sum(a.num_microbatches > b.num_microbatches for a, b in pairs),
+                "slots_before": sum(b.num_microbatches for _a, b in pairs),
+                "slots_after": sum(a.num_microbatches for a, _b in pairs),
+                "noops_before": sum(b.num_noops for _a, b in pairs),
+                "noops_after": sum(a.num_noops for a, _b in pairs),
+                "violations": sum(len(verify(a)) for a in after),
             }
         )
     return rows
@@ -253,6 +311,32 @@ def markdown(doc: dict[str, Any]) -> str:
             for r in doc["data_parallel"]
         ],
     )
+    lines += table(
+        f"Reordering where no-ops remain: {doc['reorder'][0]['workloads']} small random workloads per d, greedy",
+        [
+            "replicas d",
+            "plans with no-ops",
+            "shorter / longer",
+            "slots, given order",
+            "slots, list schedule",
+            "no-ops, given order",
+            "no-ops, list schedule",
+            "violations",
+        ],
+        [
+            [
+                str(r["data_parallel"]),
+                str(r["with_noops"]),
+                f"{r['shorter']} / {r['longer']}",
+                f"{r['slots_before']:,}",
+                f"{r['slots_after']:,}",
+                f"{r['noops_before']:,}",
+                f"{r['noops_after']:,}",
+                str(r["violations"]),
+            ]
+            for r in doc["reorder"]
+        ],
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -283,6 +367,7 @@ def main() -> None:
     many_jobs = many_job_rows()
     dp_samples = 2560
     data_parallel = data_parallel_rows(dp_samples)
+    reorder = reorder_rows(50 if args.quick else 200)
     doc = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "synthetic": True,
@@ -307,6 +392,7 @@ def main() -> None:
         "many_jobs": many_jobs,
         "data_parallel_samples": dp_samples,
         "data_parallel": data_parallel,
+        "reorder": reorder,
     }
     text = markdown(doc)
     print(text)

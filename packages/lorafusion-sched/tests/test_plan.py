@@ -31,6 +31,25 @@ def test_one_adapter_gets_noops_for_the_bubble_lemma(fast_options: PlanOptions) 
     assert [mb.step_after for mb in p.microbatches if mb.step_after] == [("solo",)] * 4
 
 
+def test_an_adapter_with_batches_to_go_is_not_delayed_at_a_phase_boundary() -> None:
+    """The README's example: chat's batch 1 ends chat, summarize's batch 1 leads to batch 2.
+
+    Both wait for round S; running summarize's first lets its batch 2 start a round earlier
+    (9 microbatches; the groups' fixed order gave 10).
+    """
+    jobs = [
+        make_job("summarize", [512, 1033, 870, 2400, 333, 760], gbs=2),
+        make_job("chat", [90, 140, 3100, 615], gbs=2),
+    ]
+    p = plan(jobs, PlanOptions(capacity=4096, pipeline_stages=4, padding_multiple=64))
+    assert verify(p) == []
+    assert p.stats.num_microbatches == 9
+    assert [(s.adapter, s.global_batch) for mb in p.microbatches[4:6] for s in mb.segments] == [
+        ("summarize", 1),
+        ("chat", 1),
+    ]
+
+
 def test_step_after_marks_the_last_microbatch_of_each_global_batch(fast_options: PlanOptions) -> None:
     jobs = synthetic_jobs("het", 192, num_adapters=4, global_batch_size=8, seed=1)
     p = plan(jobs, fast_options.model_copy(update={"capacity": 4096}))

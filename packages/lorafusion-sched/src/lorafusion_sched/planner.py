@@ -3,8 +3,8 @@
 Steps: check the jobs; group adapters and order the packing tasks; pack every task greedily;
 improve the tasks where greedy misses a bound with the two-stage MILP, in a process pool; lay the
 microbatches out task after task; insert no-ops for the bubble lemma; merge across tasks; drop
-emptied microbatches and re-insert the fewest no-ops (keeping the greedy packings' sequence where
-it is shorter); set ``step_after``; verify.
+emptied microbatches and re-insert no-ops, reordering the microbatches where a list schedule needs
+fewer (keeping the greedy packings' sequence where it is shorter); set ``step_after``; verify.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from lorafusion_sched.packing import highs
 from lorafusion_sched.packing.pool import solve_in_workers
 from lorafusion_sched.packing.problem import Packing, PackingProblem, round_up
 from lorafusion_sched.packing.solve import TaskResult, pack_greedy, pack_with_milp
-from lorafusion_sched.sequence import Slot, insert_noops, step_rounds
+from lorafusion_sched.sequence import Slot, fewest_noops, insert_noops, step_rounds
 from lorafusion_sched.verify import derived_stats, verify
 
 __all__ = ["Progress", "default_workers", "plan"]
@@ -199,7 +199,11 @@ def _sequence(
     lengths: Sequence[Sequence[int]],
     options: PlanOptions,
 ) -> tuple[list[Slot], int]:
-    """Lay tasks out in order, insert no-ops, merge, re-insert the fewest no-ops; returns slots and merged samples."""
+    """Lay tasks out in order, insert no-ops, merge, then reorder and re-insert no-ops where that saves some.
+
+    Returns:
+        The slots, no-ops empty, and the number of samples the merge moved.
+    """
     stages, d = options.pipeline_stages, options.data_parallel
     slots: list[Slot] = []
     task_of: list[int | None] = []
@@ -212,21 +216,33 @@ def _sequence(
                 slot.setdefault(a, (task.global_batch, []))[1].append(s)
             slots.append({a: (g, sorted(samples)) for a, (g, samples) in slot.items()})
             task_of.append(task_id)
+
+    def reordered(sequence: list[Slot]) -> list[Slot]:
+        return [{} if i is None else sequence[i] for i in fewest_noops(sequence, stages, d)]
+
+    if not options.merge:
+        return reordered(slots), 0
+    unmerged = [{a: (g, list(samples)) for a, (g, samples) in slot.items()} for slot in slots]  # merge_pass edits
     order = insert_noops(slots, stages, d)
     laid_out: list[Slot] = [{} if i is None else slots[i] for i in order]
-    merged = 0
-    if options.merge:
-        merged = merge_pass(
-            laid_out,
-            [None if i is None else task_of[i] for i in order],
-            lengths,
-            capacity=options.capacity,
-            padding=options.padding_multiple,
-            stages=stages,
-            replicas=d,
-        )
+    merged = merge_pass(
+        laid_out,
+        [None if i is None else task_of[i] for i in order],
+        lengths,
+        capacity=options.capacity,
+        padding=options.padding_multiple,
+        stages=stages,
+        replicas=d,
+    )
     compact = [slot for slot in laid_out if slot]
-    return [{} if i is None else compact[i] for i in insert_noops(compact, stages, d)], merged
+    result = reordered(compact)
+    if len(result) > len(compact) + -len(compact) % d:
+        # The merge never lengthens the sequence of the given order, but the list schedule is a
+        # heuristic and may find more in the unmerged sequence; keep the shorter.
+        alternative = reordered(unmerged)
+        if len(alternative) < len(result):
+            return alternative, 0
+    return result, merged
 
 
 def _stats(

@@ -14,9 +14,10 @@ and the sequence is padded with no-ops to a whole number of rounds.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import heapq
+from collections.abc import Callable, Sequence
 
-__all__ = ["Slot", "insert_noops", "step_rounds"]
+__all__ = ["Slot", "fewest_noops", "insert_noops", "list_schedule", "step_rounds"]
 
 Slot = dict[int, tuple[int, list[int]]]
 """Adapter index -> (global batch, sample ids); empty for a no-op."""
@@ -54,6 +55,117 @@ def insert_noops(slots: Sequence[Slot], stages: int, replicas: int) -> list[int 
         out.append(index)
     out.extend([None] * (-len(out) % replicas))
     return out
+
+
+def list_schedule(
+    slots: Sequence[Slot], stages: int, replicas: int, priority: Callable[[int], tuple[int, ...]]
+) -> list[int | None]:
+    """Reorder the slots where that saves no-ops: list scheduling under the bubble lemma.
+
+    Each adapter's global batches keep their order; the slots of one global batch may change
+    places. A slot is *ready* once, for each of its adapters, every slot of the previous global
+    batches is placed; it may then go at round ``last round of the previous batch + S`` or later.
+    At each position the ready slot that fits there without a no-op and has the smallest
+    ``priority`` is placed; when none fits, no-ops are inserted up to the earliest round a ready
+    slot fits, and the smallest priority among those that fit there is placed.
+
+    With ``priority(i) = (i,)`` and slots that :func:`insert_noops` leaves without no-ops, the
+    sequence is unchanged. Where the given order waits on one adapter while another could run,
+    the other runs first: e.g. at a phase boundary, an adapter with global batches still to go
+    should not queue behind one finishing its last.
+
+    Args:
+        slots: The sequence; no empty slots.
+        stages: Pipeline stages ``S``.
+        replicas: Data-parallel degree ``d``.
+        priority: Slot index -> sort key; smaller goes first among the slots that fit.
+
+    Returns:
+        Indices into ``slots`` with ``None`` for a no-op, padded to a multiple of ``replicas``;
+        :func:`insert_noops` adds nothing to it.
+    """
+    remaining: dict[tuple[int, int], int] = {}
+    slots_of: dict[tuple[int, int], list[int]] = {}
+    batches: dict[int, set[int]] = {}
+    for index, slot in enumerate(slots):
+        for adapter, (batch, _samples) in slot.items():
+            remaining[(adapter, batch)] = remaining.get((adapter, batch), 0) + 1
+            slots_of.setdefault((adapter, batch), []).append(index)
+            batches.setdefault(adapter, set()).add(batch)
+    order = {a: sorted(b, reverse=True) for a, b in batches.items()}  # popped from the end
+    current = {a: b[-1] for a, b in order.items()}
+    ready_round: dict[int, int] = {}  # adapter -> first round its current batch may use
+
+    waiting: list[tuple[int, tuple[int, ...], int]] = []  # (earliest round, priority, slot)
+    fits: list[tuple[tuple[int, ...], int]] = []  # (priority, slot) that fit at the current round
+
+    def push_if_ready(index: int) -> None:
+        slot = slots[index]
+        if all(current.get(a) == b for a, (b, _s) in slot.items()):
+            earliest = max(ready_round.get(a, 0) for a in slot)
+            heapq.heappush(waiting, (earliest, priority(index), index))
+
+    for index in range(len(slots)):
+        push_if_ready(index)
+    out: list[int | None] = []
+    while waiting or fits:
+        round_ = len(out) // replicas
+        if not fits:
+            round_ = max(round_, waiting[0][0])
+            out.extend([None] * (round_ * replicas - len(out)))
+        while waiting and waiting[0][0] <= round_:
+            _earliest, key, index = heapq.heappop(waiting)
+            heapq.heappush(fits, (key, index))
+        _key, index = heapq.heappop(fits)
+        out.append(index)
+        for adapter, (batch, _samples) in slots[index].items():
+            remaining[(adapter, batch)] -= 1
+            if remaining[(adapter, batch)] == 0:
+                order[adapter].pop()
+                ready_round[adapter] = round_ + stages
+                if order[adapter]:
+                    current[adapter] = order[adapter][-1]
+                    for later in slots_of[(adapter, current[adapter])]:
+                        push_if_ready(later)
+                else:
+                    del current[adapter]
+    out.extend([None] * (-len(out) % replicas))
+    return out
+
+
+def fewest_noops(slots: Sequence[Slot], stages: int, replicas: int) -> list[int | None]:
+    """The shortest of three sequences: the given order, and two list schedules of it.
+
+    :func:`insert_noops` keeps the given order. :func:`list_schedule` runs twice: with the given
+    order as priority, and with the slots whose adapters have the most global batches still to
+    come first (then the given order): an adapter with a long way to go should not wait behind one
+    that is finishing. Ties keep the earlier candidate, so a sequence without no-ops is returned
+    unchanged.
+
+    Args:
+        slots: The sequence; no empty slots.
+        stages: Pipeline stages ``S``.
+        replicas: Data-parallel degree ``d``.
+
+    Returns:
+        Indices into ``slots`` with ``None`` for a no-op, padded to a multiple of ``replicas``.
+    """
+    best = insert_noops(slots, stages, replicas)
+    if len(best) == len(slots) + (-len(slots) % replicas):
+        return best
+    last_batch: dict[int, int] = {}
+    for slot in slots:
+        for adapter, (batch, _samples) in slot.items():
+            last_batch[adapter] = max(batch, last_batch.get(adapter, batch))
+
+    def to_go(index: int) -> tuple[int, ...]:
+        return (-max(last_batch[a] - b for a, (b, _s) in slots[index].items()), index)
+
+    for priority in ((lambda index: (index,)), to_go):
+        candidate = list_schedule(slots, stages, replicas, priority)
+        if len(candidate) < len(best):
+            best = candidate
+    return best
 
 
 def step_rounds(slots: Sequence[Slot], replicas: int) -> dict[int, list[int]]:
