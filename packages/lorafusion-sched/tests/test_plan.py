@@ -50,6 +50,21 @@ def test_an_adapter_with_batches_to_go_is_not_delayed_at_a_phase_boundary() -> N
     ]
 
 
+def test_the_unmerged_sequence_is_kept_where_the_list_schedule_makes_it_shorter() -> None:
+    """Merged, b's sample shares a's first microbatch and a's batch 0 spills into a second one,
+    which nothing can fill before a's batch 1 (4 slots); unmerged, b's microbatch fills that wait (3)."""
+    jobs = [make_job("a", [300, 1500, 1500], gbs=2), make_job("b", [2500], gbs=3)]
+    p = plan(jobs, PlanOptions(capacity=4096, pipeline_stages=2, padding_multiple=64, use_milp=False))
+    assert verify(p) == []
+    assert p.stats.num_microbatches == 3
+    assert p.stats.merged_samples == 0
+    assert [[(s.adapter, s.global_batch) for s in mb.segments] for mb in p.microbatches] == [
+        [("a", 0)],
+        [("b", 0)],
+        [("a", 1)],
+    ]
+
+
 def test_step_after_marks_the_last_microbatch_of_each_global_batch(fast_options: PlanOptions) -> None:
     jobs = synthetic_jobs("het", 192, num_adapters=4, global_batch_size=8, seed=1)
     p = plan(jobs, fast_options.model_copy(update={"capacity": 4096}))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -96,3 +97,17 @@ def test_rounds_of_replicas_are_filled_before_waiting() -> None:
     order = fewest_noops(slots, 2, 2)
     assert order == [0, 2, None, None, 1, 3]
     assert len(order) == shortest_by_search(slots, 2, 2)
+
+
+def test_slots_in_no_valid_order_are_refused_not_dropped() -> None:
+    """Each slot holds one adapter's batch 0 and the other's batch 1: no order keeps both in order."""
+    slots: list[Slot] = [{0: (0, [0]), 1: (1, [0])}, {0: (1, [1]), 1: (0, [1])}]
+    with pytest.raises(ValueError, match="cannot all be kept in order"):
+        fewest_noops(slots, 3, 1)
+
+
+def test_an_empty_slot_is_refused() -> None:
+    with pytest.raises(ValueError, match="no empty slots"):
+        fewest_noops([{0: (0, [0])}, {}, {0: (1, [1])}], 3, 1)
+    with pytest.raises(ValueError, match="no empty slots"):
+        list_schedule([{}], 1, 1, lambda i: (i,))

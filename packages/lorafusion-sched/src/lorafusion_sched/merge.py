@@ -16,9 +16,10 @@ Slots keep their positions during the pass (emptied ones stay as empty slots), s
 is local: a sample of adapter ``a``'s global batch ``h`` may go to round ``r`` only if ``r`` is at
 least ``S`` rounds after the last round of ``h - 1`` and not after the last round of ``h`` (the
 pass keeps an upper bound of those last rounds). Every intermediate layout therefore satisfies the
-lemma. Emptied slots are removed afterwards and no-ops re-inserted by
-:func:`lorafusion_sched.sequence.insert_noops`, which inserts the fewest possible, so merging never
-adds microbatches.
+lemma. Emptied slots are removed afterwards and no-ops re-inserted
+(:func:`lorafusion_sched.sequence.fewest_noops`): in the merged order
+:func:`~lorafusion_sched.sequence.insert_noops` inserts the fewest possible, so merging never adds
+microbatches to that order.
 """
 
 from __future__ import annotations

@@ -291,7 +291,9 @@ class PlanStats(BaseModel):
         description="Tasks whose MILP packing beat greedy (fewer or a smaller last microbatch) and is in the plan."
     )
     milp_timeouts: WholeNumber = Field(description="MILP solves stopped by the time or node limit.")
-    merged_samples: WholeNumber = Field(description="Samples moved into an earlier microbatch by the merge pass.")
+    merged_samples: WholeNumber = Field(
+        description="Samples moved into an earlier microbatch by the merge pass (0 if the unmerged sequence is kept)."
+    )
     dropped_samples: WholeNumber = Field(description="Samples left out by drop_last.")
     workers: WholeNumber = Field(description="Processes that solved MILPs (1: in this process).")
     solve_seconds: StrictFloat = Field(

@@ -4,7 +4,8 @@ Steps: check the jobs; group adapters and order the packing tasks; pack every ta
 improve the tasks where greedy misses a bound with the two-stage MILP, in a process pool; lay the
 microbatches out task after task; insert no-ops for the bubble lemma; merge across tasks; drop
 emptied microbatches and re-insert no-ops, reordering the microbatches where a list schedule needs
-fewer (keeping the greedy packings' sequence where it is shorter); set ``step_after``; verify.
+fewer (and trying the unmerged sequence too where no-ops remain); where a MILP packing won, keep
+the greedy packings' sequence if it is shorter; set ``step_after``; verify.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from lorafusion_sched.packing import highs
 from lorafusion_sched.packing.pool import solve_in_workers
 from lorafusion_sched.packing.problem import Packing, PackingProblem, round_up
 from lorafusion_sched.packing.solve import TaskResult, pack_greedy, pack_with_milp
-from lorafusion_sched.sequence import Slot, fewest_noops, insert_noops, step_rounds
+from lorafusion_sched.sequence import Slot, fewest_noops, insert_noops, shortest_possible, step_rounds
 from lorafusion_sched.verify import derived_stats, verify
 
 __all__ = ["Progress", "default_workers", "plan"]
@@ -236,9 +237,10 @@ def _sequence(
     )
     compact = [slot for slot in laid_out if slot]
     result = reordered(compact)
-    if len(result) > len(compact) + -len(compact) % d:
+    if len(result) > shortest_possible(len(compact), d):
         # The merge never lengthens the sequence of the given order, but the list schedule is a
-        # heuristic and may find more in the unmerged sequence; keep the shorter.
+        # heuristic and may find more in the unmerged sequence (more, smaller microbatches to fill
+        # the waits with); keep the shorter.
         alternative = reordered(unmerged)
         if len(alternative) < len(result):
             return alternative, 0

@@ -1,4 +1,4 @@
-"""The microbatch sequence inside the planner: slots, rounds, no-op insertion and optimizer steps.
+"""The microbatch sequence inside the planner: slots, rounds, no-ops, reordering and optimizer steps.
 
 A slot maps an adapter index to ``(global batch, sample ids)``; an empty slot is a no-op. With
 ``d`` data-parallel replicas, slot ``i`` runs on replica ``i % d`` at round ``i // d`` (round =
@@ -10,6 +10,9 @@ optimizer steps, so every replica must have finished global batch ``g`` before a
 ``g + 1`` is at least ``S`` rounds after the last round of ``g``. Every replica steps the adapter
 after its microbatch of that last round (``step_after`` is set on all ``d`` slots of the round),
 and the sequence is padded with no-ops to a whole number of rounds.
+
+:func:`insert_noops` inserts the fewest no-ops the given order allows; :func:`fewest_noops` also
+tries other orders (:func:`list_schedule`) and keeps the shortest sequence.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
-__all__ = ["Slot", "fewest_noops", "insert_noops", "list_schedule", "step_rounds"]
+__all__ = ["Slot", "fewest_noops", "insert_noops", "list_schedule", "shortest_possible", "step_rounds"]
 
 Slot = dict[int, tuple[int, list[int]]]
 """Adapter index -> (global batch, sample ids); empty for a no-op."""
@@ -57,6 +60,11 @@ def insert_noops(slots: Sequence[Slot], stages: int, replicas: int) -> list[int 
     return out
 
 
+def shortest_possible(count: int, replicas: int) -> int:
+    """Length of a sequence of ``count`` slots with no no-ops but the padding to whole rounds."""
+    return count + -count % replicas
+
+
 def list_schedule(
     slots: Sequence[Slot], stages: int, replicas: int, priority: Callable[[int], tuple[int, ...]]
 ) -> list[int | None]:
@@ -83,7 +91,13 @@ def list_schedule(
     Returns:
         Indices into ``slots`` with ``None`` for a no-op, padded to a multiple of ``replicas``;
         :func:`insert_noops` adds nothing to it.
+
+    Raises:
+        ValueError: An empty slot, or slots in no order that keeps every adapter's global
+            batches in order (one slot needs another's later batch first).
     """
+    if not all(slots):
+        raise ValueError("list_schedule takes no empty slots: drop the no-ops first")
     remaining: dict[tuple[int, int], int] = {}
     slots_of: dict[tuple[int, int], list[int]] = {}
     batches: dict[int, set[int]] = {}
@@ -92,8 +106,8 @@ def list_schedule(
             remaining[(adapter, batch)] = remaining.get((adapter, batch), 0) + 1
             slots_of.setdefault((adapter, batch), []).append(index)
             batches.setdefault(adapter, set()).add(batch)
-    order = {a: sorted(b, reverse=True) for a, b in batches.items()}  # popped from the end
-    current = {a: b[-1] for a, b in order.items()}
+    pending = {a: sorted(b, reverse=True) for a, b in batches.items()}  # popped from the end
+    current = {a: b[-1] for a, b in pending.items()}
     ready_round: dict[int, int] = {}  # adapter -> first round its current batch may use
 
     waiting: list[tuple[int, tuple[int, ...], int]] = []  # (earliest round, priority, slot)
@@ -121,14 +135,16 @@ def list_schedule(
         for adapter, (batch, _samples) in slots[index].items():
             remaining[(adapter, batch)] -= 1
             if remaining[(adapter, batch)] == 0:
-                order[adapter].pop()
+                pending[adapter].pop()
                 ready_round[adapter] = round_ + stages
-                if order[adapter]:
-                    current[adapter] = order[adapter][-1]
+                if pending[adapter]:
+                    current[adapter] = pending[adapter][-1]
                     for later in slots_of[(adapter, current[adapter])]:
                         push_if_ready(later)
                 else:
                     del current[adapter]
+    if len(out) - out.count(None) < len(slots):
+        raise ValueError("the slots' global batches cannot all be kept in order: one slot needs another's later batch")
     out.extend([None] * (-len(out) % replicas))
     return out
 
@@ -149,9 +165,14 @@ def fewest_noops(slots: Sequence[Slot], stages: int, replicas: int) -> list[int 
 
     Returns:
         Indices into ``slots`` with ``None`` for a no-op, padded to a multiple of ``replicas``.
+
+    Raises:
+        ValueError: As :func:`list_schedule`.
     """
+    if not all(slots):
+        raise ValueError("fewest_noops takes no empty slots: drop the no-ops first")
     best = insert_noops(slots, stages, replicas)
-    if len(best) == len(slots) + (-len(slots) % replicas):
+    if len(best) == shortest_possible(len(slots), replicas):
         return best
     last_batch: dict[int, int] = {}
     for slot in slots:
