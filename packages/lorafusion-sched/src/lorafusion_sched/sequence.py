@@ -167,7 +167,8 @@ def fewest_noops(slots: Sequence[Slot], stages: int, replicas: int) -> list[int 
         Indices into ``slots`` with ``None`` for a no-op, padded to a multiple of ``replicas``.
 
     Raises:
-        ValueError: As :func:`list_schedule`.
+        ValueError: An empty slot; or, where the given order needs no-ops, slots in no order
+            that keeps every adapter's global batches in order (as :func:`list_schedule`).
     """
     if not all(slots):
         raise ValueError("fewest_noops takes no empty slots: drop the no-ops first")
