@@ -481,6 +481,18 @@ def test_a_name_no_layer_holds_is_named_once(patched_model: torch.nn.Module, mon
     assert "['alpha', 'beta', 'gamma']" in unheld[0]
 
 
+def test_a_block_on_an_unpatched_model_is_warned_about(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PEFT's own layers ignore the block: every token got the active adapter, silently."""
+    from lorafusion_kernels import multi_lora_routing
+    from lorafusion_kernels.errors import OnceWarnings
+
+    monkeypatch.setattr(multi_lora_routing, "_WARNED_UNHELD", OnceWarnings())
+    model = tiny_peft_model()
+    unpatched = pytest.warns(LoRAFusionKernelsWarning, match="no patched module ran inside multi_lora_batch")
+    with unpatched, multi_lora_batch(*row_batch()):
+        model(input_ids=input_ids())
+
+
 @pytest.mark.parametrize(
     ("saved", "rows"),
     [(["lm_head"], ROW_ADAPTERS), (["embed_tokens", "lm_head"], ["alpha", "beta", "alpha", "__base__", "beta"])],

@@ -54,6 +54,7 @@ from lorafusion_kernels._kernels.lora_xw_sb import lora_xw_sb
 from lorafusion_kernels.autocast import call_as_linear
 from lorafusion_kernels.dropout import draw_seed, dropout_keep_mask, keep_threshold, seed_tensor
 from lorafusion_kernels.errors import LoRAFusionKernelsError
+from lorafusion_kernels.first_order import first_order_only
 
 __all__ = ["FusedLoRAFunction", "FusedLoRALinear", "fused_lora_linear"]
 
@@ -314,7 +315,8 @@ class FusedLoRAFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # the backward is not itself differentiable: double backward raises
+    @first_order_only  # the backward is not itself differentiable: create_graph=True raises
+    @once_differentiable
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """``(dx, dW, dA, dB, dbias, None, ...)`` by the chain rule of the module docstring (dW: None when frozen)."""
         return _backward(ctx, dy, opaque=False)

@@ -51,6 +51,7 @@ from lorafusion_kernels._kernels.multi_lora_bwd import (
 from lorafusion_kernels._kernels.multi_lora_fwd import multi_lora_linear, multi_lora_shrink
 from lorafusion_kernels.dropout import check_seed, draw_seed, dropout_keep_mask, keep_threshold, seed_tensor
 from lorafusion_kernels.errors import LoRAFusionKernelsError
+from lorafusion_kernels.first_order import first_order_only
 from lorafusion_kernels.lora import check_deterministic, check_finite, deterministic_mode, fused_lora_linear
 from lorafusion_kernels.metadata import MultiLoRABatch
 
@@ -879,7 +880,8 @@ class _FusedMultiLoRA(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # the backward is not itself differentiable: double backward raises
+    @first_order_only  # the backward is not itself differentiable: create_graph=True raises
+    @once_differentiable
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """``(dx, dW, dbias, dA_cat, dB_cat, None, ...)`` by the chain rule of the module docstring."""
         return _backward(ctx, dy, opaque=False)

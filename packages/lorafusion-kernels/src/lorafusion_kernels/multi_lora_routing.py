@@ -52,6 +52,8 @@ class _Routing:
     on_device: dict[torch.device, MultiLoRABatch]
     held: set[str] = field(default_factory=set)
     """The adapter names held by the LoRA layers that ran inside the block (to catch a misspelt name)."""
+    reached: bool = False
+    """Whether a patched module (model, LoRA layer, wrapper) looked the routing up: else the model is unpatched."""
 
     def batch_on(self, device: torch.device) -> MultiLoRABatch:
         if device not in self.on_device:
@@ -76,6 +78,14 @@ def _captured() -> _Captured:
     return _ACTIVE.get(), _ACTIVE_ROWS.get()
 
 
+def _active_routing() -> _Routing | None:
+    """The routing of the enclosing :func:`multi_lora_batch`, marked as reached by a patched module."""
+    routing = _ACTIVE.get()
+    if routing is not None:
+        routing.reached = True
+    return routing
+
+
 @contextlib.contextmanager
 def multi_lora_batch(batch: MultiLoRABatch, adapter_names: Sequence[str]) -> Iterator[MultiLoRABatch]:
     """Route every patched PEFT ``lora.Linear`` through FusedMultiLoRA for one microbatch's forward.
@@ -88,7 +98,8 @@ def multi_lora_batch(batch: MultiLoRABatch, adapter_names: Sequence[str]) -> Ite
     weights, ``scaling`` and ``lora_dropout`` p (p applies only while the layer is in training mode).
     The name ``"__base__"``, or an adapter that a layer does not have, means "frozen layer only" for
     those tokens (as in PEFT's ``adapter_names=``); a name with tokens that no layer run inside the
-    block holds (misspelt?) is warned about once, when the block exits. Works in training and eval
+    block holds (misspelt?) is warned about once, when the block exits, and so is a block in which
+    no patched layer ran (an unpatched model). Works in training and eval
     mode, on CPU (plain torch) and CUDA fp16/bf16 (Triton). Autograd saves what the backward needs:
     the context is needed only while the forward runs, so ``loss.backward()`` may run after the block.
     PEFT's ``modules_to_save`` and trainable-token wrappers around ``nn.Linear`` and ``nn.Embedding``
@@ -139,9 +150,20 @@ _WARNED_UNHELD = OnceWarnings()
 
 
 def _warn_unheld_names(routing: _Routing) -> None:
-    """Once per name: an adapter with tokens that no LoRA layer of the block held (a misspelt name?)."""
+    """Once per name: an adapter with tokens that no LoRA layer of the block held (a misspelt name?).
+
+    A block in which no patched module (model, LoRA layer, PEFT wrapper) ran at all is warned about
+    too: PEFT's own layers of an unpatched model ignore the block and give every token the active
+    adapter.
+    """
+    if not routing.reached:
+        _WARNED_UNHELD.warn(
+            "lorafusion: no patched module ran inside multi_lora_batch, so nothing was routed by "
+            "adapter: call lorafusion_kernels.patch_peft_model(model) first (an unpatched PEFT model gives "
+            "every token its active adapter), and run the model's forward inside the block"
+        )
     if not routing.held:
-        return  # no patched LoRA layer ran in the block
+        return  # no LoRA layer ran (only wrappers, or an error was caught inside the block)
     batch = routing.batch
     for a in batch.active_adapters:
         name = routing.adapter_names[a]
@@ -318,7 +340,7 @@ def peft_multi_lora_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: A
     if adapter_names is not None:
         batch, names = _rows_to_batch(layer, x, adapter_names)
     else:
-        routing = _ACTIVE.get()
+        routing = _active_routing()
         if routing is None:
             return None
         batch, names = routing.batch_on(x.device), routing.adapter_names
@@ -561,7 +583,7 @@ def _wrapper_forward(wrapper: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
     peft_forward: Callable[..., torch.Tensor] = type(wrapper).forward
     if kwargs.get("adapter_names") is None:
         kwargs.pop("adapter_names", None)  # an explicit None means no names, as in PEFT
-        rows, routing = _ACTIVE_ROWS.get(), _ACTIVE.get()
+        rows, routing = _ACTIVE_ROWS.get(), _active_routing()
         if rows is not None:
             kwargs = {**kwargs, "adapter_names": list(rows)}
         elif routing is not None:
@@ -583,7 +605,7 @@ def _wrapper_guard(
     rows = _ACTIVE_ROWS.get()
     if rows is not None:
         return args, {**kwargs, "adapter_names": list(rows)}
-    routing = _ACTIVE.get()
+    routing = _active_routing()
     if routing is not None:
         why = "its forward is wrapped by hooks (e.g. accelerate offloading), so multi_lora_batch cannot route it"
         error = wrong_copy_error(wrapper, routing.batch, routing.adapter_names, why)
@@ -618,7 +640,7 @@ class _LateLayerCheck:
         self.handle: Any = None
 
     def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if _ACTIVE.get() is None and (kwargs.get("adapter_names") is None or not model.training):
+        if _active_routing() is None and (kwargs.get("adapter_names") is None or not model.training):
             return
         config = getattr(model, "peft_config", None)
         adapters = tuple(config) if isinstance(config, dict) else None

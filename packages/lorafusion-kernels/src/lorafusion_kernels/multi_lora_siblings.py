@@ -30,6 +30,7 @@ from torch.nn import functional
 from lorafusion_kernels._kernels._common import MAX_RANK, runs_triton
 from lorafusion_kernels._kernels.multi_lora_fwd import member_outputs_fit, multi_lora_linear_members
 from lorafusion_kernels.errors import LoRAFusionKernelsError
+from lorafusion_kernels.first_order import first_order_only
 from lorafusion_kernels.lora import check_deterministic, deterministic_mode
 from lorafusion_kernels.metadata import MultiLoRABatch
 from lorafusion_kernels.multi_lora import (
@@ -203,7 +204,8 @@ class _FusedSiblingMembers(torch.autograd.Function):
         return ys
 
     @staticmethod
-    @once_differentiable  # the backward is not itself differentiable: double backward raises
+    @first_order_only  # the backward is not itself differentiable: create_graph=True raises
+    @once_differentiable
     def backward(ctx: Any, *dys: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """:func:`fused_multi_lora_linear`'s gradients, ``dy`` given as the members' gradients."""
         return _backward(ctx, dys, opaque=False)
