@@ -7,6 +7,7 @@ relative-RMS floor). Shapes are small and odd (the interpreter runs a 1024x512x5
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -285,6 +286,11 @@ def test_custom_ops_are_registered():
         ({"x": torch.tensor(1.0)}, "got a 0-d tensor"),
         ({"deterministic": "yes"}, "deterministic must be None, True or False"),
         ({"seed": 1.5, "dropout_p": 0.1}, "seed must be an integer"),
+        (
+            {"lora_a": [torch.zeros(4, 16)]},
+            r"lora_a must be a tensor, got list \(several adapters: fused_multi_lora_linear\)",
+        ),
+        ({"bias": [0.0] * 8}, "bias must be a tensor or None, got list"),
     ],
     ids=[
         "rank-129",
@@ -303,6 +309,8 @@ def test_custom_ops_are_registered():
         "x-0d",
         "deterministic-str",
         "seed-float",
+        "a-list",
+        "bias-list",
     ],
 )
 def test_bad_inputs_raise_one_error_type(change, message):
@@ -323,6 +331,14 @@ def test_bad_inputs_raise_one_error_type(change, message):
             args["x"], args["weight"], args["lora_a"], args["lora_b"], scaling=args["scaling"],
             dropout_p=args["dropout_p"], bias=args["bias"], seed=args["seed"], deterministic=args["deterministic"],
         )  # fmt: skip
+
+
+def test_numpy_scalars_and_0d_tensors_are_numbers():
+    inputs = make_lora_inputs(5, 16, 8, 4, dtype=torch.float32)
+    args = (inputs.x, inputs.weight, inputs.lora_a, inputs.lora_b)
+    expected = fused_lora_linear(*args, scaling=2.0, dropout_p=0.25, seed=3)
+    for scaling, p in ((np.float32(2.0), np.float64(0.25)), (torch.tensor(2.0), torch.tensor(0.25))):
+        torch.testing.assert_close(fused_lora_linear(*args, scaling=scaling, dropout_p=p, seed=3), expected)
 
 
 @pytest.mark.parametrize("kwargs", [{"dropout_p": 1.5}, {"dropout_p": None}, {"lora_alpha": float("inf")}])

@@ -687,6 +687,47 @@ def test_flags_and_0d_inputs_are_refused() -> None:
         fused_multi_lora_linear(torch.tensor(1.0), *args[1:], **segments)
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"lora_a": torch.zeros(3, 16)}, r"lora_a must be a list or tuple with one tensor per adapter index, got one"),
+        ({"lora_b": iter([])}, r"lora_b must be a list or tuple .* got list_iterator"),
+        ({"lora_a": [None, None, None]}, r"lora_a\[0\] must be a tensor, got NoneType .* rank-0 tensor"),
+        ({"dropout_p": [0.1, 1.0, 0.0]}, r"dropout_p must be in \[0, 1\), got 1.0 for adapter index 1"),
+        ({"x": torch.zeros(5, 0), "weight": torch.zeros(8, 0)}, r"in_features must be at least 1, got weight \[8, 0\]"),
+    ],
+    ids=["a-tensor", "b-iterator", "a-none", "p-1", "k-0"],
+)
+def test_bad_adapter_lists_name_the_argument(change: dict, message: str) -> None:
+    args = {
+        "x": torch.zeros(5, 16),
+        "weight": torch.zeros(8, 16),
+        "lora_a": [torch.zeros(2, 16)] * 3,
+        "lora_b": [torch.zeros(8, 2)] * 3,
+        "dropout_p": 0.0,
+    }
+    args.update(change)
+    with pytest.raises(LoRAFusionKernelsError, match=message):
+        fused_multi_lora_linear(
+            args["x"], args["weight"], args["lora_a"], args["lora_b"], segment_lengths=[2, 3],
+            segment_adapters=[0, 1], scaling=1.0, dropout_p=args["dropout_p"],
+        )  # fmt: skip
+
+
+def test_numpy_values_per_adapter_are_numbers() -> None:
+    inputs = make_inputs(MIXED, torch.float32)
+    args = (inputs["x"], inputs["weight"], inputs["lora_a"], inputs["lora_b"])
+    segments = {"segment_lengths": MIXED.lengths, "segment_adapters": MIXED.adapters}
+    scaling = [float(s) for s in np.linspace(0.5, 2.0, len(inputs["lora_a"]))]
+    expected = fused_multi_lora_linear(*args, scaling=scaling, **segments)
+    got = fused_multi_lora_linear(*args, scaling=np.array(scaling), **segments)  # type: ignore[arg-type]
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(
+        fused_multi_lora_linear(*args, scaling=np.float32(2.0), **segments),  # type: ignore[arg-type]
+        fused_multi_lora_linear(*args, scaling=2.0, **segments),
+    )
+
+
 def test_a_host_batch_is_copied_to_a_device_once() -> None:
     batch = MultiLoRABatch.from_segments(MIXED.lengths, MIXED.adapters)
     assert batch.to("meta") is batch.to("meta")

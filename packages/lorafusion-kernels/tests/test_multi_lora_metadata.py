@@ -136,6 +136,8 @@ def test_numpy_and_tensor_integers_accepted() -> None:
         ([4.0], [0], {}, "must hold integers"),  # a float, even a whole one, is a caller's bug
         (["4"], [0], {}, "must hold integers"),
         ([True], [0], {}, "must hold integers"),
+        (None, [0], {}, "segment_lengths must be a list of integers or a 1-D integer tensor, got NoneType"),
+        ([3], 0, {}, "segment_adapters must be a list of integers or a 1-D integer tensor, got int"),
     ],
 )
 def test_invalid_segments_raise(lengths: list, adapters: list, kwargs: dict, message: str) -> None:

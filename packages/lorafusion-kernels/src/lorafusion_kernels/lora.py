@@ -31,6 +31,7 @@ path with the same dropout mask.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import Any, cast
 
@@ -334,6 +335,12 @@ def _check_inputs(
     dropout_p: float,
     scaling: object,
 ) -> None:
+    for name, value in (("x", x), ("weight", weight), ("lora_a", lora_a), ("lora_b", lora_b)):
+        if not isinstance(value, torch.Tensor):
+            several = " (several adapters: fused_multi_lora_linear)" if name.startswith("lora") else ""
+            raise LoRAFusionKernelsError(f"{name} must be a tensor, got {type(value).__name__}{several}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise LoRAFusionKernelsError(f"bias must be a tensor or None, got {type(bias).__name__}")
     if x.dim() == 0:
         raise LoRAFusionKernelsError("x must be [..., K] (at least 1-D), got a 0-d tensor")
     if x.dtype not in SUPPORTED_DTYPES:
@@ -373,12 +380,16 @@ def _check_inputs(
 def check_finite(value: object, name: str) -> None:
     """Refuse a scalar argument (a scaling, a dropout probability) that is not a finite number.
 
+    Python and NumPy numbers and 0-d real tensors are numbers; callers pass ``float(value)`` on.
+
     Raises:
         LoRAFusionKernelsError: Naming the argument and the value (None, a string, NaN, inf, a bool).
     """
     if torch.compiler.is_compiling():
         return  # a float input may be symbolic there, and math.isfinite on it would break the graph
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_complex:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise LoRAFusionKernelsError(f"{name} must be a finite number, got {value!r}")
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +96,10 @@ def _as_int_list(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
             raise LoRAFusionKernelsError(f"{name} must hold integers, got dtype {values.dtype}")
         # A device tensor costs one read-back here, once per microbatch, never inside a layer.
         return [int(v) for v in values.tolist()]
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise LoRAFusionKernelsError(
+            f"{name} must be a list of integers or a 1-D integer tensor, got {type(values).__name__} {values!r}"
+        )
     out = []
     for v in values:
         try:

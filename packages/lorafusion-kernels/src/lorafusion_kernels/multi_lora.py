@@ -152,8 +152,19 @@ def _device_params(params: _AdapterParams, device: torch.device) -> _DeviceParam
     )
 
 
+def adapter_list(tensors: Sequence[torch.Tensor], name: str) -> Sequence[torch.Tensor]:
+    """``tensors`` as a list or tuple, one per adapter index; a lone tensor or a non-sequence is refused."""
+    if isinstance(tensors, list | tuple):
+        return tensors
+    got = "one tensor" if isinstance(tensors, torch.Tensor) else type(tensors).__name__
+    raise LoRAFusionKernelsError(
+        f"{name} must be a list or tuple with one tensor per adapter index, got {got}: "
+        f"pass [{name}] for one adapter (or fused_lora_linear)"
+    )
+
+
 def _per_adapter(value: float | Sequence[float], n: int, name: str) -> tuple[float, ...]:
-    if isinstance(value, torch.Tensor):
+    if hasattr(value, "tolist") and not isinstance(value, list):  # a tensor, a NumPy array or scalar
         value = value.tolist()
     if value is None or isinstance(value, (int, float, str)):
         check_finite(value, name)
@@ -214,14 +225,17 @@ def check_call(
         raise LoRAFusionKernelsError(f"bias must be floating point, got {bias.dtype}")
     if x.shape[-1] != k_in:
         raise LoRAFusionKernelsError(f"x has {x.shape[-1]} features but weight is [{n_out}, {k_in}]")
+    if k_in == 0:
+        raise LoRAFusionKernelsError(f"in_features must be at least 1, got weight [{n_out}, 0]")
     tokens = x.numel() // k_in if k_in else 0
     if tokens != batch.total_tokens:
         raise LoRAFusionKernelsError(
             f"x holds {tokens} tokens but the segments add up to {batch.total_tokens}; "
             "segment_lengths must cover the flattened tokens exactly"
         )
-    for p in dropout_p:
-        keep_threshold(p)
+    for a, p in enumerate(dropout_p):
+        if not 0.0 <= p < 1.0:
+            raise LoRAFusionKernelsError(f"dropout_p must be in [0, 1), got {p} for adapter index {a}")
 
 
 def _check_inputs(
@@ -235,6 +249,13 @@ def _check_inputs(
 ) -> None:
     if len(lora_a) != len(lora_b):
         raise LoRAFusionKernelsError(f"got {len(lora_a)} lora_a tensors but {len(lora_b)} lora_b tensors")
+    for name, tensors in (("lora_a", lora_a), ("lora_b", lora_b)):
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise LoRAFusionKernelsError(
+                    f"{name}[{i}] must be a tensor, got {type(t).__name__} "
+                    "(an adapter without weights takes a rank-0 tensor, [0, K] or [N, 0])"
+                )
     check_call(x, weight, len(lora_a), [*lora_a, *lora_b], bias, batch, dropout_p)
     n_out, k_in = weight.shape
     for i, (a, b) in enumerate(zip(lora_a, lora_b, strict=True)):
@@ -291,6 +312,7 @@ def fused_multi_lora_linear(
     Raises:
         LoRAFusionKernelsError: Inconsistent shapes, token count or per-adapter lists, or p outside ``[0, 1)``.
     """
+    lora_a, lora_b = adapter_list(lora_a, "lora_a"), adapter_list(lora_b, "lora_b")
     batch, scales, ps = call_batch(x, len(lora_a), segment_lengths, segment_adapters, batch, scaling, dropout_p)
     _check_inputs(x, weight, lora_a, lora_b, bias, batch, ps)
     check_deterministic(deterministic)
