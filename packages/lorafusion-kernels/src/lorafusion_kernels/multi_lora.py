@@ -164,7 +164,8 @@ def adapter_list(tensors: Sequence[torch.Tensor], name: str) -> Sequence[torch.T
 
 
 def _per_adapter(value: float | Sequence[float], n: int, name: str) -> tuple[float, ...]:
-    if hasattr(value, "tolist") and not isinstance(value, list):  # a tensor, a NumPy array or scalar
+    # A tensor, or a NumPy array or scalar (hasattr is not traced by torch.compile, which never gets one).
+    if isinstance(value, torch.Tensor) or (not torch.compiler.is_compiling() and hasattr(value, "tolist")):
         value = value.tolist()
     if value is None or isinstance(value, (int, float, str)):
         check_finite(value, name)
