@@ -243,6 +243,37 @@ def test_export_never_overwrites_its_own_inputs(
     assert (tiny_base / "config.json").is_file()
 
 
+def test_export_names_a_damaged_adapter_or_a_base_of_other_shapes(
+    tmp_path: Path, config_dict, tiny_base: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A truncated config, missing weights and a wider base gave tracebacks (status 3)."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    data = config_dict(base_model={"model_name_or_path": str(tiny_base), "dtype": "float32"})
+    assert main(["train", str(_write(tmp_path / "run.yaml", data))]) == 0
+    adapter = Path(data["output_dir"]) / "adapters" / "first"
+
+    def export(folder: Path, *extra: str) -> str:
+        capsys.readouterr()
+        assert main(["export", str(folder), "--output", str(tmp_path / "merged"), *extra]) == 2
+        return " ".join(capsys.readouterr().err.split())
+
+    truncated = shutil.copytree(adapter, tmp_path / "truncated")
+    (truncated / "adapter_config.json").write_text('{"r": 4,')
+    assert "adapter_config.json cannot be read (Expecting" in export(truncated)
+    weightless = shutil.copytree(adapter, tmp_path / "weightless")
+    (weightless / "adapter_model.safetensors").unlink()
+    assert "holds no adapter weights (adapter_model.safetensors or adapter_model.bin)" in export(weightless)
+    config = AutoConfig.from_pretrained(tiny_base)
+    config.hidden_size *= 2
+    wider = tmp_path / "wider"
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(wider)
+    assert f"does not fit base model {wider} (size mismatch" in export(adapter, "--base", str(wider))
+
+
 def test_export_refuses_a_preset_base(tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]) -> None:
     data = config_dict()
     assert main(["train", str(_write(tmp_path / "run.yaml", data))]) == 0
@@ -371,6 +402,21 @@ def test_a_ctrl_c_outside_training_is_a_message_not_a_traceback(
     err = " ".join(capsys.readouterr().err.split())
     assert "interrupted at once: checkpoints are written whole or not at all" in err
     assert "Traceback" not in err
+
+
+def test_a_ctrl_c_in_another_command_says_nothing_of_resuming(
+    tmp_path: Path, config_dict, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import lorafusion_megatron.cli as cli_module
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_module, "_cmd_export", interrupted)
+    assert main(["export", str(tmp_path / "adapter"), "--output", str(tmp_path / "merged")]) == 130
+    err = " ".join(capsys.readouterr().err.split())
+    assert "interrupted: outputs are written whole or not at all" in err
+    assert "--resume" not in err
 
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}

@@ -464,6 +464,31 @@ def test_fingerprints_compare_config_then_data(tmp_path: Path) -> None:
     assert read_checkpoint_meta(folder, fingerprint=RunFingerprint("cfg/data-b", {}))
 
 
+def test_a_moved_dataset_with_the_same_content_resumes_and_other_content_names_its_job(tmp_path: Path) -> None:
+    """A project copied elsewhere changes the datasets' absolute paths only: the data's hash decides."""
+    from lorafusion_megatron.checkpoint import RunFingerprint, read_checkpoint_meta
+
+    folder = tmp_path / "checkpoint-8"
+    folder.mkdir()
+
+    def config(root: str, r: int = 8) -> dict:
+        return {"jobs": [{"name": n, "r": r, "dataset": {"path": f"{root}/{n}.jsonl"}} for n in ("a", "b")]}
+
+    stored = {"fingerprint": "old/data-1", "config": config("/x"), "data_by_job": {"a": "ha", "b": "hb"}}
+    (folder / "trainer_state.json").write_text(json.dumps(stored))
+    moved = {"a": "ha", "b": "hb"}
+    assert read_checkpoint_meta(folder, fingerprint=RunFingerprint("new/data-1", config("/y"), moved))
+    assert read_checkpoint_meta(folder, fingerprint=RunFingerprint("new/", config("/y")))  # data read later
+    with pytest.raises(TrainerError, match="other data: the dataset of job 'b' holds other samples"):
+        read_checkpoint_meta(folder, fingerprint=RunFingerprint("new/data-2", config("/y"), {"a": "ha", "b": "hc"}))
+    with pytest.raises(TrainerError, match=r"jobs\[a\]\.r: 8 -> 4"):  # more than the paths changed
+        read_checkpoint_meta(folder, fingerprint=RunFingerprint("new/data-1", config("/y", r=4), moved))
+    del stored["fingerprint"]
+    (folder / "trainer_state.json").write_text(json.dumps({**stored, "fingerprint": "old"}))  # no data hash
+    with pytest.raises(TrainerError, match=r"different config \(changed: jobs\[a\]\.dataset\.path"):
+        read_checkpoint_meta(folder, fingerprint=RunFingerprint("new/data-1", config("/y"), moved))
+
+
 def test_a_refused_resume_names_the_changed_keys_when_the_checkpoint_stores_its_config(tmp_path: Path) -> None:
     """Five changes are named, the rest counted; a checkpoint without its config gets the general message."""
     from lorafusion_megatron.checkpoint import RunFingerprint, read_checkpoint_meta

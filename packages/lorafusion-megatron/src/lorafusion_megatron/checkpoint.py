@@ -25,7 +25,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -90,14 +90,17 @@ class RunFingerprint:
         config: The config's data that ``value``'s first part hashes
             (:func:`~lorafusion_megatron.config.fingerprinted_config`); a checkpoint stores it, so a
             resume with another config can be told which keys changed.
+        data_by_job: Per job, the hash of its training samples (empty where the data was not read).
     """
 
     value: str
     config: Mapping[str, Any]
+    data_by_job: Mapping[str, str] = field(default_factory=dict)
+    """Per job, the hash of its training samples (so a refusal can name the jobs whose data changed)."""
 
     def to_meta(self) -> dict[str, Any]:
-        """The ``fingerprint`` and ``config`` entries of a checkpoint's ``trainer_state.json``."""
-        return {"fingerprint": self.value, "config": dict(self.config)}
+        """The ``fingerprint``, ``config`` and ``data_by_job`` entries of a checkpoint's ``trainer_state.json``."""
+        return {"fingerprint": self.value, "config": dict(self.config), "data_by_job": dict(self.data_by_job)}
 
 
 def _checkpoints(directory: Path) -> list[tuple[int, Path]]:
@@ -217,12 +220,15 @@ def read_checkpoint_meta(path: Path, *, fingerprint: RunFingerprint) -> dict[str
     meta: dict[str, Any] = read_checkpoint_file(path, "trainer_state.json", _read_json)
     stored_config, _, stored_data = str(meta.get("fingerprint")).partition("/")
     config_part, _, data_part = fingerprint.value.partition("/")
-    if stored_config == config_part and stored_data and data_part and stored_data != data_part:
+    moved = stored_config != config_part and _only_dataset_paths_differ(meta, fingerprint)
+    if (stored_config == config_part or moved) and stored_data and data_part and stored_data != data_part:
         raise TrainerError(
-            f"checkpoint {path} was written for other data: a dataset of this config holds other samples "
-            "than when the run started (same path, other content or tokenizer): restore it, or train "
+            f"checkpoint {path} was written for other data: {_jobs_with_other_data(meta, fingerprint)} "
+            "other samples than when the run started (other content or tokenizer): restore it, or train "
             "without --resume into a new output_dir"
         )
+    if moved and (not data_part or stored_data):
+        return meta  # a dataset moved: its content decides (here, or on the ranks once they read it)
     if stored_config != config_part:
         raise TrainerError(
             f"checkpoint {path} was written by a run with a different config ({_what_changed(meta, fingerprint)}): "
@@ -242,7 +248,39 @@ def run_fingerprint(config: TrainerConfig, jobs: Mapping[str, JobData] | None) -
     from lorafusion_megatron.data.job_data import data_fingerprint
 
     data = "" if jobs is None else data_fingerprint(jobs)
-    return RunFingerprint(value=f"{config_fingerprint(config)}/{data}", config=fingerprinted_config(config))
+    by_job = {} if jobs is None else {name: data_fingerprint({name: job}) for name, job in jobs.items()}
+    return RunFingerprint(
+        value=f"{config_fingerprint(config)}/{data}", config=fingerprinted_config(config), data_by_job=by_job
+    )
+
+
+def _without_dataset_paths(config: Mapping[str, Any]) -> Any:
+    """``config`` with every job's ``dataset.path`` blanked (a moved project keeps its data's content)."""
+    jobs = config.get("jobs")
+    if not isinstance(jobs, list):
+        return config
+    blanked = []
+    for job in jobs:
+        dataset = job.get("dataset") if isinstance(job, dict) else None
+        blanked.append({**job, "dataset": {**dataset, "path": None}} if isinstance(dataset, dict) else job)
+    return {**config, "jobs": blanked}
+
+
+def _only_dataset_paths_differ(meta: Mapping[str, Any], fingerprint: RunFingerprint) -> bool:
+    """Whether the checkpoint's stored config differs from this run's in dataset paths alone."""
+    stored = meta.get("config")
+    return isinstance(stored, dict) and _without_dataset_paths(stored) == _without_dataset_paths(fingerprint.config)
+
+
+def _jobs_with_other_data(meta: Mapping[str, Any], fingerprint: RunFingerprint) -> str:
+    """``"the dataset of job 'a' holds"`` for the jobs whose hashes differ, where both sides record them."""
+    stored = meta.get("data_by_job")
+    if isinstance(stored, dict) and fingerprint.data_by_job:
+        changed = sorted(name for name, digest in fingerprint.data_by_job.items() if stored.get(name) != digest)
+        if changed:
+            names = ", ".join(repr(name) for name in changed)
+            return f"the dataset of job {names} holds" if len(changed) == 1 else f"the datasets of jobs {names} hold"
+    return "a dataset of this config holds"
 
 
 def _what_changed(meta: Mapping[str, Any], fingerprint: RunFingerprint) -> str:

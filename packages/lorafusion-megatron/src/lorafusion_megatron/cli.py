@@ -323,9 +323,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         _console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, markup=True, soft_wrap=True)
         return 2
     except KeyboardInterrupt:  # a Ctrl-C before training started, or a second one during it
+        trains = args.handler in (_cmd_train, _cmd_demo)
         _console.print(
             "[bold red]interrupted[/] at once: checkpoints are written whole or not at all, so the newest one "
-            "(if any) is intact; `train ... --resume` continues from it",
+            "(if any) is intact; `train ... --resume` continues from it"
+            if trains
+            else "[bold red]interrupted[/]: outputs are written whole or not at all, so none was left half-written",
             highlight=False,
             soft_wrap=True,
         )

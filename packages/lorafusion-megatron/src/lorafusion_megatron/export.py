@@ -19,7 +19,31 @@ from lorafusion_megatron.presets import PRESETS
 
 __all__ = ["merge_adapter"]
 
+_ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def _read_adapter_config(adapter: Path) -> dict[str, object]:
+    """``adapter_config.json`` of ``adapter``, checked to be there with its weights file.
+
+    Raises:
+        TrainerError: Either file is missing, or the config is not a JSON object.
+    """
+    config_file = adapter / "adapter_config.json"
+    if not config_file.is_file():
+        raise TrainerError(f"{adapter} holds no adapter_config.json: pass a folder written by `train`")
+    if not any((adapter / name).is_file() for name in _ADAPTER_WEIGHTS):
+        raise TrainerError(
+            f"{adapter} holds no adapter weights ({' or '.join(_ADAPTER_WEIGHTS)}): pass a folder written by "
+            "`train`, or copy the weights from the run's latest checkpoint"
+        )
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TrainerError(f"{config_file} cannot be read ({exc}): the adapter folder is damaged") from None
+    if not isinstance(config, dict):
+        raise TrainerError(f"{config_file} holds a {type(config).__name__}, not a PEFT adapter config (an object)")
+    return config
 
 
 def merge_adapter(
@@ -39,9 +63,9 @@ def merge_adapter(
         ``output``.
 
     Raises:
-        TrainerError: The adapter or base folder is missing, the base is a random-weight preset, or
-            ``output`` is a file, (without ``overwrite``) a non-empty folder, or is or holds the
-            adapter or the base.
+        TrainerError: The adapter or base folder is missing or damaged, the base is a random-weight
+            preset or of other shapes than the adapter, or ``output`` is a file, (without
+            ``overwrite``) a non-empty folder, or is or holds the adapter or the base.
     """
     import torch
     from peft import PeftModel
@@ -51,10 +75,9 @@ def merge_adapter(
         raise TrainerError(f"--output {output} is a file: name a folder for the merged model")
     if holds_files(output) and not overwrite:
         raise TrainerError(f"--output {output} is not empty: choose another folder, or pass --overwrite to replace it")
-    config_file = adapter / "adapter_config.json"
-    if not config_file.is_file():
-        raise TrainerError(f"{adapter} holds no adapter_config.json: pass a folder written by `train`")
-    base = base or json.loads(config_file.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    adapter_config = _read_adapter_config(adapter)
+    stored_base = adapter_config.get("base_model_name_or_path")
+    base = base or (stored_base if isinstance(stored_base, str) else None)
     if not base or base in PRESETS:
         raise TrainerError(
             f"cannot merge into base {base!r}: presets have random weights that are not saved; pass --base FOLDER"
@@ -69,8 +92,16 @@ def merge_adapter(
                 "delete: choose another folder"
             )
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype))
-    with quiet_peft_deprecations():
-        merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    try:
+        with quiet_peft_deprecations():
+            merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    except RuntimeError as exc:  # torch's load_state_dict: the adapter's shapes are not the base's
+        if "size mismatch" not in str(exc):
+            raise
+        detail = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), "")
+        raise TrainerError(
+            f"adapter {adapter} does not fit base model {base_path} ({detail[:200]}): pass the --base it was trained on"
+        ) from None
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.tmp-") as tmp:
         staging = Path(tmp) / "model"
