@@ -99,7 +99,7 @@ def multi_lora_batch(batch: MultiLoRABatch, adapter_names: Sequence[str]) -> Ite
     The name ``"__base__"``, or an adapter that a layer does not have, means "frozen layer only" for
     those tokens (as in PEFT's ``adapter_names=``); a name with tokens that no layer run inside the
     block holds (misspelt?) is warned about once, when the block exits, and so is a block in which
-    no patched layer ran (an unpatched model). Works in training and eval
+    no patched module ran (an unpatched model). Works in training and eval
     mode, on CPU (plain torch) and CUDA fp16/bf16 (Triton). Autograd saves what the backward needs:
     the context is needed only while the forward runs, so ``loss.backward()`` may run after the block.
     PEFT's ``modules_to_save`` and trainable-token wrappers around ``nn.Linear`` and ``nn.Embedding``
