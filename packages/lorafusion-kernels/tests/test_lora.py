@@ -104,6 +104,86 @@ def test_a_backward_with_create_graph_is_refused(loss):
         torch.autograd.grad(loss(y), [inputs.x], create_graph=True)
 
 
+TORCH_REFUSES_DOUBLE_BACKWARD = "does not currently support double backward|requires create_graph=False"
+"""torch's refusals of a double backward through an AOTAutograd-compiled function (docs/kernels/index.md)."""
+
+
+def second_backward(loss, x, first_order):
+    """The gradient with ``create_graph=True`` (checked against ``first_order``), then a backward through it."""
+    (dx,) = torch.autograd.grad(loss, [x], create_graph=True)
+    torch.testing.assert_close(dx, first_order)
+    dx.square().sum().backward()
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("loss", [torch.sum, lambda y: y.square().sum()], ids=["penalty", "double"])
+def test_a_compiled_backward_with_create_graph_is_refused(backend, loss):
+    """Regression: under ``torch.compile`` the custom ops' backward had no first-order guard.
+
+    Without AOTAutograd (``backend="eager"``) the backward runs when asked, and refuses a graph as the
+    eager Function does (it used to return a gradient whose backward failed with torch's "no autograd
+    formula" error). AOTAutograd backends (inductor, aot_eager) trace the backward ahead of time, so
+    nothing of ours runs then: torch refuses, at the backward through the gradient (which is right to
+    first order), or at the ``create_graph=True`` call where Inductor's backward donates its buffers.
+    """
+    inputs = make_lora_inputs(9, 12, 16, 4, dtype=torch.float32, bias=True, bias_grad=True)
+    leaves = list(inputs.leaves().values())
+
+    def fn(x, a, b, bias):
+        return fused_lora_linear(x, inputs.weight, a, b, scaling=1.5, dropout_p=0.2, bias=bias, seed=4)
+
+    torch._dynamo.reset()
+    y = torch.compile(fn, backend=backend)(*leaves)
+    if backend == "eager":
+        with pytest.raises(LoRAFusionKernelsError, match="create_graph=True"):
+            torch.autograd.grad(loss(y), [inputs.x], create_graph=True)
+        return
+    (want,) = torch.autograd.grad(loss(fn(*leaves)), [inputs.x])
+    with pytest.raises(RuntimeError, match=TORCH_REFUSES_DOUBLE_BACKWARD):
+        second_backward(loss(y), inputs.x, want)
+
+
+def test_the_custom_op_called_directly_refuses_create_graph():
+    inputs = make_lora_inputs(9, 12, 16, 4, dtype=torch.float32)
+    seed = torch.zeros(1, dtype=torch.int64)
+    y, _ = torch.ops.lorafusion.fused_lora_forward(
+        inputs.x, inputs.weight, inputs.lora_a, inputs.lora_b, None, seed, 1.0, 0.0, None
+    )
+    with pytest.raises(LoRAFusionKernelsError, match="create_graph=True"):
+        torch.autograd.grad(y.sum(), [inputs.x], create_graph=True)
+    (dx,) = torch.autograd.grad(y.sum(), [inputs.x])  # first order, as ever
+    assert dx.shape == inputs.x.shape
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3], ids=["p0", "p0.3"])
+@pytest.mark.parametrize("seed", [-1, 2**63, 1.5, True, "7"], ids=["negative", "over-63-bits", "float", "bool", "str"])
+def test_a_bad_seed_is_refused_whatever_p(seed, p):
+    """Regression: at p = 0 the seed was never read, so a bad one passed until dropout was turned on."""
+    inputs = make_lora_inputs(5, 16, 8, 4, dtype=torch.float32)
+    with pytest.raises(LoRAFusionKernelsError, match=r"seed must be an integer in \[0, 2\*\*63\)"):
+        fused_lora_linear(inputs.x, inputs.weight, inputs.lora_a, inputs.lora_b, scaling=1.0, dropout_p=p, seed=seed)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3], ids=["p0", "p0.3"])
+def test_float64_runs_the_torch_path_in_float64(p):
+    """Regression: FusedLoRA refused float64 where FusedMultiLoRA took it; both now compute it in float64.
+
+    The plain torch path used to compute in fp32 whatever the dtype, so it must match the float64
+    reference to float64 rounding, output and every gradient (bias included).
+    """
+    inputs = make_lora_inputs(23, 19, 31, 8, dtype=torch.float64, bias=True, bias_grad=True)
+    dy = torch.randn(23, 19, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    y, grads = run_fused(inputs, scaling=1.7, p=p, seed=5, dy=dy)
+    ref_y, ref_grads = run_reference(inputs, scaling=1.7, p=p, seed=5, dy=dy)
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, ref_y, rtol=1e-12, atol=1e-12)
+    for name, grad in grads.items():
+        assert grad.dtype == torch.float64, name
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-12, atol=1e-12, msg=name)
+    layer = FusedLoRALinear(31, 19, 8, dtype=torch.float64)
+    assert layer(inputs.x.detach()).dtype == torch.float64
+
+
 def test_bf16_on_the_cpu_takes_the_torch_path():
     """The interpreter's tl.dot is wrong on bf16, so bf16 CPU tensors never reach the kernels."""
     inputs = make_lora_inputs(21, 30, 40, 4, dtype=torch.bfloat16)

@@ -80,7 +80,7 @@ def make_inputs(case: Case, dtype: torch.dtype, *, seed: int = 0, frozen_a: bool
         "x": rand(case.t, case.k),
         "weight": rand(case.n, case.k, scale=case.k**-0.5, grad=False),
         "lora_a": [rand(r, case.k, scale=case.k**-0.5, grad=not frozen_a) for r in case.ranks],
-        "lora_b": [rand(case.n, r, scale=r**-0.5) for r in case.ranks],
+        "lora_b": [rand(case.n, r, scale=max(r, 1) ** -0.5) for r in case.ranks],
         "bias": rand(case.n, scale=0.1) if case.bias else None,
     }
 
@@ -642,8 +642,9 @@ def test_a_call_may_give_more_adapters_than_its_batch(path: str, request: pytest
 @pytest.mark.parametrize("path", [pytest.param("interpreter", marks=INTERPRET), "torch_path"])
 def test_float64_takes_the_torch_path_for_any_batch(path: str, request: pytest.FixtureRequest) -> None:
     """Regression: float64 ran on the torch path with several adapters, but a one-adapter batch went to
-    FusedLoRA, which refuses it (and the interpreter took float64 for the kernels and refused it):
-    whether a call ran depended on the batch's composition and the environment."""
+    FusedLoRA, which refused it then (and the interpreter took float64 for the kernels and refused it):
+    whether a call ran depended on the batch's composition and the environment. FusedLoRA takes it
+    now, on its torch path, as ``test_float64_is_computed_in_float64`` checks."""
     request.getfixturevalue(path)
     inputs = detached(make_inputs(MIXED, torch.float32), torch.float64)
     args = (inputs["x"], inputs["weight"], inputs["lora_a"], inputs["lora_b"])
@@ -809,6 +810,155 @@ def test_empty_batch_is_the_frozen_layer(path: str, request: pytest.FixtureReque
         bias=inputs["bias"],
     )
     assert y.shape == (0, MIXED.n)
+
+
+# Adapter 1 has rank 0 ("no adapter": the frozen layer only); each batch gives it tokens.
+RANK0 = Case(
+    name="rank0",
+    lengths=(6, 11, 4),
+    adapters=(0, 1, 0),
+    ranks=(8, 0, 4),
+    scaling=(2.0, 1.0, 0.5),
+    dropout_p=(0.2, 0.1, 0.0),
+    bias=True,
+)
+
+
+@pytest.mark.parametrize("path", [pytest.param("interpreter", marks=INTERPRET), "torch_path"])
+@pytest.mark.parametrize("adapters", [RANK0.adapters, (1, 1, 1)], ids=["mixed", "rank0-alone"])
+def test_a_rank0_adapter_with_tokens_gets_empty_gradients(
+    adapters: tuple[int, ...], path: str, request: pytest.FixtureRequest
+) -> None:
+    """Regression: a rank-0 adapter that owns tokens got ``[0, K]``/``[N, 0]`` gradients on the Triton
+    path but None on the torch path and when it owned every token. It gets them on every path now;
+    an adapter without tokens (here 2, and 0 when adapter 1 owns all) still gets None."""
+    request.getfixturevalue(path)
+    case = dataclasses.replace(RANK0, adapters=adapters)
+    inputs = make_inputs(case, torch.float32)
+    dy = torch.randn(case.t, case.n, generator=torch.Generator().manual_seed(2))
+    y = run_fused(case, inputs, dy, seed=9)
+    ref_in = detached(inputs, torch.float64)
+    assert rel_rms(y, run_reference(case, ref_in, dy, seed=9)) < 1e-5
+    owners = sorted(set(adapters))
+    for key, empty in (("lora_a", (0, case.k)), ("lora_b", (case.n, 0))):
+        assert [t.grad is not None for t in inputs[key]] == [a in owners for a in range(3)], key
+        assert inputs[key][1].grad.shape == empty
+        assert [t.grad is not None for t in ref_in[key]] == [a in owners for a in range(3)], "as the reference"
+
+
+@pytest.mark.parametrize("path", [pytest.param("interpreter", marks=INTERPRET), "torch_path"])
+@pytest.mark.parametrize(
+    "batch", [(MIXED.lengths, MIXED.adapters), ((43,), (1,)), ((0,), (0,)), ((43,), (3,))],
+    ids=["mixed", "one-adapter", "no-tokens", "rank0-alone"],
+)  # fmt: skip
+@pytest.mark.parametrize("seed", [-1, 2**63, 1.5, True, "7"], ids=["negative", "over-63-bits", "float", "bool", "str"])
+def test_a_bad_seed_is_refused_without_dropout(
+    seed: object, batch: tuple[tuple[int, ...], tuple[int, ...]], path: str, request: pytest.FixtureRequest
+) -> None:
+    """Regression: at p = 0 the seed was never read, so a bad one passed until dropout was turned on."""
+    request.getfixturevalue(path)
+    lengths, adapters = batch
+    case = dataclasses.replace(MIXED, lengths=lengths, adapters=adapters, ranks=(8, 16, 64, 0))
+    inputs = make_inputs(case, torch.float32)
+    args = (inputs["x"], inputs["weight"], inputs["lora_a"], inputs["lora_b"])
+    with pytest.raises(LoRAFusionKernelsError, match=r"seed must be an integer in \[0, 2\*\*63\)"):
+        fused_multi_lora_linear(*args, scaling=1.0, segment_lengths=lengths, segment_adapters=adapters, seed=seed)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("path", [pytest.param("interpreter", marks=INTERPRET), "torch_path"])
+@pytest.mark.parametrize("adapters", [MIXED.adapters, (2,) * 6], ids=["mixed", "one-adapter"])
+def test_float64_is_computed_in_float64(adapters: tuple[int, ...], path: str, request: pytest.FixtureRequest) -> None:
+    """float64 (taken by FusedLoRA now too, which a one-adapter batch runs) matches the float64 reference
+    to float64 rounding: output and every gradient, with dropout."""
+    request.getfixturevalue(path)
+    case = dataclasses.replace(MIXED, adapters=adapters)
+    inputs = make_inputs(case, torch.float64)
+    ref_in = detached(inputs, torch.float64)
+    dy = torch.randn(case.t, case.n, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    y = run_fused(case, inputs, dy, seed=11)
+    torch.testing.assert_close(y, run_reference(case, ref_in, dy, seed=11), rtol=1e-12, atol=1e-12)
+    want = grads(ref_in)
+    for name, grad in grads(inputs).items():
+        assert grad.dtype == torch.float64, name
+        torch.testing.assert_close(grad, want[name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_both_ops_take_the_same_input_dtypes() -> None:
+    """Regression: FusedLoRA refused float64 and FusedMultiLoRA took it; FusedMultiLoRA took float8 and
+    failed inside torch. Both take fp16, bf16, fp32 and fp64, and refuse the rest with one message."""
+    inputs = make_inputs(NO_DROPOUT, torch.float32)
+    x, weight, lora_a, lora_b = inputs["x"], inputs["weight"], inputs["lora_a"], inputs["lora_b"]
+    segments = {"segment_lengths": NO_DROPOUT.lengths, "segment_adapters": NO_DROPOUT.adapters}
+
+    def single(dtype: torch.dtype) -> torch.Tensor:
+        return lora_module.fused_lora_linear(x.to(dtype), weight.to(dtype), lora_a[0], lora_b[0], scaling=1.0)
+
+    def multi(dtype: torch.dtype) -> torch.Tensor:
+        return fused_multi_lora_linear(x.to(dtype), weight.to(dtype), lora_a, lora_b, scaling=1.0, **segments)
+
+    with torch.no_grad():
+        for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            assert single(dtype).dtype == multi(dtype).dtype == dtype
+    message = r"x must be float16, bfloat16, float32 or float64 \(float64 runs the plain torch path\), got torch.float8"
+    for op in (single, multi):
+        with pytest.raises(LoRAFusionKernelsError, match=message):
+            op(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("path", [pytest.param("interpreter", marks=INTERPRET), "torch_path"])
+@pytest.mark.parametrize(
+    ("dtype", "bias_dtype"),
+    [(torch.float64, torch.float32), (torch.float16, torch.float32), (torch.float32, torch.float16)],
+    ids=["fp64-x-fp32-bias", "fp16-x-fp32-bias", "fp32-x-fp16-bias"],
+)
+@pytest.mark.parametrize("lengths", [MIXED.lengths, (0,) * 6], ids=["tokens", "no-tokens"])
+def test_a_bias_of_another_dtype_is_taken_on_every_path(
+    lengths: tuple[int, ...], dtype: torch.dtype, bias_dtype: torch.dtype, path: str, request: pytest.FixtureRequest
+) -> None:
+    """Regression: the torch path (float64 included) and an empty batch raised torch's "self and mat2
+    must have the same dtype" for a bias of another float dtype, which FusedLoRA and the kernels take."""
+    request.getfixturevalue(path)
+    case = dataclasses.replace(MIXED, lengths=lengths)
+    inputs = make_inputs(case, dtype)
+    inputs["bias"] = inputs["bias"].detach().to(bias_dtype).requires_grad_()
+    ref_in = detached(inputs, torch.float64)
+    dy = torch.randn(case.t, case.n, generator=torch.Generator().manual_seed(7)).to(dtype)
+    y = run_fused(case, inputs, dy, seed=3)
+    assert y.dtype == dtype
+    assert inputs["bias"].grad.dtype == bias_dtype
+    if case.t:
+        assert rel_rms(y, run_reference(case, ref_in, dy, seed=3)) < 1e-2
+        assert rel_rms(inputs["bias"].grad, ref_in["bias"].grad) < 1e-2
+
+
+@INTERPRET
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_compiled_backward_with_create_graph_is_refused(backend: str) -> None:
+    """Regression: under ``torch.compile`` the custom ops' backward had no first-order guard. Without
+    AOTAutograd it refuses a graph as the eager Function does; with it (inductor, aot_eager) nothing of
+    ours runs at backward time: with aot_eager the first-order gradient is right and torch refuses the
+    backward through it (``test_lora``'s test of the same name covers Inductor too)."""
+    inputs = make_inputs(MIXED, torch.float32)
+    leaves = [inputs["x"], *inputs["lora_a"], *inputs["lora_b"]]
+
+    def fn(x: torch.Tensor, *ab: torch.Tensor) -> torch.Tensor:
+        return fused_multi_lora_linear(
+            x, inputs["weight"], list(ab[:4]), list(ab[4:]), segment_lengths=MIXED.lengths,
+            segment_adapters=MIXED.adapters, scaling=MIXED.scaling, dropout_p=MIXED.dropout_p, seed=3,
+        )  # fmt: skip
+
+    torch._dynamo.reset()
+    y = torch.compile(fn, backend=backend)(*leaves)
+    if backend == "eager":
+        with pytest.raises(LoRAFusionKernelsError, match="create_graph=True"):
+            torch.autograd.grad(y.sum(), [inputs["x"]], create_graph=True)
+        return
+    (dx,) = torch.autograd.grad(y.sum(), [inputs["x"]], create_graph=True)
+    (want,) = torch.autograd.grad(fn(*leaves).sum(), [inputs["x"]])
+    torch.testing.assert_close(dx, want)
+    with pytest.raises(RuntimeError, match="does not currently support double backward"):
+        dx.square().sum().backward()
 
 
 # --------------------------------------------------------------------------------------------------

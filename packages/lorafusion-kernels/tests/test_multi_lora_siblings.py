@@ -269,6 +269,36 @@ def test_member_without_gradient_gets_exactly_zero_lora_b_gradients(path: str, r
     assert all(t.grad is None for t in (*s.lora_a[3], *s.lora_b[3]))  # adapter 3 owns no token: no gradient
 
 
+@pytest.mark.parametrize("path", [pytest.param("interpreter", marks=INTERPRET), "torch_path"])
+def test_a_rank0_adapter_with_tokens_gets_empty_gradients(path: str, request: pytest.FixtureRequest) -> None:
+    """Regression: adapter 2 of UNIFORM (rank 0, with tokens) got ``[0, K]``/``[N_g, 0]`` gradients on the
+    Triton path but None on the torch path; every path gives them now."""
+    request.getfixturevalue(path)
+    case = UNIFORM
+    s = Siblings.make(case, MEMBERS, torch.float32)
+    run_siblings(case, MEMBERS, s, [torch.randn(case.t, n) for n in MEMBERS], seed=5)
+    for g, n in enumerate(MEMBERS):
+        grad_a, grad_b = s.lora_a[2][g].grad, s.lora_b[2][g].grad
+        assert grad_a is not None
+        assert grad_a.shape == (0, case.k)
+        assert grad_b is not None
+        assert grad_b.shape == (n, 0)
+
+
+@pytest.mark.parametrize("path", [pytest.param("interpreter", marks=INTERPRET), "torch_path"])
+@pytest.mark.parametrize("seed", [-1, 2**63, 1.5, True, "7"], ids=["negative", "over-63-bits", "float", "bool", "str"])
+def test_a_bad_seed_is_refused_without_dropout(seed: object, path: str, request: pytest.FixtureRequest) -> None:
+    """Regression: at p = 0 the seed was never read, so a bad one passed until dropout was turned on."""
+    request.getfixturevalue(path)
+    case = NO_DROPOUT
+    s = Siblings.make(case, MEMBERS, torch.float32)
+    with pytest.raises(LoRAFusionKernelsError, match=r"seed must be an integer in \[0, 2\*\*63\)"):
+        fused_multi_lora_siblings(
+            s.x, s.weight, s.lora_a, s.lora_b, out_features=MEMBERS, segment_lengths=case.lengths,
+            segment_adapters=case.adapters, scaling=case.scaling, seed=seed,  # type: ignore[arg-type]
+        )  # fmt: skip
+
+
 @INTERPRET
 @pytest.mark.usefixtures("interpreter")
 def test_siblings_at_p0_equal_separate_calls() -> None:

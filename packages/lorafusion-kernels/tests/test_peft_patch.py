@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import math
 import types
@@ -281,6 +282,48 @@ def test_a_patched_model_pickles_and_copies(force_fused, fused_calls):
         assert len(fused_calls) == len(TARGETS), kind
         assert lorafusion_kernels.unpatch_peft_model(other) == len(TARGETS), kind
         assert all(not INSTANCE_ATTRIBUTES & vars(m).keys() for m in other.modules()), kind
+
+
+def test_a_shallow_copy_of_a_patched_layer_runs_itself(force_fused, fused_calls):
+    """Regression: ``copy.copy`` of a patched layer kept the original's instance forward, so the copy
+    computed with the original's base layer and adapters. The copy's forward is bound to the copy."""
+    model = tiny_model()
+    lorafusion_kernels.patch_peft_model(model)
+    layer = q_proj(model)
+    clone = copy.copy(layer)
+    # copy.copy shares the module table with the original: the clone gets its own, with its own base layer.
+    own_base = copy.deepcopy(layer.base_layer)
+    torch.nn.init.normal_(own_base.weight)
+    clone._modules = {**layer._modules, "base_layer": own_base}
+    x = torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got, original = clone(x), layer(x)
+        expected = type(clone).forward(clone, x)  # PEFT's own forward, on the clone's layers
+    assert len(fused_calls) == 2, "both ran fused"
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert (got - original).abs().max() > 0.1, "the clone computed with the original's base layer"
+    assert lorafusion_kernels.unpatch_peft_model(clone) == 1
+    assert not INSTANCE_ATTRIBUTES & vars(clone).keys()
+    assert integration.is_patched(layer), "unpatching the clone leaves the original patched"
+
+
+def test_copies_keep_a_forward_that_hooks_installed_after_patching(force_fused):
+    """A ``forward`` that hooks (accelerate's) put on a patched layer stays in its deep copies, bound to the copy."""
+    model = tiny_model()
+    lorafusion_kernels.patch_peft_model(model)
+    layer = q_proj(model)
+    hooked = functools.partial(hook_forward, layer)
+    layer.forward = hooked
+    clone = copy.deepcopy(layer)
+    assert clone.forward.func is hook_forward
+    assert clone.forward.args[0] is clone
+    x = torch.randn(2, 48)
+    torch.testing.assert_close(clone(x), layer(x))
+
+
+def hook_forward(module, x):
+    """A forward hook wrapper as accelerate installs one: the module's forward, then the hook's work."""
+    return integration._patched_forward(module, x) * 2.0
 
 
 def test_data_parallel_replicas_run_their_own_layers(force_fused):

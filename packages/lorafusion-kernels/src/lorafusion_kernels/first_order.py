@@ -1,4 +1,12 @@
-"""The fused ops' backward is first order only: a backward that would build a graph is refused."""
+"""The fused ops' backward is first order only: a backward that would build a graph is refused.
+
+The guard runs where the backward runs when the gradient is asked for: the eager autograd Functions,
+and the ``torch.library`` custom ops' registered backward (called directly, or under
+``torch.compile(backend="eager")``). AOTAutograd backends (Inductor, ``aot_eager``) trace that
+backward ahead of time, without grad mode, so the guard passes then and cannot act later; torch's
+compiled function itself refuses a backward through a gradient taken with ``create_graph=True`` (or
+that call, where Inductor's backward donates its buffers): docs/kernels/index.md.
+"""
 
 from __future__ import annotations
 

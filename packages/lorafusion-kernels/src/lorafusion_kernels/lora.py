@@ -23,9 +23,10 @@ applied in fp32 inside the kernels, never stored in ``S``, so in fp16 ``S`` over
 ``lora_A(dropout(x))`` does.
 
 Both halves are ``torch.library`` custom ops (``lorafusion::fused_lora_forward`` and
-``lorafusion::fused_lora_backward``), so ``torch.compile`` traces through them. CUDA tensors run the
-Triton kernels; so do CPU tensors when ``TRITON_INTERPRET=1``; other CPU tensors take a plain torch
-path with the same dropout mask.
+``lorafusion::fused_lora_backward``), so ``torch.compile`` traces through them. CUDA fp16/bf16 tensors
+run the Triton kernels; so do CPU fp16/fp32 tensors when ``TRITON_INTERPRET=1``; other tensors (CUDA
+fp32, CPU without the interpreter, float64 anywhere) take a plain torch path with the same dropout
+mask, computing in fp32 (float64 in float64).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from lorafusion_kernels._kernels._common import (
+    ACTIVATION_DTYPES,
     MAX_RANK,
-    SUPPORTED_DTYPES,
     parameter_grads,
     runs_triton,
     unaliased,
@@ -53,7 +54,7 @@ from lorafusion_kernels._kernels.lora_dyw_dsa import lora_dyw_dsa
 from lorafusion_kernels._kernels.lora_xa import lora_xa
 from lorafusion_kernels._kernels.lora_xw_sb import lora_xw_sb
 from lorafusion_kernels.autocast import call_as_linear
-from lorafusion_kernels.dropout import draw_seed, dropout_keep_mask, keep_threshold, seed_tensor
+from lorafusion_kernels.dropout import check_seed, draw_seed, dropout_keep_mask, keep_threshold, seed_tensor
 from lorafusion_kernels.errors import LoRAFusionKernelsError
 from lorafusion_kernels.first_order import first_order_only
 
@@ -80,15 +81,16 @@ def _torch_forward(
     scaling: float,
     dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch version of the forward op (CPU without the interpreter), accumulating in fp32."""
-    x32 = x.float()
+    """Plain torch version of the forward op (tensors no Triton kernel serves), accumulating in fp32 (fp64 for fp64)."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    x_hat = x.to(compute)
     if dropout_p > 0.0:
         keep = dropout_keep_mask(int(seed.item()), x.shape[0], x.shape[1], dropout_p, device=x.device)
-        x32 = x32 * keep
-    s = (x32 @ lora_a.float().T * (1.0 / (1.0 - dropout_p))).to(x.dtype)
-    y = x.float() @ weight.float().T + s.float() @ lora_b.float().T * scaling
+        x_hat = x_hat * keep
+    s = (x_hat @ lora_a.to(compute).T * (1.0 / (1.0 - dropout_p))).to(x.dtype)
+    y = x.to(compute) @ weight.to(compute).T + s.to(compute) @ lora_b.to(compute).T * scaling
     if bias is not None:
-        y = y + bias.float()
+        y = y + bias.to(compute)
     return y.to(x.dtype), s
 
 
@@ -103,19 +105,20 @@ def _torch_backward(
     scaling: float,
     dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain torch version of the backward op, accumulating in fp32."""
-    dy32 = dy.float()
+    """Plain torch version of the backward op, accumulating in fp32 (fp64 for fp64)."""
+    compute = torch.promote_types(dy.dtype, torch.float32)
+    dy_c = dy.to(compute)
     inv_keep = 1.0 / (1.0 - dropout_p)
-    x32 = x.float()
-    ds = dy32 @ lora_b.float() * scaling
-    ds_a = ds @ lora_a.float() * inv_keep
+    x_c = x.to(compute)
+    ds = dy_c @ lora_b.to(compute) * scaling
+    ds_a = ds @ lora_a.to(compute) * inv_keep
     if dropout_p > 0.0:
         keep = dropout_keep_mask(int(seed.item()), x.shape[0], x.shape[1], dropout_p, device=x.device)
-        x32 = x32 * keep
+        x_c = x_c * keep
         ds_a = ds_a * keep
-    dx = dy32 @ weight.float() + ds_a
-    da = ds.T @ x32 * inv_keep
-    db = dy32.T @ s.float() * scaling
+    dx = dy_c @ weight.to(compute) + ds_a
+    da = ds.T @ x_c * inv_keep
+    db = dy_c.T @ s.to(compute) * scaling
     return dx.to(dy.dtype), da.to(lora_a.dtype), db.to(lora_b.dtype)
 
 
@@ -277,7 +280,8 @@ def _backward(ctx: Any, dy: torch.Tensor, *_unused: Any, opaque: bool = True) ->
         dx, da, db = torch.ops.lorafusion.fused_lora_backward(*args)
     else:
         dx, da, db = _backward_impl(*args)
-    dbias = dy.sum(dim=0, dtype=torch.float32).to(dy.dtype) if ctx.has_bias and ctx.needs_input_grad[4] else None
+    needs_dbias = ctx.has_bias and ctx.needs_input_grad[4]
+    dbias = dy.sum(dim=0, dtype=torch.promote_types(dy.dtype, torch.float32)).to(dy.dtype) if needs_dbias else None
     # A base weight left trainable gets its gradient too (one plain GEMM; frozen weights skip it).
     dweight = dy.t().mm(x).to(weight.dtype) if ctx.needs_input_grad[1] else None
     grads = ((dx if need_dx else None), dweight, da, db, dbias)
@@ -323,7 +327,11 @@ class FusedLoRAFunction(torch.autograd.Function):
         return _backward(ctx, dy, opaque=False)
 
 
-_forward_op.register_autograd(_backward, setup_context=_setup_context)
+# The custom op's backward runs at backward time where Dynamo hands the graph to a backend without
+# AOTAutograd (backend="eager"), so the guard refuses create_graph=True there too. AOTAutograd
+# backends (inductor, aot_eager) trace it ahead of time, without grad mode: torch itself then
+# refuses the double backward (docs/kernels/index.md, "First-order gradients only").
+_forward_op.register_autograd(first_order_only(_backward), setup_context=_setup_context)
 
 
 def _check_inputs(
@@ -343,8 +351,7 @@ def _check_inputs(
         raise LoRAFusionKernelsError(f"bias must be a tensor or None, got {type(bias).__name__}")
     if x.dim() == 0:
         raise LoRAFusionKernelsError("x must be [..., K] (at least 1-D), got a 0-d tensor")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise LoRAFusionKernelsError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    check_activation_dtype(x)
     if weight.dtype != x.dtype:
         raise LoRAFusionKernelsError(f"weight dtype {weight.dtype} must match x dtype {x.dtype}")
     if weight.dim() != 2 or lora_a.dim() != 2 or lora_b.dim() != 2:
@@ -375,6 +382,18 @@ def _check_inputs(
     if not 0.0 <= dropout_p < 1.0:
         raise LoRAFusionKernelsError(f"dropout_p must be in [0, 1), got {dropout_p}")
     check_finite(scaling, "scaling")
+
+
+def check_activation_dtype(x: torch.Tensor) -> None:
+    """Refuse an input dtype the ops do not take (the same rule for FusedLoRA and FusedMultiLoRA).
+
+    Raises:
+        LoRAFusionKernelsError: Naming the dtype and the dtypes accepted.
+    """
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise LoRAFusionKernelsError(
+            f"x must be float16, bfloat16, float32 or float64 (float64 runs the plain torch path), got {x.dtype}"
+        )
 
 
 def check_finite(value: object, name: str) -> None:
@@ -432,16 +451,17 @@ def fused_lora_linear(
     """``y = x W^T + bias + scaling * dropout_p(x) A^T B^T``, fused; gradients for x, A, B and bias.
 
     Args:
-        x: ``[..., K]`` input, float16, bfloat16 or float32 (any leading dims).
+        x: ``[..., K]`` input, float16, bfloat16 or float32 (any leading dims); float64 runs the
+            plain torch path in float64 on every device (a reference-grade run, for debugging).
         weight: ``[N, K]`` frozen base weight, ``x.dtype``.
         lora_a: ``[r, K]`` LoRA A, ``1 <= r <= 128``, any float dtype (its gradient comes back in it).
         lora_b: ``[N, r]`` LoRA B.
         scaling: ``lora_alpha / r`` (PEFT) or ``lora_alpha / sqrt(r)`` (rsLoRA); a runtime fp32 value.
         dropout_p: Dropout probability on the LoRA branch only, in ``[0, 1)``; 0 draws no random numbers.
         bias: ``[N]`` base bias or None; gets a gradient if it requires one.
-        seed: Dropout seed; None draws one from torch's generator of ``x``'s device
-            (so ``torch.manual_seed`` reproduces it). The same seed gives the same mask
-            (see :func:`lorafusion_kernels.dropout.dropout_keep_mask`).
+        seed: Dropout seed, an integer in ``[0, 2**63)`` (checked whatever ``dropout_p``); None
+            draws one from torch's generator of ``x``'s device (so ``torch.manual_seed`` reproduces
+            it). The same seed gives the same mask (see :func:`lorafusion_kernels.dropout.dropout_keep_mask`).
         deterministic: Sum ``dB`` (and a split ``dS``) without atomics: run-to-run identical
             gradients, one more read of ``dy``. None follows :func:`deterministic_mode`
             (``torch.use_deterministic_algorithms(True)`` or ``LORAFUSION_DETERMINISTIC=1``) when the
@@ -452,13 +472,15 @@ def fused_lora_linear(
 
     Raises:
         LoRAFusionKernelsError: on mismatched shapes, dtypes or devices, a rank outside
-            ``[1, 128]`` or ``dropout_p`` outside ``[0, 1)``.
+            ``[1, 128]``, ``dropout_p`` outside ``[0, 1)`` or a bad seed.
 
     Example:
         >>> y = fused_lora_linear(x, layer.weight, lora_a, lora_b, scaling=2.0, dropout_p=0.1)
     """
     _check_inputs(x, weight, lora_a, lora_b, bias, dropout_p, scaling)
     check_deterministic(deterministic)
+    if seed is not None:
+        check_seed(seed)  # at any p: a seed that dropout would refuse fails now, not once dropout is on
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     seed_t = _seed_for(x, float(dropout_p), seed)

@@ -35,7 +35,6 @@ from torch.nn import functional
 
 from lorafusion_kernels._kernels._common import (
     MAX_RANK,
-    SUPPORTED_DTYPES,
     parameter_grads,
     rank_block,
     runs_triton,
@@ -52,7 +51,13 @@ from lorafusion_kernels._kernels.multi_lora_fwd import multi_lora_linear, multi_
 from lorafusion_kernels.dropout import check_seed, draw_seed, dropout_keep_mask, keep_threshold, seed_tensor
 from lorafusion_kernels.errors import LoRAFusionKernelsError
 from lorafusion_kernels.first_order import first_order_only
-from lorafusion_kernels.lora import check_deterministic, check_finite, deterministic_mode, fused_lora_linear
+from lorafusion_kernels.lora import (
+    check_activation_dtype,
+    check_deterministic,
+    check_finite,
+    deterministic_mode,
+    fused_lora_linear,
+)
 from lorafusion_kernels.metadata import MultiLoRABatch
 
 __all__ = ["fused_multi_lora_linear"]
@@ -209,8 +214,7 @@ def check_call(
         raise LoRAFusionKernelsError(
             f"the batch routes tokens to {batch.num_adapters} adapters but only {adapters} are given"
         )
-    if not x.is_floating_point():
-        raise LoRAFusionKernelsError(f"x must be a floating-point tensor, got {x.dtype}")
+    check_activation_dtype(x)
     if weight.dtype != x.dtype:
         raise LoRAFusionKernelsError(f"weight dtype {weight.dtype} must match x dtype {x.dtype}")
     if weight.dim() != 2:
@@ -290,7 +294,8 @@ def fused_multi_lora_linear(
     """``y = x W^T + bias + scaling_a * dropout_{p_a}(x) A_a^T B_a^T``, adapter ``a`` chosen per segment.
 
     Args:
-        x: ``[T, K]`` packed tokens (any leading dims are flattened; ``y`` keeps them).
+        x: ``[T, K]`` packed tokens (any leading dims are flattened; ``y`` keeps them), float16,
+            bfloat16 or float32; float64 runs the plain torch path in float64 on every device.
         weight: ``[N, K]`` frozen weight shared by every adapter.
         lora_a: Per adapter ``A_i [r_i, K]`` (ranks may differ; rank 0 means "no adapter").
         lora_b: Per adapter ``B_i [N, r_i]``.
@@ -299,7 +304,8 @@ def fused_multi_lora_linear(
         scaling: Per adapter (or one for all) LoRA scaling, e.g. PEFT's ``lora_alpha / r``; kept in fp32.
         dropout_p: Dropout probability in ``[0, 1)``, one for all or one per adapter.
         bias: ``[N]`` or None.
-        seed: Dropout seed; None draws one from torch's generator (``torch.manual_seed`` reproduces it).
+        seed: Dropout seed, an integer in ``[0, 2**63)`` (checked whatever ``dropout_p``); None draws
+            one from torch's generator (``torch.manual_seed`` reproduces it).
         batch: Metadata built once per microbatch with :meth:`MultiLoRABatch.from_segments`; reuse it
             across layers. Built here from the segment lists when None.
         deterministic: Sum ``dB``/``dS``/``dA`` without atomics (run-to-run identical gradients, slower);
@@ -308,21 +314,25 @@ def fused_multi_lora_linear(
 
     Returns:
         ``[..., N]`` in ``x.dtype``. An adapter that owns no token takes no part: its ``A``/``B``
-        get no gradient (``.grad`` stays None), on every path.
+        get no gradient (``.grad`` stays None), on every path. One that owns tokens gets one, on
+        every path, an empty one for rank 0.
 
     Raises:
-        LoRAFusionKernelsError: Inconsistent shapes, token count or per-adapter lists, or p outside ``[0, 1)``.
+        LoRAFusionKernelsError: Inconsistent shapes, token count or per-adapter lists, an input dtype
+            other than the four above, p outside ``[0, 1)`` or a bad seed.
     """
     lora_a, lora_b = adapter_list(lora_a, "lora_a"), adapter_list(lora_b, "lora_b")
     batch, scales, ps = call_batch(x, len(lora_a), segment_lengths, segment_adapters, batch, scaling, dropout_p)
     _check_inputs(x, weight, lora_a, lora_b, bias, batch, ps)
     check_deterministic(deterministic)
+    if seed is not None:
+        check_seed(seed)  # at any p: a seed that dropout would refuse fails now, not once dropout is on
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     only = batch.single_adapter()
     if batch.total_tokens == 0:
-        y = functional.linear(x2, weight, bias)
-    elif only is not None and x2.dtype in SUPPORTED_DTYPES:
+        y = frozen_linear(x2, weight, bias)
+    elif only is not None:
         y = _single_adapter(x2, weight, lora_a[only], lora_b[only], scales[only], ps[only], bias, seed, deterministic)
     elif runs_triton(x2):
         params = _AdapterParams(owned_ranks(batch, [a.shape[0] for a in lora_a]), scales, ps)
@@ -444,6 +454,15 @@ def _compiled_forward(
     return cast(torch.Tensor, y)
 
 
+def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The frozen layer ``x W^T + bias`` in ``x``'s dtype, for a bias of any float dtype (as the kernels take it).
+
+    ``functional.linear`` refuses a bias whose dtype differs from ``x``'s; the bias is cast (its
+    gradient comes back in its own dtype).
+    """
+    return functional.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+
 def _single_adapter(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -455,9 +474,16 @@ def _single_adapter(
     seed: int | None,
     deterministic: bool | None,
 ) -> torch.Tensor:
-    """One adapter owns every token: FusedLoRA (row ``t`` of x is token ``t``, so the mask is the same)."""
+    """One adapter owns every token: FusedLoRA (row ``t`` of x is token ``t``, so the mask is the same).
+
+    A rank-0 adapter is the frozen layer. It owns tokens, so where ``A`` or ``B`` is trainable it
+    gets its (empty) gradient as on the other paths: its zero product joins the graph.
+    """
     if a.shape[0] == 0:
-        return functional.linear(x, weight, bias)
+        y = frozen_linear(x, weight, bias)
+        if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+            y = y + functional.linear(functional.linear(x, a.to(x.dtype)), b.to(x.dtype))
+        return y
     return fused_lora_linear(
         x, weight, a, b, scaling=scaling, dropout_p=p, bias=bias, seed=seed, deterministic=deterministic
     )
@@ -474,7 +500,7 @@ def multi_lora_torch(
     bias: torch.Tensor | None,
     seed: int | None,
 ) -> torch.Tensor:
-    """Plain-torch path (CPU without the interpreter): per segment, with the kernels' dropout mask.
+    """Plain-torch path (tensors no Triton kernel serves): per segment, with the kernels' dropout mask.
 
     ``lora_a[i]``/``lora_b[i]`` list adapter ``i``'s weights per member (one member for one layer;
     a sibling call's members share each token's mask, as in the kernels). The LoRA term is computed
@@ -484,20 +510,19 @@ def multi_lora_torch(
     here).
     """
     compute = torch.promote_types(x.dtype, torch.float32)
-    if any(p > 0.0 for p in dropout_p):  # the seed is read (and checked) only with dropout, as on the kernels' path
+    if any(p > 0.0 for p in dropout_p):  # the seed is read only with dropout, as on the kernels' path
         seed = int(draw_seed("cpu").item()) if seed is None else check_seed(seed)
-    y = functional.linear(x, weight, bias)
+    y = frozen_linear(x, weight, bias)
     pieces = []
     for start, length, adapter in batch.nonempty_segments():
         xs = x[start : start + length]
         members_a, members_b, p = lora_a[adapter], lora_b[adapter], dropout_p[adapter]
-        if members_a[0].shape[0] == 0:
-            pieces.append(y.new_zeros(length, y.shape[1]))
-            continue
         if p > 0.0:
             assert seed is not None
             keep = dropout_keep_mask(seed, length, x.shape[1], p, row_offset=start, device=x.device)
             xs = torch.where(keep, xs / (1.0 - p), torch.zeros_like(xs))
+        # A rank-0 adapter ("no adapter") adds zeros through its A and B: it owns tokens, so it gets its
+        # (empty) gradient, as on the kernels' path.
         deltas = [
             functional.linear(functional.linear(xs.to(compute), a.to(compute)), b.to(compute))
             for a, b in zip(members_a, members_b, strict=True)
@@ -910,7 +935,8 @@ class _FusedMultiLoRA(torch.autograd.Function):
         return _backward(ctx, dy, opaque=False)
 
 
-_multi_forward_op.register_autograd(_backward, setup_context=_setup_context)
+# As FusedLoRA's: the guard acts where the custom op's backward runs at backward time (no AOTAutograd).
+_multi_forward_op.register_autograd(first_order_only(_backward), setup_context=_setup_context)
 
 
 def _dys_dyb_by_segment(

@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
-from torch.nn import functional
 
 from lorafusion_kernels._kernels._common import MAX_RANK, runs_triton
 from lorafusion_kernels._kernels.multi_lora_fwd import member_outputs_fit, multi_lora_linear_members
+from lorafusion_kernels.dropout import check_seed
 from lorafusion_kernels.errors import LoRAFusionKernelsError
 from lorafusion_kernels.first_order import first_order_only
 from lorafusion_kernels.lora import check_deterministic, deterministic_mode
@@ -42,6 +42,7 @@ from lorafusion_kernels.multi_lora import (
     call_batch,
     check_call,
     eager_seed,
+    frozen_linear,
     multi_lora_torch,
     owned_ranks,
     owning,
@@ -84,7 +85,8 @@ def fused_multi_lora_siblings(
         scaling: Per adapter (or one for all) LoRA scaling, the same for every member; kept in fp32.
         dropout_p: Dropout probability in ``[0, 1)``, one for all or one per adapter.
         bias: ``[N]`` (the members' biases concatenated) or None.
-        seed: Dropout seed; None draws one from torch's generator.
+        seed: Dropout seed, an integer in ``[0, 2**63)`` (checked whatever ``dropout_p``); None draws
+            one from torch's generator.
         batch: Metadata built once per microbatch with :meth:`MultiLoRABatch.from_segments`.
         deterministic: As in :func:`~lorafusion_kernels.fused_multi_lora_linear`.
 
@@ -94,17 +96,19 @@ def fused_multi_lora_siblings(
         its own contiguous tensor; otherwise they are column views of one ``[..., N]`` output.
 
     Raises:
-        LoRAFusionKernelsError: Inconsistent shapes, token count, per-adapter lists or ranks, or p
-            outside ``[0, 1)``.
+        LoRAFusionKernelsError: Inconsistent shapes, token count, per-adapter lists or ranks, p
+            outside ``[0, 1)`` or a bad seed.
     """
     members = tuple(int(n) for n in out_features)
     batch, scales, ps = call_batch(x, len(lora_a), segment_lengths, segment_adapters, batch, scaling, dropout_p)
     check_deterministic(deterministic)
+    if seed is not None:
+        check_seed(seed)  # at any p: a seed that dropout would refuse fails now, not once dropout is on
     ranks = _check_siblings(x, weight, lora_a, lora_b, members, bias, batch, ps)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if batch.total_tokens == 0:
-        y = functional.linear(x2, weight, bias)
+        y = frozen_linear(x2, weight, bias)
     elif runs_triton(x2):
         params = _AdapterParams(owned_ranks(batch, ranks), scales, ps, members)
         a_cat = _stack([a for per_member in owning(batch, lora_a) for a in per_member], dim=0)

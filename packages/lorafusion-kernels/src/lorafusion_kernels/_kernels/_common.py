@@ -21,7 +21,10 @@ MAX_RANK = 128
 """Largest LoRA rank the kernels accept (the rank tile is padded to a power of two, at most 128)."""
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-"""Activation dtypes the fused ops accept (float32 runs the plain torch path on CUDA: :func:`runs_triton`)."""
+"""Activation dtypes the fused paths compute in (float32 runs the plain torch path on CUDA: :func:`runs_triton`)."""
+
+ACTIVATION_DTYPES = (*SUPPORTED_DTYPES, torch.float64)
+"""Activation dtypes the ops accept: float64 too, which runs the plain torch path in float64 on every device."""
 
 
 def interpreting() -> bool:
