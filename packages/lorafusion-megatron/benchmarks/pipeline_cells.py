@@ -167,7 +167,7 @@ def run_cells(configs: list[TrainerConfig], warmup: int, deadline_seconds: float
                 dist.broadcast_object_list(skip, src=0)
                 if skip[0]:
                     continue
-                plan, _ = shared_plan(config, prepared.jobs, config.parallel, layout, resume=False)
+                plan, _, _ = shared_plan(config, prepared.jobs, config.parallel, layout, resume=False)
                 program = build_program(plan, schedule, config.parallel.baseline_microbatch_samples)
                 fused = config.runtime.fused_kernels
                 names = [job.name for job in config.jobs]
@@ -186,7 +186,7 @@ def run_cells(configs: list[TrainerConfig], warmup: int, deadline_seconds: float
                 dist.all_gather_object(everyone, (engine.stats, compiles.take(), pauses.take()))
                 everyone.sort(key=lambda e: (e[0].replica, e[0].stage))
                 stats = [rank_stats for rank_stats, _, _ in everyone]
-                summary = summarise(stats, program.name)
+                summary = summarise(stats, program.name, names)
                 if index >= warmup:
                     done.append((schedule, summary["tokens_per_second"]))
                 if layout.rank == 0:

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -311,6 +313,19 @@ def test_demo_refuses_counts_below_one_before_writing(
     assert not (tmp_path / "demo").exists()
 
 
+@pytest.mark.parametrize("command", ["plan", "train", "profile"])
+@pytest.mark.parametrize("flag", ["--pipeline-stages", "--data-parallel", "--baseline-microbatch-samples"])
+def test_parallel_flags_below_one_are_refused_by_the_parser(
+    tmp_path: Path, config_dict, command: str, flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _write(tmp_path / "run.yaml", config_dict())
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, str(config), flag, "0"])
+    assert exit_info.value.code == 2, "a usage error, not a traceback (status 3)"
+    assert f"argument {flag}: 0 is less than 1" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_fresh_train_refuses_an_earlier_runs_results(
     tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -519,3 +534,107 @@ def test_an_unexpected_error_exits_with_its_own_status(
     err = capsys.readouterr().err
     assert "No space left on device" in err
     assert "crashed" in err
+
+
+@pytest.fixture
+def sigterm_fallback():
+    """A SIGTERM handler for the test's duration: one the CLI leaves unhandled fails the test, not pytest."""
+
+    def unhandled(signum, frame):
+        raise RuntimeError("the CLI left SIGTERM to the test's handler")
+
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    yield unhandled
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_sigterm_during_export_deletes_its_staging_folder(
+    tmp_path: Path,
+    tiny_base: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    sigterm_fallback,
+) -> None:
+    """SIGTERM ended the process at once (status 143 from the shell), leaving a whole model in .merged.tmp-*."""
+    import lorafusion_megatron.export as export_module
+    from lorafusion_megatron.adapters_io import save_adapter
+    from lorafusion_megatron.testing import tiny_peft_model
+
+    model, _ = tiny_peft_model(["first"])
+    save_adapter(model, "first", tmp_path / "adapter")
+
+    def terminated(source: Path, target: Path) -> None:  # the staged model is complete, not yet renamed
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(export_module, "replace_dir", terminated)
+    argv = ["export", str(tmp_path / "adapter"), "--output", str(tmp_path / "merged"), "--base", str(tiny_base)]
+    assert main(argv) == 143
+    err = " ".join(capsys.readouterr().err.split())
+    assert "interrupted by SIGTERM: outputs are written whole or not at all" in err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"], "no staging folder, no merged model"
+    assert signal.getsignal(signal.SIGTERM) is sigterm_fallback, "the handler before the command is back"
+
+
+def test_a_sigterm_before_training_is_taken_like_ctrl_c(
+    tmp_path: Path, config_dict, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], sigterm_fallback
+) -> None:
+    import lorafusion_megatron.trainer as trainer_module
+
+    def terminated(config):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(trainer_module, "prepare_data", terminated)
+    assert main(["train", str(_write(tmp_path / "run.yaml", config_dict()))]) == 143
+    err = " ".join(capsys.readouterr().err.split())
+    assert "interrupted by SIGTERM at once: checkpoints are written whole or not at all" in err
+    assert "Traceback" not in err
+
+
+def test_a_ctrl_c_while_the_final_adapters_are_written_lets_every_one_be_written(
+    tmp_path: Path,
+    config_dict,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A first Ctrl-C there aborted at once: the jobs after the one being written had no final adapter."""
+    import lorafusion_megatron.trainer as trainer_module
+    from lorafusion_megatron.adapters_io import save_adapter
+
+    def ctrl_c_then_save(model, adapter: str, directory: Path) -> None:
+        if adapter == "first":
+            os.kill(os.getpid(), signal.SIGINT)
+        save_adapter(model, adapter, directory)
+
+    monkeypatch.setattr(trainer_module, "save_adapter", ctrl_c_then_save)
+    data = config_dict()
+    assert main(["train", str(_write(tmp_path / "run.yaml", data))]) == 130
+    run = Path(data["output_dir"])
+    for job in ("first", "second"):
+        assert (run / "adapters" / job / "adapter_model.safetensors").is_file()
+    assert json.loads((run / "summary.json").read_text())["adapters"].keys() == {"first", "second"}
+    assert "SIGINT: the run is done; writing the remaining adapters and summary.json, then exiting" in caplog.text
+    assert "press Ctrl-C again to abort at once" in caplog.text
+    err = " ".join(capsys.readouterr().err.split())
+    assert "SIGINT came as the run ended: every job's adapter and summary.json were written first" in err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_ctrl_c_while_the_final_adapters_are_written_aborts_at_once(
+    tmp_path: Path, config_dict, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import lorafusion_megatron.trainer as trainer_module
+
+    def two_ctrl_cs(model, adapter: str, directory: Path) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        raise AssertionError("the second Ctrl-C did not abort")
+
+    monkeypatch.setattr(trainer_module, "save_adapter", two_ctrl_cs)
+    data = config_dict()
+    assert main(["train", str(_write(tmp_path / "run.yaml", data))]) == 130
+    assert not (Path(data["output_dir"]) / "summary.json").exists()
+    err = " ".join(capsys.readouterr().err.split())
+    assert "interrupted at once" in err
+    assert "Traceback" not in err

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from lorafusion_megatron.config_diff import changed_keys, describe_changes
+from lorafusion_megatron.config_diff import changed_keys, join_changes
 
 
 def _job(name: str, **changes) -> dict:
@@ -41,11 +41,12 @@ def test_absent_keys_lists_and_nulls() -> None:
 def test_equal_data_has_no_changes() -> None:
     data = {"jobs": [_job("a")], "scheduler": {"capacity": 64}}
     assert changed_keys(data, data) == []
-    assert describe_changes(data, data) == ""
+    assert join_changes(changed_keys(data, data)) == ""
 
 
 def test_description_lists_five_then_counts_the_rest() -> None:
     old = {f"k{i}": i for i in range(8)}
     new = {f"k{i}": i + 1 for i in range(8)}
-    assert describe_changes(old, new) == "k0: 0 -> 1; k1: 1 -> 2; k2: 2 -> 3; k3: 3 -> 4; k4: 4 -> 5; and 3 more"
-    assert describe_changes(old, new, limit=8).endswith("k7: 7 -> 8")
+    lines = changed_keys(old, new)
+    assert join_changes(lines) == "k0: 0 -> 1; k1: 1 -> 2; k2: 2 -> 3; k3: 3 -> 4; k4: 4 -> 5; and 3 more"
+    assert join_changes(lines, limit=8).endswith("k7: 7 -> 8")

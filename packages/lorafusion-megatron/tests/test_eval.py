@@ -17,10 +17,9 @@ from lorafusion_megatron.data.tokenizer import load_tokenizer
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.eval_reporting import EvalHistory
 from lorafusion_megatron.evaluation import EvalLoss, Evaluator, as_one_global_batch, eval_due, pack_eval_set
-from lorafusion_megatron.executor import StopSignal
 from lorafusion_megatron.model import set_active_adapters
 from lorafusion_megatron.runner import MicrobatchRunner
-from lorafusion_megatron.testing import random_job, tiny_peft_model
+from lorafusion_megatron.testing import StopAfter, random_job, tiny_peft_model
 from lorafusion_megatron.trainer import Trainer
 
 
@@ -145,26 +144,39 @@ def test_a_resumed_history_keeps_what_its_checkpoint_had_done(tmp_path: Path, ca
     history = EvalHistory(path, ["first", "second"])
     for step in (1, 2, 3, 4):
         history.add(EvalLoss(adapter="first", step=step, loss=1.0 / step, samples=3, targets=9, seconds=0.1))
-    resumed = EvalHistory.resumed(path, ["first", "second"], {"first": 2, "second": 0})
+    resumed = EvalHistory.resumed(path, ["first", "second"], {"first": 2, "second": 0}, written_by=["first"])
     assert [r.step for r in resumed.records["first"]] == [1, 2]
     assert resumed.latest("first") == history.records["first"][1]
     assert resumed.latest("second") is None
     path.unlink()
     with caplog.at_level("WARNING"):
-        assert EvalHistory.resumed(path, ["first"], {"first": 2}).records == {"first": []}
-    assert "evaluations before the resume are left out of the summary" in caplog.text
+        assert EvalHistory.resumed(path, ["first"], {"first": 2}, written_by=["first"]).records == {"first": []}
+    assert "is missing, though the interrupted run wrote it: evaluations before the resume are left out" in caplog.text
 
 
-class StopAfter(StopSignal):
-    """Stops the run after ``count`` microbatches, as a first Ctrl-C would."""
+def test_a_missing_history_is_warned_about_only_when_the_interrupted_run_wrote_it(tmp_path: Path, caplog) -> None:
+    """A resume that adds an eval_dataset found no file (the run before did not evaluate) and warned of lost records."""
+    path = tmp_path / "eval_history.json"
+    with caplog.at_level("WARNING"):
+        assert EvalHistory.resumed(path, ["first"], {"first": 2}, written_by=[]).records == {"first": []}
+        assert EvalHistory.resumed(path, ["first"], {"first": 0}, written_by=["first"]).records == {"first": []}
+    assert not caplog.records
+    path.write_text('{"first": [')  # there, but damaged: whatever the config, its records are lost
+    with caplog.at_level("WARNING"):
+        EvalHistory.resumed(path, ["first"], {"first": 2}, written_by=[])
+    assert "cannot read" in caplog.text
 
-    def __init__(self, count: int) -> None:
-        super().__init__()
-        self.count = count
 
-    def __call__(self) -> bool:
-        self.count -= 1
-        return self.count <= 0 or super().__call__()
+def test_a_resume_that_adds_an_eval_dataset_warns_of_no_lost_history(run_config, tmp_path: Path, caplog) -> None:
+    plain = run_config("run")
+    assert Trainer(plain, stop=StopAfter(3)).train().interrupted
+    eval_path = str(tmp_path / "data" / "first-eval.jsonl")
+    evaluated = run_config("run", first={"eval_dataset": {"path": eval_path}, "eval_steps": 2})
+    with caplog.at_level("WARNING"):
+        Trainer(evaluated).train(resume=True)
+    assert "left out of the summary" not in caplog.text
+    summary = json.loads((Path(evaluated.output_dir) / "summary.json").read_text())
+    assert summary["eval"]["first"][-1]["step"] == 5, "the resumed run evaluates"
 
 
 @pytest.fixture

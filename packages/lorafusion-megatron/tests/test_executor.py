@@ -74,3 +74,18 @@ def test_first_ctrl_c_requests_a_stop_and_the_second_aborts() -> None:
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_the_first_signal_is_remembered_and_a_repeated_sigterm_aborts_naming_it() -> None:
+    """A second SIGTERM raised a plain KeyboardInterrupt, which the CLI took for a Ctrl-C (status 130, not 143)."""
+    from lorafusion_megatron.interrupts import Interrupted
+
+    with StopSignal() as stop:
+        assert stop.received is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.received is signal.SIGTERM
+        with pytest.raises(Interrupted) as aborted:
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert aborted.value.signal is signal.SIGTERM
+    with StopSignal() as stop:
+        assert stop.received is None, "each use starts afresh"

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from lorafusion_megatron.config import DatasetConfig, JobConfig, parse_config
 from lorafusion_megatron.dropout_seeds import drawing_for
@@ -116,3 +117,40 @@ def test_queueing_a_microbatch_and_a_step_never_waits_for_the_gpu() -> None:
     queue_microbatch_and_step()
     assert not slept.query(), "the host waited for the GPU while queueing a microbatch or an optimizer step"
     torch.cuda.synchronize()
+
+
+def test_a_resume_with_the_jobs_reordered_is_bit_identical_on_cuda(
+    tmp_path, config_dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resume accepts reordered jobs: the fused kernels number adapters in config order (their
+    tables stack the adapters, of different ranks, in that order); no token's arithmetic may depend on it.
+
+    Dropout on, adapters of two ranks; deterministic kernels, so that bits can be compared.
+    """
+    from lorafusion_megatron.testing import StopAfter
+
+    monkeypatch.setenv("LORAFUSION_DETERMINISTIC", "1")
+    jobs = config_dict()["jobs"]
+    jobs[1]["r"] = 2
+    for job in jobs:
+        job["lora_dropout"] = 0.1
+
+    def config(name: str, ordered: list[dict]):
+        data = config_dict(
+            jobs=ordered,
+            base_model={"model_name_or_path": "tiny", "dtype": "bfloat16"},
+            runtime={"device": "cuda", "seed": 0},
+            output_dir=str(tmp_path / name),
+        )
+        data["scheduler"]["milp_time_limit"] = None  # the same plan for both runs
+        return parse_config(data)
+
+    straight = Trainer(config("straight", jobs)).train()
+    assert Trainer(config("resumed", jobs), stop=StopAfter(2)).train().interrupted
+    resumed = Trainer(config("resumed", jobs[::-1])).train(resume=True)
+    assert list(resumed.state.jobs) == ["second", "first"]
+    for name, folder in straight.adapters.items():
+        expected = load_file(folder / "adapter_model.safetensors")
+        actual = load_file(resumed.adapters[name] / "adapter_model.safetensors")
+        for key, tensor in expected.items():
+            torch.testing.assert_close(actual[key], tensor, rtol=0, atol=0, msg=f"{name} {key}")

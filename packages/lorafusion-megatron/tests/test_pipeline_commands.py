@@ -28,8 +28,10 @@ def test_flags_override_the_configs_section() -> None:
 
 
 def test_bad_values_are_refused() -> None:
+    with pytest.raises(SystemExit):
+        _parse("--pipeline-stages", "0")
     with pytest.raises(ValidationError, match="pipeline_stages"):
-        parallel_from_args(_parse("--pipeline-stages", "0"))
+        parallel_from_args(argparse.Namespace(pipeline_stages=0))
     with pytest.raises(SystemExit):
         _parse("--schedule", "gpipe")
 

@@ -78,6 +78,23 @@ def test_every_schedule_ends_with_the_trainers_adapters(tiny_base: Path, tmp_pat
     _assert_same_adapters(Path(config.output_dir) / "adapters", Path(reference.output_dir) / "adapters")
 
 
+def test_the_summary_lists_the_steps_job_by_job_in_the_configs_order() -> None:
+    """They came in the order the steps ran, so the jobs (and the printed table's rows) in no order of the config's."""
+    from lorafusion_megatron.pipeline.engine import EngineStats, StepRecord
+    from lorafusion_megatron.pipeline.worker import summarise
+
+    last = EngineStats(stage=0, replica=0, wall_seconds=1.0)
+    for adapter, step in (("alpha", 1), ("zeta", 1), ("alpha", 2), ("zeta", 2)):
+        last.steps.append(StepRecord(adapter=adapter, step=step, learning_rate=1e-3, grad_norm=1.0, loss=2.0))
+    summary = summarise([last], "lorafusion", ["zeta", "alpha"])
+    assert [(s["adapter"], s["step"]) for s in summary["steps"]] == [
+        ("zeta", 1),
+        ("zeta", 2),
+        ("alpha", 1),
+        ("alpha", 2),
+    ]
+
+
 def test_demo_on_two_pipeline_stages_ends_with_the_single_process_adapters(tmp_path: Path) -> None:
     """Two processes over gloo, the plan made for S = 2 (with its no-ops), against the trainer."""
     from rich.console import Console
@@ -213,6 +230,8 @@ def test_launch_refuses_a_mismatching_resume_before_any_rank_starts(
 
     config = _config(tiny_base, tmp_path / "run").model_copy(update={"save_steps": 3})
     run_rank(config, ParallelConfig(), backend="gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
+    # As if killed at its end: --resume reads the checkpoint, not the finished run's summary.
+    (Path(config.output_dir) / "pipeline_summary.json").unlink()
 
     def no_spawn(*args: object, **kwargs: object) -> None:
         raise AssertionError("a rank was started")

@@ -121,6 +121,26 @@ def test_sigterm_stops_the_same_way(tiny_base: Path, tmp_path: Path, monkeypatch
     _check_stopped(_run_one_rank(config, tmp_path / "store"), config, 2)
 
 
+def test_a_ctrl_c_while_the_adapters_are_written_lets_every_one_be_written(
+    tiny_base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank takes every signal as the one stop request, which comes too late here: no adapter is left out."""
+    import lorafusion_megatron.pipeline.adapters as adapters_module
+
+    write_adapter = adapters_module.write_adapter
+
+    def ctrl_c_then_write(model: Any, adapter: str, tensors: Any, directory: Path) -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # before each job's write: the first, and repeats
+        write_adapter(model, adapter, tensors, directory)
+
+    monkeypatch.setattr(adapters_module, "write_adapter", ctrl_c_then_write)
+    config = parse_config(_config_dict(tiny_base, tmp_path / "run"))
+    summary = _run_one_rank(config, tmp_path / "store")
+    assert summary["checkpoint"] is None
+    assert summary["position"] == summary["num_microbatches"]
+    assert sorted(_adapters(Path(config.output_dir))) == ["first", "second"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("stages", "replicas"), [(2, 1), (1, 2)], ids=["2-stages", "2-replicas"])
 def test_ctrl_c_on_two_processes_checkpoints_and_resume_ends_bit_identical(

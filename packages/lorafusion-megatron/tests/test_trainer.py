@@ -17,19 +17,8 @@ from lorafusion_megatron.config import TrainerConfig, parse_config
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.executor import StopSignal
 from lorafusion_megatron.run_lock import run_lock, run_locks
+from lorafusion_megatron.testing import StopAfter
 from lorafusion_megatron.trainer import Trainer
-
-
-class StopAfter(StopSignal):
-    """Stops the run after ``count`` microbatches, as a first Ctrl-C would."""
-
-    def __init__(self, count: int) -> None:
-        super().__init__()
-        self.count = count
-
-    def __call__(self) -> bool:
-        self.count -= 1
-        return self.count <= 0 or super().__call__()
 
 
 def _jobs(data: Path, *, dropout: float = 0.0) -> list[dict]:
@@ -174,6 +163,7 @@ def test_a_damaged_checkpoint_is_named_with_the_one_to_resume_from(make_config) 
     """A file cut short gave a safetensors or pickle traceback (status 3) and pointed at the same checkpoint."""
     config = make_config(save_steps=2, save_total_limit=2)
     Trainer(config).train()
+    (Path(config.output_dir) / "summary.json").unlink()  # as if killed at its end: --resume reads the checkpoint
     newest, before = config.checkpoint_dir / "checkpoint-6", "checkpoint-4"
     for name in ("lora.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json", "plan.json"):
         whole = (newest / name).read_bytes()

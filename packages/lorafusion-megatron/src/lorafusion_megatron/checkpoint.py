@@ -7,7 +7,7 @@ itself (re-planning could differ: the MILP runs under a time limit), and the RNG
 
 Layout of ``<output_dir>/checkpoints/checkpoint-<total optimizer steps>/``::
 
-    trainer_state.json     position, per-job counters, config and data fingerprint, fingerprinted config
+    trainer_state.json     position, per-job counters, config and data fingerprint, fingerprinted config, run id
     plan.json              the plan being executed
     lora.safetensors       "param:<name>" and "grad:<name>" of every adapter tensor
     optimizer.pt           per-job AdamW + schedule state (torch.save, loaded with weights_only)
@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from lorafusion_megatron.adapters_io import replace_dir, save_adapter
 from lorafusion_megatron.errors import TrainerError
@@ -47,7 +47,10 @@ if TYPE_CHECKING:
 __all__ = [
     "LoadedCheckpoint",
     "RunFingerprint",
+    "checkpoint_run_id",
     "checkpoint_to_resume",
+    "config_match",
+    "config_refusal",
     "latest_checkpoint",
     "load_checkpoint",
     "load_torch_file",
@@ -73,11 +76,13 @@ class LoadedCheckpoint:
         path: The checkpoint folder.
         state: The run's position and counters.
         plan: The plan being executed.
+        run_id: The id the run drew when it started afresh (``None``: written by an earlier version).
     """
 
     path: Path
     state: RunState
     plan: Plan
+    run_id: str | None
 
 
 @dataclass(frozen=True)
@@ -201,6 +206,16 @@ def _damaged(checkpoint: Path, name: str, detail: str) -> str:
     return f"checkpoint {checkpoint} is damaged: {name} cannot be read ({detail}); {go_on}"
 
 
+def checkpoint_run_id(checkpoint: Path) -> str | None:
+    """The id of the run that wrote ``checkpoint``, single-process or pipeline (``None``: an earlier version's).
+
+    Raises:
+        TrainerError: As :func:`read_checkpoint_file`.
+    """
+    run_id = read_checkpoint_file(checkpoint, "trainer_state.json", _read_json).get("run_id")
+    return run_id if isinstance(run_id, str) else None
+
+
 def read_checkpoint_plan(checkpoint: Path) -> Plan:
     """The plan of ``checkpoint``.
 
@@ -213,28 +228,81 @@ def read_checkpoint_plan(checkpoint: Path) -> Plan:
 def read_checkpoint_meta(path: Path, *, fingerprint: RunFingerprint) -> dict[str, Any]:
     """``trainer_state.json`` of checkpoint ``path``, checked to come from a run of this config and data.
 
+    Settings that cannot change what the resume computes may differ
+    (:mod:`~lorafusion_megatron.resume_config`), and so may dataset paths whose data hashes the same.
+
     Raises:
         TrainerError: The file is unreadable, or the checkpoint was written for other data or a
             different config (naming the changed keys when the checkpoint stores its config).
     """
     meta: dict[str, Any] = read_checkpoint_file(path, "trainer_state.json", _read_json)
-    stored_config, _, stored_data = str(meta.get("fingerprint")).partition("/")
-    config_part, _, data_part = fingerprint.value.partition("/")
-    moved = stored_config != config_part and _only_dataset_paths_differ(meta, fingerprint)
-    if (stored_config == config_part or moved) and stored_data and data_part and stored_data != data_part:
+    stored_data = str(meta.get("fingerprint")).partition("/")[2]
+    data_part = fingerprint.value.partition("/")[2]
+    match = config_match(meta, fingerprint)
+    if match != "other" and stored_data and data_part and stored_data != data_part:
         raise TrainerError(
             f"checkpoint {path} was written for other data: {_jobs_with_other_data(meta, fingerprint)} "
             "other samples than when the run started (other content or tokenizer): restore it, or train "
             "without --resume into a new output_dir"
         )
-    if moved and (not data_part or stored_data):
-        return meta  # a dataset moved: its content decides (here, or on the ranks once they read it)
-    if stored_config != config_part:
-        raise TrainerError(
-            f"checkpoint {path} was written by a run with a different config ({_what_changed(meta, fingerprint)}): "
-            "restore that config, or train without --resume into a new output_dir" + _profile_hint(path)
+    if match == "moved" and data_part and not stored_data:
+        match = "other"  # a dataset moved, and the checkpoint holds no hash of its content to compare
+    if match == "other":
+        refusal = config_refusal(
+            meta, fingerprint, remedy="restore that config, or train without --resume into a new output_dir"
         )
+        raise TrainerError(f"checkpoint {path} was written by a run with {refusal}" + _profile_hint(path))
     return meta
+
+
+def config_match(meta: Mapping[str, Any], fingerprint: RunFingerprint) -> Literal["same", "moved", "other"]:
+    """Whether the run that wrote ``meta`` (a checkpoint's state, a finished run's summary) had this config.
+
+    Returns:
+        ``same``: the same config, or one that differs only in what cannot change the result
+        (:func:`~lorafusion_megatron.resume_config.comparable_config`); ``moved``: the same but for
+        dataset paths (the data's hash decides); ``other``.
+    """
+    from lorafusion_megatron.resume_config import comparable_config
+
+    if str(meta.get("fingerprint")).partition("/")[0] == fingerprint.value.partition("/")[0]:
+        return "same"
+    stored = meta.get("config")
+    if not isinstance(stored, dict):
+        return "other"
+    if comparable_config(stored) == comparable_config(fingerprint.config):
+        return "same"
+    if comparable_config(stored, dataset_paths=False) == comparable_config(fingerprint.config, dataset_paths=False):
+        return "moved"
+    return "other"
+
+
+def config_refusal(meta: Mapping[str, Any], fingerprint: RunFingerprint, *, remedy: str) -> str:
+    """``a different config (changed: ...): <remedy>``, ending instead in what to do when a job's length changed.
+
+    Args:
+        meta: What the earlier run recorded (with its ``config`` where it stores one).
+        fingerprint: This run's.
+        remedy: What to do about a change of any other key.
+    """
+    from lorafusion_megatron.config_diff import join_changes
+    from lorafusion_megatron.resume_config import length_changed, relevant_changes
+
+    stored = meta.get("config")
+    lines = relevant_changes(stored, fingerprint.config) if isinstance(stored, dict) else []
+    if not isinstance(stored, dict) or not lines:
+        return f"a different config (model, jobs, data, scheduler or runtime settings changed): {remedy}"
+    changes = f"a different config (changed: {join_changes(lines)})"
+    longer = length_changed(stored, fingerprint.config)
+    if not longer:
+        return f"{changes}: {remedy}"
+    names = ", ".join(repr(name) for name in longer)
+    return (
+        f"{changes}: the length of job {names} (max_steps, num_train_epochs) cannot change on --resume: the "
+        "plan and each job's learning-rate warm-up and decay are laid out for the length the run started with, "
+        "so the steps taken so far are not those of a run of the new length. Train the new length from the "
+        "start, without --resume, into a new output_dir; or restore the old length to continue this run"
+    )
 
 
 def run_fingerprint(config: TrainerConfig, jobs: Mapping[str, JobData] | None) -> RunFingerprint:
@@ -254,24 +322,6 @@ def run_fingerprint(config: TrainerConfig, jobs: Mapping[str, JobData] | None) -
     )
 
 
-def _without_dataset_paths(config: Mapping[str, Any]) -> Any:
-    """``config`` with every job's ``dataset.path`` blanked (a moved project keeps its data's content)."""
-    jobs = config.get("jobs")
-    if not isinstance(jobs, list):
-        return config
-    blanked = []
-    for job in jobs:
-        dataset = job.get("dataset") if isinstance(job, dict) else None
-        blanked.append({**job, "dataset": {**dataset, "path": None}} if isinstance(dataset, dict) else job)
-    return {**config, "jobs": blanked}
-
-
-def _only_dataset_paths_differ(meta: Mapping[str, Any], fingerprint: RunFingerprint) -> bool:
-    """Whether the checkpoint's stored config differs from this run's in dataset paths alone."""
-    stored = meta.get("config")
-    return isinstance(stored, dict) and _without_dataset_paths(stored) == _without_dataset_paths(fingerprint.config)
-
-
 def _jobs_with_other_data(meta: Mapping[str, Any], fingerprint: RunFingerprint) -> str:
     """``"the dataset of job 'a' holds"`` for the jobs whose hashes differ, where both sides record them."""
     stored = meta.get("data_by_job")
@@ -281,15 +331,6 @@ def _jobs_with_other_data(meta: Mapping[str, Any], fingerprint: RunFingerprint) 
             names = ", ".join(repr(name) for name in changed)
             return f"the dataset of job {names} holds" if len(changed) == 1 else f"the datasets of jobs {names} hold"
     return "a dataset of this config holds"
-
-
-def _what_changed(meta: Mapping[str, Any], fingerprint: RunFingerprint) -> str:
-    """The keys that differ from the checkpoint's stored config, or a general list where it stores none."""
-    from lorafusion_megatron.config_diff import describe_changes
-
-    stored = meta.get("config")
-    changes = describe_changes(stored, fingerprint.config) if isinstance(stored, dict) else ""
-    return f"changed: {changes}" if changes else "model, jobs, data, scheduler or runtime settings changed"
 
 
 def _profile_hint(checkpoint: Path) -> str:
@@ -313,6 +354,7 @@ def save_checkpoint(
     state: RunState,
     plan_json: str,
     fingerprint: RunFingerprint,
+    run_id: str,
     model: PeftModel,
     adapter_parameters: Mapping[str, Mapping[str, torch.nn.Parameter]],
     optimizers: Mapping[str, AdapterOptimizer],
@@ -325,6 +367,7 @@ def save_checkpoint(
         state: Position and counters.
         plan_json: The plan being executed.
         fingerprint: :func:`run_fingerprint` of the run (its config and its data).
+        run_id: The run's id (drawn when it started afresh, the same in all its checkpoints).
         model: The PEFT model (for the PEFT-format copies).
         adapter_parameters: Each adapter's trainable tensors by name.
         optimizers: Each adapter's optimizer.
@@ -355,7 +398,7 @@ def save_checkpoint(
         (staging / "plan.json").write_text(plan_json, encoding="utf-8")
         for adapter in adapter_parameters:
             save_adapter(model, adapter, staging / "adapters" / adapter)
-        meta = {"format": _FORMAT, **fingerprint.to_meta(), "state": state.to_json()}
+        meta = {"format": _FORMAT, **fingerprint.to_meta(), "state": state.to_json(), "run_id": run_id}
         (staging / "trainer_state.json").write_text(json.dumps(meta, indent=2, sort_keys=True), encoding="utf-8")
         replace_dir(staging, target)
     finally:
@@ -405,7 +448,7 @@ def load_checkpoint(
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(rng["cuda"]))
     state = RunState.from_json(meta["state"])
-    return LoadedCheckpoint(path=path, state=state, plan=plan)
+    return LoadedCheckpoint(path=path, state=state, plan=plan, run_id=meta.get("run_id"))
 
 
 def _read_text(path: Path) -> str:

@@ -3,8 +3,12 @@
 ``validate`` needs no GPU, and no torch unless ``runtime.device`` is ``cuda`` (then it asks torch
 for a GPU); what this host lacks it prints as warnings (:mod:`lorafusion_megatron.host_checks`).
 Every command turns a :class:`TrainerError` into one clear message and exit status 2 (1 for an
-interrupted run that wrote a checkpoint, 130 for a Ctrl-C that stopped it at once, 3 with a
-traceback for any other error: a bug, or a host failure that no check names).
+interrupted run that wrote a checkpoint, 3 with a traceback for any other error: a bug, or a host
+failure that no check names). SIGTERM is taken like Ctrl-C (:mod:`lorafusion_megatron.interrupts`).
+In training the first one stops at a checkpoint (status 1) or, once the plan is done, lets the final
+adapters be written first (status 128 + the signal); anywhere else, and a second one in training,
+stops at once: staging folders and temporary files are deleted on the way out, one line says so,
+and the status is 128 + the signal (130 for Ctrl-C, 143 for SIGTERM).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import shlex
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,22 +30,12 @@ from rich.table import Table
 
 from lorafusion_megatron.__about__ import __version__
 from lorafusion_megatron.errors import TrainerError
-from lorafusion_megatron.pipeline.commands import add_parallel_arguments, parallel_from_args
+from lorafusion_megatron.interrupts import signal_of, sigterm_interrupts
+from lorafusion_megatron.pipeline.commands import add_parallel_arguments, at_least_one, parallel_from_args
 
 __all__ = ["main"]
 
 _console = Console(stderr=True)
-
-
-def _at_least_one(text: str) -> int:
-    """An argparse type: a whole number of at least 1 (refused before anything is written)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is less than 1")
-    return value
 
 
 def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
@@ -198,8 +193,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from lorafusion_megatron.trainer import Trainer
 
     trainer = Trainer(config, console=_console, resume_command=_resume_command(args))
-    result = trainer.train(resume=args.resume, overwrite=args.overwrite)
-    return 1 if result.interrupted else 0
+    return trainer.train(resume=args.resume, overwrite=args.overwrite).exit_status
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
@@ -233,7 +227,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     result = Trainer(config, console=_console, resume_command=resume).train()
     if not result.interrupted:
         _console.print(f"Adapters: {output / 'adapters'}; config: {output / 'demo.yaml'}")
-    return 1 if result.interrupted else 0
+    return result.exit_status
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -294,8 +288,8 @@ def _parser() -> argparse.ArgumentParser:
     profile.set_defaults(handler=_cmd_profile)
     demo = commands.add_parser("demo", help="4 jobs on a tiny random LLaMA, on the CPU, in about a minute")
     demo.add_argument("--output", required=True, type=Path, help="folder for the model, data, config and adapters")
-    demo.add_argument("--samples-per-job", type=_at_least_one, default=128, help="records per job (default 128)")
-    demo.add_argument("--epochs", type=_at_least_one, default=2, help="passes over each job's data (default 2)")
+    demo.add_argument("--samples-per-job", type=at_least_one, default=128, help="records per job (default 128)")
+    demo.add_argument("--epochs", type=at_least_one, default=2, help="passes over each job's data (default 2)")
     add_parallel_arguments(demo)
     demo.set_defaults(handler=_cmd_demo)
     export = commands.add_parser("export", help="merge an adapter into its base model's weights")
@@ -318,21 +312,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         handlers=[RichHandler(console=_console, show_path=False, show_time=False)],
     )
     try:
-        status: int = args.handler(args)
+        with sigterm_interrupts():
+            status: int = args.handler(args)
     except TrainerError as exc:
         _console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, markup=True, soft_wrap=True)
         return 2
-    except KeyboardInterrupt:  # a Ctrl-C before training started, or a second one during it
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM before training started, or a second one during it
+        stopped_by = signal_of(exc)
+        by = "" if stopped_by == signal.SIGINT else f" by {stopped_by.name}"
         trains = args.handler in (_cmd_train, _cmd_demo)
         _console.print(
-            "[bold red]interrupted[/] at once: checkpoints are written whole or not at all, so the newest one "
+            f"[bold red]interrupted[/]{by} at once: checkpoints are written whole or not at all, so the newest one "
             "(if any) is intact; `train ... --resume` continues from it"
             if trains
-            else "[bold red]interrupted[/]: outputs are written whole or not at all, so none was left half-written",
+            else f"[bold red]interrupted[/]{by}: outputs are written whole or not at all, so none was left "
+            "half-written",
             highlight=False,
             soft_wrap=True,
         )
-        return 130
+        return 128 + stopped_by
     except Exception:  # a bug (or the host's): its own status, as 1 means "interrupted, checkpoint written"
         _console.print_exception()
         _console.print(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["changed_keys", "describe_changes"]
+__all__ = ["changed_keys", "join_changes"]
 
 _ABSENT = object()
 """Stands for a key that one side does not have."""
@@ -77,13 +77,12 @@ def changed_keys(old: Any, new: Any, path: str = "") -> list[str]:
     return [f"{path}: {_show(old)} -> {_show(new)}"]
 
 
-def describe_changes(old: Any, new: Any, *, limit: int = 5) -> str:
-    """The first ``limit`` of :func:`changed_keys`, joined by ``; ``, then ``and N more`` if there are more.
+def join_changes(lines: list[str], *, limit: int = 5) -> str:
+    """The first ``limit`` of ``lines`` (as :func:`changed_keys` writes them) joined by ``; ``, then ``and N more``.
 
     Returns:
-        The description; empty when nothing differs.
+        The description; empty when there are no lines.
     """
-    lines = changed_keys(old, new)
     shown = "; ".join(lines[:limit])
     rest = len(lines) - limit
     return f"{shown}; and {rest} more" if rest > 0 else shown

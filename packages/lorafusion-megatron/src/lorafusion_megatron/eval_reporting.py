@@ -6,14 +6,17 @@ atomically after each one::
     {"first": [{"step": 5, "loss": 2.31, "samples": 40, "targets": 812, "seconds": 0.4}, ...], ...}
 
 A resumed run keeps each job's records up to the step its checkpoint holds and computes the later
-ones again (a resumed run reaches the same weights, so they come out the same).
+ones again (a resumed run reaches the same weights, so they come out the same). A job whose
+``eval_dataset`` the resumed config removes keeps its records up to that step, and gets no more: its
+evaluation stopped there (the log and the end-of-run table say so). ``val_size`` cannot be removed
+on resume: it decides which samples are trained on.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -38,29 +41,57 @@ class EvalHistory:
 
     def __init__(self, path: Path, adapters: Sequence[str]) -> None:
         self.path = path
+        self.evaluating = tuple(adapters)
         self.records: dict[str, list[EvalLoss]] = {name: [] for name in adapters}
 
     @classmethod
-    def resumed(cls, path: Path, adapters: Sequence[str], steps_done: Mapping[str, int]) -> EvalHistory:
+    def resumed(
+        cls, path: Path, adapters: Sequence[str], steps_done: Mapping[str, int], *, written_by: Collection[str]
+    ) -> EvalHistory:
         """The history of an interrupted run, up to each job's step in the checkpoint it resumes from.
 
-        A missing or unreadable file starts an empty history (with a warning): the earlier evaluations
-        are then missing from the summary, the run itself is unaffected.
+        A missing or unreadable file starts an empty history: the earlier evaluations are then
+        missing from the summary, the run itself is unaffected. That is warned about when the file
+        should hold them: it is there but damaged, or missing although the interrupted run wrote it
+        at its start, which ``written_by`` tells (a resume may add an ``eval_dataset``; a run that
+        did not evaluate wrote no file, and then no warning is due).
+
+        Args:
+            path: The history file.
+            adapters: The jobs that evaluate now, in config order.
+            steps_done: Every job's optimizer steps in the checkpoint, in config order (a job that no
+                longer evaluates keeps its records up to them).
+            written_by: Jobs that certainly evaluated in the interrupted run too (``val_size``, which
+                a resume cannot change), so that it wrote the file.
         """
         history = cls(path, adapters)
         try:
             saved = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            if any(steps_done.get(name, 0) for name in written_by):
+                _log.warning(
+                    "%s is missing, though the interrupted run wrote it: evaluations before the resume are left "
+                    "out of the summary",
+                    path,
+                )
+            return history
         except (OSError, json.JSONDecodeError) as exc:
             if any(steps_done.get(name, 0) for name in adapters):
                 _log.warning(
                     "cannot read %s (%s): evaluations before the resume are left out of the summary", path, exc
                 )
             return history
-        for name in adapters:
-            history.records[name] = [
-                EvalLoss(adapter=name, **record) for record in saved.get(name, []) if record["step"] <= steps_done[name]
-            ]
+        records = {}
+        for name, steps in steps_done.items():  # a job that no longer evaluates keeps its earlier records
+            kept = [EvalLoss(adapter=name, **record) for record in saved.get(name, []) if record["step"] <= steps]
+            if kept or name in history.records:
+                records[name] = kept
+        history.records = records
         return history
+
+    def stopped(self) -> list[str]:
+        """The jobs with evaluations that no longer evaluate (their ``eval_dataset`` was removed at a resume)."""
+        return [name for name in self.records if name not in self.evaluating]
 
     def add(self, result: EvalLoss) -> None:
         """Record ``result`` and rewrite the file."""
@@ -95,4 +126,6 @@ def eval_table(history: EvalHistory) -> Table:
             table.add_row(name, "-", "-", "-", "-")
         else:
             table.add_row(name, str(latest.step), f"{latest.loss:.4f}", f"{latest.samples:,}", f"{latest.targets:,}")
+    if history.stopped():
+        table.caption = f"no longer evaluated since a resume removed its eval_dataset: {', '.join(history.stopped())}"
     return table

@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Protocol
 
+from lorafusion_megatron.interrupts import Interrupted
+
 if TYPE_CHECKING:
     from lorafusion_sched.models import Microbatch
 
@@ -79,11 +81,16 @@ class StopSignal:
 
     Args:
         signals: The signals that ask for a stop.
-        repeat_aborts: A repeated signal raises ``KeyboardInterrupt`` at once (the single-process
-            trainer's second Ctrl-C); when ``False`` repeats are the same request (pipeline ranks,
-            which get one Ctrl-C from the terminal and again from their launcher).
+        repeat_aborts: A repeated signal raises :class:`~lorafusion_megatron.interrupts.Interrupted`
+            (a ``KeyboardInterrupt`` naming the signal) at once (the single-process trainer's second
+            Ctrl-C); when ``False`` repeats are the same request (pipeline ranks, which get one
+            Ctrl-C from the terminal and again from their launcher).
         message: Logged at the first request, ``{signal}`` replaced by the signal's name; ``None``
             logs nothing (e.g. on every rank but one).
+
+    Attributes:
+        received: The first signal that asked for a stop since the last ``__enter__`` (``None``
+            when none did: :meth:`request` names no signal).
     """
 
     def __init__(
@@ -97,6 +104,7 @@ class StopSignal:
         self.repeat_aborts = repeat_aborts
         self.message = message
         self._requested = False
+        self.received: signal.Signals | None = None
         self._previous: dict[signal.Signals, Callable[[int, FrameType | None], object] | int | None] = {}
 
     def request(self) -> None:
@@ -110,14 +118,16 @@ class StopSignal:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self._requested:
             if self.repeat_aborts:
-                raise KeyboardInterrupt
+                raise Interrupted(signum)
             return
         self._requested = True
+        self.received = signal.Signals(signum)
         if self.message is not None:
-            _log.warning(self.message.format(signal=signal.Signals(signum).name))
+            _log.warning(self.message.format(signal=self.received.name))
 
     def __enter__(self) -> StopSignal:
         self._requested = False
+        self.received = None
         if threading.current_thread() is threading.main_thread():
             for signum in self.signals:
                 self._previous[signum] = signal.signal(signum, self._handle)

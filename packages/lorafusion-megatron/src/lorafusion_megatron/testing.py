@@ -15,6 +15,7 @@ import numpy as np
 from lorafusion_megatron.config import BaseModelConfig, DatasetConfig, JobConfig
 from lorafusion_megatron.data.job_data import JobData
 from lorafusion_megatron.data.samples import Sample
+from lorafusion_megatron.executor import StopSignal
 
 if TYPE_CHECKING:
     import torch
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "INJECTED_FAILURE",
+    "StopAfter",
     "cpu_stage_layout",
     "hang",
     "lora_grads",
@@ -39,6 +41,19 @@ __all__ = [
 
 INJECTED_FAILURE = "rank 1 fails in its first forward (injected by a test)"
 """The message of the error :func:`run_rank_failing_in_first_forward` raises."""
+
+
+class StopAfter(StopSignal):
+    """Stops a run after ``count`` microbatches, as a first Ctrl-C would (a real one still does too)."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.count = count
+
+    def __call__(self) -> bool:
+        """Whether to stop now: the ``count``-th call, or a stop asked for by a signal."""
+        self.count -= 1
+        return self.count <= 0 or super().__call__()
 
 
 def two_job_config(

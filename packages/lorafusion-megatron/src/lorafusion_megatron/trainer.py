@@ -8,6 +8,7 @@ the pieces together and keeps the books (progress, evaluation, TensorBoard, chec
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from lorafusion_megatron.data.job_data import JobData, load_job_data
 from lorafusion_megatron.dropout_seeds import drawing_for, install_dropout_seeding
 from lorafusion_megatron.eval_reporting import EvalHistory, eval_table
 from lorafusion_megatron.executor import StopSignal, execute_plan
+from lorafusion_megatron.finished_run import FinishedRun, finished_run, new_run_id
 from lorafusion_megatron.gc_tuning import start_up_objects_frozen
 from lorafusion_megatron.planning import check_plan, make_plan
 from lorafusion_megatron.reporting import ProgressDisplay, TensorBoardLogger, summary_table
@@ -50,6 +52,11 @@ if TYPE_CHECKING:
 __all__ = ["PreparedData", "TrainResult", "Trainer", "prepare_data"]
 
 _log = logging.getLogger(__name__)
+
+_FINAL_WRITE_STOP = (
+    "{signal}: the run is done; writing the remaining adapters and summary.json, then exiting; press Ctrl-C "
+    "again to abort at once (each adapter is written whole or not at all)"
+)
 
 
 @dataclass(frozen=True)
@@ -96,16 +103,27 @@ class TrainResult:
         state: Final position and per-job counters.
         adapters: Each finished job's adapter folder (empty when interrupted).
         checkpoint: The checkpoint written when the run stopped early, else ``None``.
+        stopped_by: A stop signal (Ctrl-C, SIGTERM) that came too late to stop the run: during its
+            last microbatch or while the final adapters were written. The run finished and wrote
+            every adapter and the summary first; ``None`` when no signal came.
     """
 
     state: RunState
     adapters: dict[str, Path]
     checkpoint: Path | None
+    stopped_by: signal.Signals | None = None
 
     @property
     def interrupted(self) -> bool:
         """Whether the run stopped before the end of the plan."""
         return self.checkpoint is not None
+
+    @property
+    def exit_status(self) -> int:
+        """The CLI's: 0 finished, 1 stopped at a checkpoint, 128 + ``stopped_by`` (130 for Ctrl-C) when one came."""
+        if self.stopped_by is not None:
+            return 128 + self.stopped_by
+        return 1 if self.interrupted else 0
 
 
 class Trainer:
@@ -115,7 +133,8 @@ class Trainer:
         config: The validated run config.
         console: Where the progress bar and the summary go (stderr by default).
         stop: Polled after every microbatch; by default the first Ctrl-C stops after the current
-            microbatch and writes a checkpoint.
+            microbatch and writes a checkpoint. One that comes once the plan is done lets every
+            job's adapter and the summary be written first (:attr:`TrainResult.stopped_by`).
         resume_command: The command an interrupted run prints to continue (the CLI passes the
             user's own command line).
     """
@@ -155,6 +174,9 @@ class Trainer:
     def _train(self, *, resume: bool, overwrite: bool) -> TrainResult:
         config = self.config
         check_fresh_run(config, resume=resume, overwrite=overwrite)
+        finished = finished_run(Path(config.output_dir), config.checkpoint_dir) if resume else None
+        if finished is not None:
+            return self._report_finished(finished)
         checkpoint_path = checkpoint_to_resume(config.checkpoint_dir, resume=resume)
         prepared = prepare_data(config)
         session = _Session.build(config, prepared)
@@ -168,6 +190,9 @@ class Trainer:
             plan = loaded.plan
             check_plan(plan, prepared.jobs, config)
             state = loaded.state
+            # In config order, which a resume may change (a checkpoint names jobs, never numbers them).
+            state.jobs = {job.name: state.jobs[job.name] for job in config.jobs}
+            run_id = loaded.run_id or new_run_id()  # a checkpoint of an earlier version holds none
             _log.info("resuming from %s at microbatch %d", checkpoint_path, state.position)
         else:
             plan = make_plan(config, prepared.jobs)
@@ -178,9 +203,10 @@ class Trainer:
                 position=0,
                 jobs={a.name: JobProgress(name=a.name, total_steps=a.num_global_batches) for a in plan.adapters},
             )
+            run_id = new_run_id()
         # The collection that freezes the start-up objects is start-up too: the clock starts after it.
         with start_up_objects_frozen():
-            session.start(plan, state, self.console, resumed=checkpoint_path is not None)
+            session.start(plan, state, self.console, run_id=run_id, resumed=checkpoint_path is not None)
             with (
                 self.stop,
                 ProgressDisplay(
@@ -195,16 +221,45 @@ class Trainer:
             self.console.print(f"Stopped at microbatch {position}/{len(plan.microbatches)}; checkpoint: {path}")
             self.console.print(f"Continue with: {self.resume_command}", soft_wrap=True, markup=False)
             return TrainResult(state=session.state, adapters={}, checkpoint=path)
-        outputs = session.save_adapters()
-        self._write_summary(session.state, outputs, session.eval_history)
+        # Every job's adapter, then the summary: a stop signal now waits for all of them (a second aborts).
+        with StopSignal(message=_FINAL_WRITE_STOP) as finishing:
+            outputs = session.save_adapters()
+            self._write_summary(session, outputs)
         self.console.print(summary_table(session.state, outputs, Path(config.output_dir)))
         if session.eval_history is not None:
             self.console.print(eval_table(session.eval_history))
-        return TrainResult(state=session.state, adapters=outputs, checkpoint=None)
+        stopped_by = finishing.received or self.stop.received  # the latter: in the last microbatch
+        if stopped_by is not None:
+            self.console.print(
+                f"{stopped_by.name} came as the run ended: every job's adapter and summary.json were written "
+                "first, so the run is complete (nothing to resume)"
+            )
+        return TrainResult(state=session.state, adapters=outputs, checkpoint=None, stopped_by=stopped_by)
 
-    def _write_summary(self, state: RunState, outputs: Mapping[str, Path], history: EvalHistory | None) -> None:
-        """``summary.json``: the run's counters, each job's adapter, and its latest and every eval loss."""
-        summary = {**state.to_json(), "adapters": {name: str(path) for name, path in outputs.items()}}
+    def _report_finished(self, finished: FinishedRun) -> TrainResult:
+        """``--resume`` of a run that already finished: say so, and write nothing.
+
+        Raises:
+            TrainerError: The config changed since in what decides the trained weights.
+        """
+        finished.check_config(run_fingerprint(self.config, None))
+        self.console.print(summary_table(finished.state, finished.adapters, Path(self.config.output_dir)))
+        self.console.print(finished.message(), soft_wrap=True, markup=False)
+        return TrainResult(state=finished.state, adapters=finished.adapters, checkpoint=None)
+
+    def _write_summary(self, session: _Session, outputs: Mapping[str, Path]) -> None:
+        """``summary.json``: the run's counters, each job's adapter, and its latest and every eval loss.
+
+        Also the run's id and the config it was trained with: ``--resume`` of the finished run reads
+        them (:mod:`~lorafusion_megatron.finished_run`).
+        """
+        history = session.eval_history
+        summary = {
+            **session.state.to_json(),
+            "adapters": {name: str(path) for name, path in outputs.items()},
+            "run_id": session.run_id,
+            **session.fingerprint.to_meta(),
+        }
         for job in summary["jobs"]:
             latest = None if history is None else history.latest(job["name"])
             job["eval_loss"] = None if latest is None else latest.loss
@@ -297,22 +352,46 @@ class _Session:
             steps = self.data[job.name].num_global_batches(drop_last=self.config.scheduler.drop_last)
             self.optimizers[job.name] = AdapterOptimizer(job, self.parameters[job.name], steps)
 
-    def start(self, plan: Plan, state: RunState, console: Console, *, resumed: bool) -> None:
-        """Bind the plan and the counters (fresh, or restored when ``resumed``) before executing."""
+    def start(self, plan: Plan, state: RunState, console: Console, *, run_id: str, resumed: bool) -> None:
+        """Bind the plan, the counters (fresh, or restored when ``resumed``) and the run's id before executing."""
         self.plan = plan
         self.state = state
         self.console = console
+        self.run_id = run_id
         self._plan_json = plan.model_dump_json()
         self._seconds_before = state.seconds
         self._clock = time.perf_counter()
-        if self.evaluator is not None:
-            path = Path(self.config.output_dir) / EVAL_HISTORY
-            if resumed:
-                steps = {name: job.steps_done for name, job in state.jobs.items()}
-                self.eval_history = EvalHistory.resumed(path, self.evaluator.adapters, steps)
-            else:
-                self.eval_history = EvalHistory(path, self.evaluator.adapters)
-                self.eval_history.save()
+        if resumed:
+            self.eval_history = self._resumed_eval_history()
+        elif self.evaluator is not None:
+            self.eval_history = EvalHistory(Path(self.config.output_dir) / EVAL_HISTORY, self.evaluator.adapters)
+            self.eval_history.save()
+
+    def _resumed_eval_history(self) -> EvalHistory | None:
+        """The evaluations up to the checkpoint's steps, written back to ``eval_history.json`` at once.
+
+        A job whose ``eval_dataset`` was removed keeps its records (the log says up to which step),
+        so the file and the summary agree even when no job evaluates any more; with no records and
+        no job evaluating, the file (holding no evaluation up to the checkpoint) is deleted.
+        """
+        path = Path(self.config.output_dir) / EVAL_HISTORY
+        evaluating = () if self.evaluator is None else self.evaluator.adapters
+        steps = {name: job.steps_done for name, job in self.state.jobs.items()}
+        held_out = [job.name for job in self.config.jobs if job.val_size is not None]
+        history = EvalHistory.resumed(path, evaluating, steps, written_by=held_out)
+        for name in history.stopped():
+            _log.info(
+                "%s no longer evaluates (its eval_dataset was removed): its evaluations up to step %d stay in %s "
+                "and summary.json",
+                name,
+                history.records[name][-1].step,
+                EVAL_HISTORY,
+            )
+        if not history.records:
+            path.unlink(missing_ok=True)
+            return None
+        history.save()
+        return history
 
     def close(self) -> None:
         """Release TensorBoard files."""
@@ -450,6 +529,7 @@ class _Session:
             state=self.state,
             plan_json=self._plan_json,
             fingerprint=self.fingerprint,
+            run_id=self.run_id,
             model=self.model,
             adapter_parameters=self.parameters,
             optimizers=self.optimizers,

@@ -8,8 +8,8 @@ which costs one fill and drain and changes no result. Every rank then writes its
 a global batch, and replicas' gradients differ until the all-reduce), its optimizers, the engine's
 counters (on the last stage of replica 0 also the progress counters of :mod:`.progress`) and its
 RNG. Rank 0 adds ``plan.json`` and ``trainer_state.json`` (position, fingerprint and the config it
-hashes, parallel layout)
-and renames the folder into place, so a crash never leaves a checkpoint that looks complete. The
+hashes, parallel layout, the run's id: :mod:`~lorafusion_megatron.finished_run`) and renames the
+folder into place, so a crash never leaves a checkpoint that looks complete. The
 folders need a file system all ranks share (one node, or a shared mount). Ctrl-C writes one more,
 at the drain the ranks agree on (:mod:`.stopping`), named after the steps taken like the others.
 """
@@ -32,6 +32,7 @@ from lorafusion_megatron.checkpoint import (
     read_checkpoint_meta,
 )
 from lorafusion_megatron.errors import TrainerError
+from lorafusion_megatron.finished_run import FinishedRun, finished_run
 from lorafusion_megatron.pipeline.stall import Heartbeat, no_heartbeat
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ def save_pipeline_checkpoint(
     engine_state: dict[str, Any],
     plan_json: str,
     fingerprint: RunFingerprint,
+    run_id: str,
     parallel: ParallelConfig,
     keep: int | None,
     heartbeat: Heartbeat = no_heartbeat,
@@ -79,6 +81,7 @@ def save_pipeline_checkpoint(
         engine_state: :meth:`StageEngine.state_dict`.
         plan_json: The plan being executed.
         fingerprint: The run's fingerprint (config and data: :func:`~lorafusion_megatron.checkpoint.run_fingerprint`).
+        run_id: The run's id (drawn when it started afresh, the same in all its checkpoints).
         parallel: Stages, replicas and schedule (a resume must use the same).
         keep: Keep this many newest checkpoints (``None``: all).
         heartbeat: Told of each phase (this rank's file; waits on the other ranks).
@@ -120,6 +123,7 @@ def save_pipeline_checkpoint(
                 **fingerprint.to_meta(),
                 "parallel": parallel.layout_settings(),
                 "position": position,
+                "run_id": run_id,
                 "total_optimizer_steps": total_steps,
                 "world_size": layout.world_size,
             }
@@ -155,20 +159,34 @@ def read_run_state(path: Path, *, fingerprint: RunFingerprint, parallel: Paralle
     return meta
 
 
-def check_resumable(config: TrainerConfig, parallel: ParallelConfig) -> None:
+def check_resumable(config: TrainerConfig, parallel: ParallelConfig) -> FinishedRun | None:
     """Refuse a ``--resume`` of ``config`` on ``parallel`` before any rank starts, as rank 0 would later.
 
-    The newest checkpoint must exist, come from a pipeline run of this config (the data's part of
-    the fingerprint needs the tokenized data: rank 0 checks it) and have these parallel settings.
+    A run that already finished (:func:`~lorafusion_megatron.finished_run.finished_run`) is
+    returned, once its config and parallel settings are found to be these: nothing is left to
+    resume. Otherwise the newest checkpoint must exist, come from a pipeline run of this config
+    (the data's part of the fingerprint needs the tokenized data: rank 0 checks it) and have these
+    parallel settings. ``capacity: auto`` and ``activation_checkpointing: auto`` are compared as
+    the ranks resolve them (from ``profile.json``), not as written.
+
+    Returns:
+        The finished run, or ``None``: the ranks resume from the newest checkpoint.
 
     Raises:
-        TrainerError: As :func:`read_run_state`, or no checkpoint to resume.
+        TrainerError: As :func:`read_run_state` or :meth:`FinishedRun.check_config`, or no checkpoint to resume.
     """
     from lorafusion_megatron.checkpoint import checkpoint_to_resume, run_fingerprint
+    from lorafusion_megatron.profiler.run import with_profiled_choices
 
+    fingerprint = run_fingerprint(with_profiled_choices(config), None)
+    finished = finished_run(Path(config.output_dir), config.checkpoint_dir, pipeline=True)
+    if finished is not None:
+        finished.check_config(fingerprint, parallel=parallel.layout_settings())
+        return finished
     found = checkpoint_to_resume(config.checkpoint_dir, resume=True)
     assert found is not None  # resume=True raises instead
-    read_run_state(found, fingerprint=run_fingerprint(config, None), parallel=parallel)
+    read_run_state(found, fingerprint=fingerprint, parallel=parallel)
+    return None
 
 
 def load_rank_state(

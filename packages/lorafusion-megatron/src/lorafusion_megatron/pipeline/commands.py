@@ -20,23 +20,45 @@ from lorafusion_megatron.run_layout import PROFILE_TABLE
 if TYPE_CHECKING:
     from lorafusion_megatron.config import TrainerConfig
 
-__all__ = ["add_parallel_arguments", "demo", "parallel_from_args", "profile", "report", "summary_table", "train"]
+__all__ = [
+    "add_parallel_arguments",
+    "at_least_one",
+    "demo",
+    "parallel_from_args",
+    "profile",
+    "report",
+    "summary_table",
+    "train",
+]
+
+
+def at_least_one(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (refused before anything is written)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is less than 1")
+    return value
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     """``--pipeline-stages``, ``--data-parallel``, ``--schedule`` and ``--baseline-microbatch-samples``."""
     group = parser.add_argument_group("parallelism (default: the config's, else one process)")
-    group.add_argument("--pipeline-stages", type=int, metavar="S", help="pipeline stages (one process each)")
-    group.add_argument("--data-parallel", type=int, metavar="D", help="data-parallel replicas of the pipeline")
+    group.add_argument("--pipeline-stages", type=at_least_one, metavar="S", help="pipeline stages (one process each)")
+    group.add_argument("--data-parallel", type=at_least_one, metavar="D", help="data-parallel replicas of the pipeline")
     group.add_argument("--schedule", choices=SCHEDULES, help="lorafusion (default) or a baseline")
-    group.add_argument("--baseline-microbatch-samples", type=int, metavar="N", help="samples per baseline microbatch")
+    group.add_argument(
+        "--baseline-microbatch-samples", type=at_least_one, metavar="N", help="samples per baseline microbatch"
+    )
 
 
 def parallel_from_args(args: argparse.Namespace, default: ParallelConfig | None = None) -> ParallelConfig:
     """``default`` (e.g. the config's section) with the flags given on the command line applied.
 
     Raises:
-        pydantic.ValidationError: A flag's value is out of range.
+        pydantic.ValidationError: A value out of range (the parser's types refuse the flags' first).
     """
     values = (default or ParallelConfig()).model_dump()
     for key in ("pipeline_stages", "data_parallel", "schedule", "baseline_microbatch_samples"):

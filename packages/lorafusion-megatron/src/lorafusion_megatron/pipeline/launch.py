@@ -9,7 +9,9 @@ rank as SIGTERM (a signal sent to this process alone reaches the ranks; the rank
 terminal's Ctrl-C also sends them as the same request): they stop at their next optimizer step and
 write a checkpoint (:mod:`.stopping`). A second one kills the ranks at once, without a checkpoint.
 When a rank fails, the others are stopped within seconds and the error names the rank that failed
-first, not a peer that failed because of it (:mod:`.failures`).
+first, not a peer that failed because of it (:mod:`.failures`). A resume is checked here before any
+rank starts; one of a run that already finished starts none and writes nothing
+(:mod:`lorafusion_megatron.finished_run`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from lorafusion_megatron.errors import TrainerError
+from lorafusion_megatron.interrupts import Interrupted
 from lorafusion_megatron.pipeline.options import ParallelConfig
 from lorafusion_megatron.run_layout import PIPELINE_SUMMARY, PROFILE_REPORT
 
@@ -135,6 +138,8 @@ def _spawn_error(error_files: Sequence[str], rank: int) -> str:
 class _SignalForwarder:
     """While the ranks run: the first SIGINT/SIGTERM is passed on to them as SIGTERM, a second kills them.
 
+    The second raises :class:`~lorafusion_megatron.interrupts.Interrupted` naming its signal (the exit status).
+
     Args:
         processes: The ranks' processes.
     """
@@ -159,7 +164,7 @@ class _SignalForwarder:
             return
         for process in alive:
             process.kill()
-        raise KeyboardInterrupt
+        raise Interrupted(signum)
 
     def __enter__(self) -> _SignalForwarder:
         if threading.current_thread() is threading.main_thread():
@@ -186,19 +191,25 @@ def launch(
 
     Returns:
         The run summary (tokens/s, bubble ratio per stage, steps, adapter folders, per-job counters
-        under ``run_state``), also written to ``<output_dir>/pipeline_summary.json``; ``None`` on
-        ranks other than 0 under torchrun. After a Ctrl-C, ``checkpoint`` names the checkpoint
-        written and ``position < num_microbatches``; no adapters are written.
+        under ``run_state``, the run's id, config and parallel settings), also written to
+        ``<output_dir>/pipeline_summary.json``; ``None`` on ranks other than 0 under torchrun.
+        After a Ctrl-C, ``checkpoint`` names the checkpoint written and ``position < num_microbatches``;
+        no adapters are written. A ``resume`` of a run that finished starts no rank, writes
+        nothing, logs that the run is complete and returns its summary as it was written.
 
     Raises:
-        TrainerError: Too few GPUs for the processes, a ``resume`` that the newest checkpoint
-            refuses (checked before any rank starts), or a rank failed.
+        TrainerError: Too few GPUs for the processes, a ``resume`` that the newest checkpoint or
+            the finished run refuses (checked before any rank starts), or a rank failed.
     """
     from lorafusion_megatron.pipeline.checkpoint import check_resumable
     from lorafusion_megatron.pipeline.worker import run_rank
 
-    if resume:
-        check_resumable(config, parallel)
+    finished = check_resumable(config, parallel) if resume else None
+    if finished is not None:
+        if under_torchrun() and os.environ["RANK"] != "0":  # every rank checked; rank 0 reports
+            return None
+        _log.info("%s", finished.message())
+        return finished.record
     return _start(functools.partial(run_rank, resume=resume), config, parallel, backend, PIPELINE_SUMMARY)
 
 

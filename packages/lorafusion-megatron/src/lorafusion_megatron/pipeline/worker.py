@@ -11,7 +11,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -126,11 +126,12 @@ def shared_plan(
     layout: Layout,
     resume: bool,
     heartbeat: Heartbeat = no_heartbeat,
-) -> tuple[Plan, Path | None]:
-    """The plan every rank executes, and the checkpoint to resume from (``None`` for a fresh run).
+) -> tuple[Plan, Path | None, str]:
+    """The plan every rank executes, the checkpoint to resume from (``None`` for a fresh run), and the run's id.
 
-    Rank 0 checks the output folders, then plans (or finds the newest checkpoint, whose plan is
-    kept: re-planning could pack differently), and broadcasts; every rank re-checks the plan. A
+    Rank 0 checks the output folders, then plans and draws the run's id (or finds the newest
+    checkpoint, whose plan is kept: re-planning could pack differently, and whose id is kept:
+    :mod:`~lorafusion_megatron.finished_run`), and broadcasts; every rank re-checks the plan. A
     fresh run refuses a folder holding checkpoints, as the single-process trainer does; a resume
     refuses a checkpoint of another config or other parallel settings before its plan is checked
     (a plan for other stages or replicas would be refused too, but with advice to plan again,
@@ -138,22 +139,24 @@ def shared_plan(
     """
     from lorafusion_megatron.adapters_io import check_run_outputs
     from lorafusion_megatron.checkpoint import checkpoint_to_resume, read_checkpoint_plan, run_fingerprint
+    from lorafusion_megatron.finished_run import new_run_id
     from lorafusion_megatron.pipeline.checkpoint import read_run_state
     from lorafusion_megatron.planning import check_plan
 
-    def decide() -> tuple[Plan, str | None]:
+    def decide() -> tuple[Plan, str | None, str]:
         check_run_outputs(config)
         found = checkpoint_to_resume(config.checkpoint_dir, resume=resume)
         if found is None:
             made = make_pipeline_plan(config, data, parallel)
             write_text_atomically(Path(config.output_dir, PLAN), made.model_dump_json())
-            return made, None
-        read_run_state(found, fingerprint=run_fingerprint(config, data), parallel=parallel)
-        return read_checkpoint_plan(found), str(found)
+            return made, None, new_run_id()
+        meta = read_run_state(found, fingerprint=run_fingerprint(config, data), parallel=parallel)
+        run_id = meta.get("run_id") or new_run_id()  # a checkpoint of an earlier version holds none
+        return read_checkpoint_plan(found), str(found), run_id
 
-    plan, checkpoint = _rank_zero_decides(layout, decide, what="plan", heartbeat=heartbeat)
+    plan, checkpoint, run_id = _rank_zero_decides(layout, decide, what="plan", heartbeat=heartbeat)
     check_plan(plan, data, config, pipeline_stages=parallel.pipeline_stages, data_parallel=parallel.data_parallel)
-    return plan, None if checkpoint is None else Path(checkpoint)
+    return plan, None if checkpoint is None else Path(checkpoint), run_id
 
 
 def stage_engine(
@@ -183,11 +186,12 @@ def stage_engine(
     return optimizers, engine
 
 
-def summarise(stats: list[EngineStats], schedule: str) -> dict[str, Any]:
-    """Throughput and per-stage bubble ratios from every rank's measurements.
+def summarise(stats: list[EngineStats], schedule: str, jobs: Sequence[str]) -> dict[str, Any]:
+    """Throughput and per-stage bubble ratios from every rank's measurements, and the steps taken.
 
     ``replayed_bubble_ratio_per_stage`` is the part of the bubble the measured compute durations
-    alone imply (:func:`~lorafusion_megatron.pipeline.trace.replay`).
+    alone imply (:func:`~lorafusion_megatron.pipeline.trace.replay`). ``steps`` lists the jobs in
+    the order of ``jobs`` (the config's, as ``summary.json`` does), each job's steps in order.
     """
     from lorafusion_megatron.pipeline.trace import replay
 
@@ -199,7 +203,9 @@ def summarise(stats: list[EngineStats], schedule: str) -> dict[str, Any]:
     slowest = [max((s for s in stats if s.stage == stage), key=lambda s: s.bubble_ratio) for stage in stages]
     bubbles = [s.bubble_ratio for s in slowest]
     last = max(stages)
-    steps = [asdict(r) for s in stats if s.stage == last and s.replica == 0 for r in s.steps]
+    taken = [r for s in stats if s.stage == last and s.replica == 0 for r in s.steps]
+    order = {name: index for index, name in enumerate(jobs)}
+    steps = [asdict(r) for r in sorted(taken, key=lambda r: (order[r.adapter], r.step))]
     return {
         "schedule": schedule,
         "wall_seconds": wall,
@@ -291,13 +297,13 @@ def run_rank(
         watchdog.beat("reading the jobs' data")
         prepared = prepare_data(config)
         phases.done("data")
-        plan, checkpoint = shared_plan(config, prepared.jobs, parallel, layout, resume, watchdog.beat)
+        plan, checkpoint, run_id = shared_plan(config, prepared.jobs, parallel, layout, resume, watchdog.beat)
         phases.done("plan")
         watchdog.beat("building its stage of the model")
         program = build_program(plan, parallel.schedule, parallel.baseline_microbatch_samples)
         if config.save_steps is not None:
             program = split_for_checkpoints(program, config.save_steps)
-        session = _RankSession.build(config, parallel, layout, prepared.jobs, plan, program, phases)
+        session = _RankSession.build(config, parallel, layout, prepared.jobs, plan, program, phases, run_id)
         session.heartbeat = watchdog.beat
         watchdog.beat("restoring the checkpoint")
         start = session.restore(checkpoint) if checkpoint is not None else 0
@@ -331,7 +337,7 @@ def run_rank(
         watchdog.beat("writing the run's summary")
         if layout.rank != 0:
             return None
-        summary = summarise([stats for stats, _ in everyone], program.name)
+        summary = summarise([stats for stats, _ in everyone], program.name, [job.name for job in config.jobs])
         summary["adapters"] = {job.name: str(config.job_output_dir(job)) for job in config.jobs} if finished else {}
         summary["pipeline_stages"] = layout.num_stages
         summary["data_parallel"] = layout.num_replicas
@@ -340,6 +346,10 @@ def run_rank(
         summary["checkpoint"] = None if saved is None else str(saved)
         summary["run_state"] = next(state for _, state in everyone if state is not None)
         summary["rank0_phase_seconds"] = phases.seconds
+        # What `--resume` of the finished run checks (:mod:`lorafusion_megatron.finished_run`).
+        summary["run_id"] = run_id
+        summary["parallel"] = parallel.layout_settings()
+        summary.update(session.fingerprint.to_meta())
         path = Path(config.output_dir) / PIPELINE_SUMMARY
         write_json_atomically(path, summary)
         write_json_atomically(path.with_name(PIPELINE_TRACE), chrome_trace([stats for stats, _ in everyone]))
@@ -365,6 +375,8 @@ class _RankSession:
     stage: StageModel
     optimizers: dict[str, StageOptimizer]
     engine: StageEngine
+    run_id: str
+    """The run's id, which its checkpoints carry (:func:`shared_plan`)."""
     progress: PipelineProgress | None = None
     _restored: RunState | None = None
     heartbeat: Heartbeat = no_heartbeat
@@ -382,6 +394,7 @@ class _RankSession:
         plan: Plan,
         program: Program,
         phases: _Phases,
+        run_id: str,
     ) -> _RankSession:
         from lorafusion_megatron.model import load_model_config
         from lorafusion_megatron.pipeline.partition import partition_model
@@ -391,7 +404,7 @@ class _RankSession:
         stage = build_stage_model(config, spec, layout.device, on_phase=phases.done)
         optimizers, engine = stage_engine(config, layout, stage, data)
         phases.done("optimizers")
-        return cls(config, parallel, layout, plan, program, data, stage, optimizers, engine)
+        return cls(config, parallel, layout, plan, program, data, stage, optimizers, engine, run_id)
 
     @functools.cached_property
     def fingerprint(self) -> RunFingerprint:
@@ -470,6 +483,7 @@ class _RankSession:
             engine_state=engine_state,
             plan_json=self.plan.model_dump_json(),
             fingerprint=self.fingerprint,
+            run_id=self.run_id,
             parallel=self.parallel,
             keep=self.config.save_total_limit,
             heartbeat=self.heartbeat,

@@ -1,0 +1,165 @@
+"""``train --resume`` of a run that already finished: it says so and leaves the run's outputs alone.
+
+A run that reaches the end of its plan writes its summary (``summary.json`` from the single-process
+trainer, ``pipeline_summary.json`` from the pipeline runtime) with its ``run_id`` (drawn when the run
+starts afresh and carried by every checkpoint it writes, through any number of resumes) and the
+config it was trained with; a pipeline run's also records its parallel settings. ``--resume`` takes
+the run in ``output_dir`` as finished when its summary holds an id, says the run ended (a pipeline
+summary is also written when Ctrl-C stopped the run: it then names the checkpoint it wrote), and the
+newest checkpoint, if there is one, carries the same id: a run started afresh there later
+(``train --overwrite`` once the checkpoints were deleted) carries another, and is resumed. A summary
+written by an earlier version holds no id; its run is resumed from its newest checkpoint, as that
+version did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lorafusion_megatron.checkpoint import (
+    RunFingerprint,
+    checkpoint_run_id,
+    config_match,
+    config_refusal,
+    latest_checkpoint,
+)
+from lorafusion_megatron.errors import TrainerError
+from lorafusion_megatron.run_layout import PIPELINE_SUMMARY, SUMMARY
+from lorafusion_megatron.state import JobProgress, RunState
+
+__all__ = ["FinishedRun", "finished_run", "new_run_id"]
+
+_log = logging.getLogger(__name__)
+
+_COUNTERS = {field.name for field in dataclasses.fields(JobProgress)}
+"""The keys of a job's entry in ``summary.json`` that are its counters (``eval_loss`` is not)."""
+
+_REMEDY = "nothing to resume; to train this config, train without --resume into a new output_dir"
+
+
+def new_run_id() -> str:
+    """The id of a run that starts afresh (32 hex digits)."""
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    """A run that reached the end of its plan, as its summary records it.
+
+    Attributes:
+        summary: The summary file (``summary.json``, or ``pipeline_summary.json`` of a pipeline run).
+        record: Its content, with the ``fingerprint`` and ``config`` the run was trained with (and a
+            pipeline run's ``parallel`` settings).
+        state: The run's final position and per-job counters.
+        adapters: Each job's adapter folder.
+    """
+
+    summary: Path
+    record: dict[str, Any]
+    state: RunState
+    adapters: dict[str, Path]
+
+    @property
+    def progress(self) -> str:
+        """``complete at step 8 (first 5/5, second 3/3 optimizer steps)``."""
+        jobs = ", ".join(f"{name} {job.steps_done}/{job.total_steps}" for name, job in self.state.jobs.items())
+        return f"complete at step {self.state.total_optimizer_steps} ({jobs} optimizer steps)"
+
+    def check_config(self, fingerprint: RunFingerprint, *, parallel: Mapping[str, Any] | None = None) -> None:
+        """Refuse a config that differs from the run's in what decides the trained weights.
+
+        Only the config is compared (the data is not read again); settings that cannot change the
+        result may differ, as for a resume (:mod:`~lorafusion_megatron.resume_config`).
+
+        Args:
+            fingerprint: This run's (:func:`~lorafusion_megatron.checkpoint.run_fingerprint`).
+            parallel: A pipeline run's stages, replicas and schedule
+                (:meth:`~lorafusion_megatron.pipeline.options.ParallelConfig.layout_settings`), which
+                must be those the run was trained with, as for a resume from its checkpoints.
+
+        Raises:
+            TrainerError: Naming the changed keys (or both parallel settings) and what to do instead.
+        """
+        if config_match(self.record, fingerprint) == "other":
+            raise self._refused(config_refusal(self.record, fingerprint, remedy=_REMEDY))
+        if parallel is not None and self.record.get("parallel") != dict(parallel):
+            raise self._refused(
+                f"parallel settings {self.record.get('parallel')}; this run has {dict(parallel)}: "
+                "nothing to resume; to train with these, train without --resume into a new output_dir"
+            )
+
+    def _refused(self, difference: str) -> TrainerError:
+        """``<output_dir> holds a finished run (complete at ...), trained with <difference>``."""
+        return TrainerError(f"{self.summary.parent} holds a finished run ({self.progress}), trained with {difference}")
+
+    def message(self) -> str:
+        """What ``--resume`` says of the run."""
+        return (
+            f"{self.summary.parent}: the run is {self.progress}; nothing to resume, its adapters and "
+            f"{self.summary.name} are left as they are. To train again, train without --resume into a new output_dir"
+        )
+
+
+def finished_run(output_dir: Path, checkpoint_dir: Path, *, pipeline: bool = False) -> FinishedRun | None:
+    """The run in ``output_dir`` if it finished after its newest checkpoint was written, else ``None``.
+
+    ``None`` also for a summary of an earlier version (no ``run_id``) or of a pipeline run stopped
+    early, and, with a warning, for one that cannot be read or whose adapters are gone: the run then
+    resumes from its newest checkpoint and writes them again.
+
+    Args:
+        output_dir: The run's output folder.
+        checkpoint_dir: Its checkpoints' folder.
+        pipeline: Read the pipeline runtime's ``pipeline_summary.json`` instead of ``summary.json``.
+
+    Raises:
+        TrainerError: The newest checkpoint's ``trainer_state.json`` cannot be read.
+    """
+    path = output_dir / (PIPELINE_SUMMARY if pipeline else SUMMARY)
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        _log.warning("cannot read %s (%s): resuming from the newest checkpoint, which writes it again", path, exc)
+        return None
+    run_id = record.get("run_id") if isinstance(record, dict) else None
+    if not isinstance(run_id, str):
+        return None
+    state = _final_state(record, pipeline=pipeline)
+    if state is None:
+        return None
+    newest = latest_checkpoint(checkpoint_dir)
+    if newest is not None and checkpoint_run_id(newest) != run_id:
+        return None
+    adapters = {name: Path(folder) for name, folder in record["adapters"].items()}
+    missing = [name for name, folder in adapters.items() if not (folder / "adapter_config.json").is_file()]
+    if missing:
+        _log.warning(
+            "%s records a finished run, but the adapter of job %s is gone: resuming from the newest checkpoint, "
+            "which writes the adapters again",
+            path,
+            ", ".join(missing),
+        )
+        return None
+    return FinishedRun(summary=path, record=record, state=state, adapters=adapters)
+
+
+def _final_state(record: Mapping[str, Any], *, pipeline: bool) -> RunState | None:
+    """The position and per-job counters the summary ends with; ``None`` for a pipeline run stopped early.
+
+    ``summary.json`` is written only when the run ends, its counters at the top level, each job's
+    beside its eval loss. ``pipeline_summary.json`` is written also when Ctrl-C stopped the run (it
+    then names the checkpoint written); the counters are under ``run_state``.
+    """
+    if pipeline:
+        return None if record.get("checkpoint") is not None else RunState.from_json(record["run_state"])
+    jobs = [{key: value for key, value in job.items() if key in _COUNTERS} for job in record["jobs"]]
+    return RunState.from_json({**record, "jobs": jobs})
