@@ -621,6 +621,30 @@ def test_a_ctrl_c_while_the_final_adapters_are_written_lets_every_one_be_written
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_a_sigterm_between_the_last_microbatch_and_the_final_adapters_lets_them_be_written(
+    tmp_path: Path, config_dict, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], sigterm_fallback
+) -> None:
+    """The loop's stop handler used to be gone there (TensorBoard's flush): the run ended with no adapter at all."""
+    import lorafusion_megatron.trainer as trainer_module
+
+    close = trainer_module._Session.close
+
+    def sigterm_then_close(session) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        close(session)
+
+    monkeypatch.setattr(trainer_module._Session, "close", sigterm_then_close)
+    data = config_dict()
+    assert main(["train", str(_write(tmp_path / "run.yaml", data))]) == 143
+    run = Path(data["output_dir"])
+    for job in ("first", "second"):
+        assert (run / "adapters" / job / "adapter_model.safetensors").is_file()
+    assert json.loads((run / "summary.json").read_text())["adapters"].keys() == {"first", "second"}
+    err = " ".join(capsys.readouterr().err.split())
+    assert "SIGTERM came as the run ended: every job's adapter and summary.json were written first" in err
+    assert signal.getsignal(signal.SIGTERM) is sigterm_fallback
+
+
 def test_a_second_ctrl_c_while_the_final_adapters_are_written_aborts_at_once(
     tmp_path: Path, config_dict, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -161,10 +161,25 @@ def test_a_missing_history_is_warned_about_only_when_the_interrupted_run_wrote_i
         assert EvalHistory.resumed(path, ["first"], {"first": 2}, written_by=[]).records == {"first": []}
         assert EvalHistory.resumed(path, ["first"], {"first": 0}, written_by=["first"]).records == {"first": []}
     assert not caplog.records
-    path.write_text('{"first": [')  # there, but damaged: whatever the config, its records are lost
+
+
+@pytest.mark.parametrize(
+    "content", ['{"first": [', '["first"]', '{"first": [{"stp": 1}]}'], ids=["cut", "list", "keys"]
+)
+@pytest.mark.parametrize("evaluating", [["first"], []], ids=["evaluates", "evaluates-no-more"])
+def test_a_damaged_history_is_kept_aside_and_warned_about(
+    tmp_path: Path, caplog, content: str, evaluating: list[str]
+) -> None:
+    """A damaged file was deleted without a word when no job evaluated any more."""
+    path = tmp_path / "eval_history.json"
+    path.write_text(content)
     with caplog.at_level("WARNING"):
-        EvalHistory.resumed(path, ["first"], {"first": 2}, written_by=[])
-    assert "cannot read" in caplog.text
+        history = EvalHistory.resumed(path, evaluating, {"first": 2}, written_by=[])
+    assert history.records == {name: [] for name in evaluating}
+    assert f"{path} is damaged" in caplog.text
+    assert "kept as eval_history.json.damaged" in caplog.text
+    assert not path.exists()
+    assert (tmp_path / "eval_history.json.damaged").read_text() == content
 
 
 def test_a_resume_that_adds_an_eval_dataset_warns_of_no_lost_history(run_config, tmp_path: Path, caplog) -> None:

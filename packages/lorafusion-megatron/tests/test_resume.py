@@ -122,6 +122,31 @@ def test_resume_of_a_finished_run_says_it_is_complete_and_writes_nothing(
     assert _files(Path(config.output_dir)) == before
 
 
+def test_a_run_resumed_from_an_earlier_versions_checkpoint_is_complete_once_finished(
+    make_config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Such a checkpoint holds no run id; the resumed run drew a random one, which its summary recorded and
+    the checkpoint never matched, so every later --resume trained the run's tail again."""
+    import lorafusion_megatron.trainer as trainer_module
+
+    config = make_config(save_steps=None)
+    assert Trainer(config, stop=StopAfter(2)).train().interrupted
+    checkpoint = latest_checkpoint(config.checkpoint_dir)
+    assert checkpoint is not None
+    state = checkpoint / "trainer_state.json"
+    meta = json.loads(state.read_text())
+    del meta["run_id"]  # as an earlier version wrote it
+    state.write_text(json.dumps(meta))
+    Trainer(config).train(resume=True)
+    assert json.loads((Path(config.output_dir) / "summary.json").read_text())["run_id"] == checkpoint_run_id(checkpoint)
+    before = _files(Path(config.output_dir))
+    monkeypatch.setattr(trainer_module, "prepare_data", _fails)
+    console, text = _console()
+    Trainer(config, console=console).train(resume=True)
+    assert "nothing to resume" in text.getvalue()
+    assert _files(Path(config.output_dir)) == before
+
+
 def test_a_finished_run_whose_adapter_is_gone_resumes_from_its_checkpoint(
     make_config, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -133,8 +158,24 @@ def test_a_finished_run_whose_adapter_is_gone_resumes_from_its_checkpoint(
     shutil.rmtree(folder)
     with caplog.at_level("WARNING"):
         Trainer(config).train(resume=True)
-    assert "records a finished run, but the adapter of job second is gone" in caplog.text
+    assert "records a finished run, but the adapter of job second is not in its folder" in caplog.text
     _assert_same_adapters({"second": load_file(folder / "adapter_model.safetensors")}, {"second": before})
+
+
+def test_a_finished_run_is_judged_by_the_folders_its_config_names(
+    make_config, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The summary's recorded folders were trusted: a job given another output_dir was reported complete."""
+    config = make_config(save_steps=2)
+    Trainer(config).train()
+    jobs = _jobs()
+    jobs[1]["output_dir"] = str(tmp_path / "elsewhere")
+    moved = make_config(jobs=jobs, save_steps=2)
+    with caplog.at_level("WARNING"):
+        result = Trainer(moved).train(resume=True)
+    assert "the adapter of job second is not in its folder (gone, or the job's output_dir changed)" in caplog.text
+    assert result.adapters["second"] == tmp_path / "elsewhere"
+    assert (tmp_path / "elsewhere" / "adapter_model.safetensors").is_file()
 
 
 def test_the_cli_exits_0_on_a_finished_run(tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]) -> None:
@@ -364,8 +405,10 @@ def test_a_finished_pipeline_run_resumes_from_its_checkpoint_unless_its_summary_
     """Adapters gone, a summary of an earlier version (no id) or of a run stopped early: the launcher lets the
     ranks resume from the newest checkpoint. One rank in this process; its resume keeps the run's id."""
     from lorafusion_megatron.pipeline.checkpoint import check_resumable
+    from lorafusion_megatron.pipeline.launch import launch
     from lorafusion_megatron.pipeline.options import ParallelConfig
     from lorafusion_megatron.pipeline.worker import run_rank
+    from lorafusion_megatron.run_lock import run_lock
 
     config = parse_config(_pipeline_config(tiny_base, tmp_path / "run"))
     parallel = ParallelConfig()
@@ -389,8 +432,11 @@ def test_a_finished_pipeline_run_resumes_from_its_checkpoint_unless_its_summary_
     shutil.rmtree(config.job_output_dir(config.jobs[1]))
     with caplog.at_level("WARNING"):
         assert check_resumable(config, parallel) is None
-    assert "records a finished run, but the adapter of job second is gone" in caplog.text
+    assert "records a finished run, but the adapter of job second is not in its folder" in caplog.text
     run("resumed", resume=True)
     _assert_same_adapters(_adapters(config), expected)
     assert json.loads(path.read_text())["run_id"] == summary["run_id"]
     assert check_resumable(config, parallel) is not None
+    # Checked under the run's lock: a run training in the folder is refused as such, not reported complete.
+    with run_lock(Path(config.output_dir)), pytest.raises(TrainerError, match="is in use by another run"):
+        launch(config, parallel, resume=True)

@@ -480,7 +480,7 @@ def fused_lora_linear(
     _check_inputs(x, weight, lora_a, lora_b, bias, dropout_p, scaling)
     check_deterministic(deterministic)
     if seed is not None:
-        check_seed(seed)  # at any p: a seed that dropout would refuse fails now, not once dropout is on
+        seed = check_seed(seed)  # at any p (a refused seed fails now, not once dropout is on); read once
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     seed_t = _seed_for(x, float(dropout_p), seed)

@@ -326,7 +326,7 @@ def fused_multi_lora_linear(
     _check_inputs(x, weight, lora_a, lora_b, bias, batch, ps)
     check_deterministic(deterministic)
     if seed is not None:
-        check_seed(seed)  # at any p: a seed that dropout would refuse fails now, not once dropout is on
+        seed = check_seed(seed)  # at any p (a refused seed fails now, not once dropout is on); read once
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     only = batch.single_adapter()

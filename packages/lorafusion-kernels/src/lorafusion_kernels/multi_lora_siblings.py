@@ -103,7 +103,7 @@ def fused_multi_lora_siblings(
     batch, scales, ps = call_batch(x, len(lora_a), segment_lengths, segment_adapters, batch, scaling, dropout_p)
     check_deterministic(deterministic)
     if seed is not None:
-        check_seed(seed)  # at any p: a seed that dropout would refuse fails now, not once dropout is on
+        seed = check_seed(seed)  # at any p (a refused seed fails now, not once dropout is on); read once
     ranks = _check_siblings(x, weight, lora_a, lora_b, members, bias, batch, ps)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])

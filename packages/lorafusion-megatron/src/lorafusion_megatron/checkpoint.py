@@ -20,6 +20,7 @@ never leaves a checkpoint that looks complete but is not.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -76,13 +77,13 @@ class LoadedCheckpoint:
         path: The checkpoint folder.
         state: The run's position and counters.
         plan: The plan being executed.
-        run_id: The id the run drew when it started afresh (``None``: written by an earlier version).
+        run_id: The id the run drew when it started afresh (:func:`checkpoint_run_id`).
     """
 
     path: Path
     state: RunState
     plan: Plan
-    run_id: str | None
+    run_id: str
 
 
 @dataclass(frozen=True)
@@ -206,14 +207,28 @@ def _damaged(checkpoint: Path, name: str, detail: str) -> str:
     return f"checkpoint {checkpoint} is damaged: {name} cannot be read ({detail}); {go_on}"
 
 
-def checkpoint_run_id(checkpoint: Path) -> str | None:
-    """The id of the run that wrote ``checkpoint``, single-process or pipeline (``None``: an earlier version's).
+def checkpoint_run_id(checkpoint: Path, meta: Mapping[str, Any] | None = None) -> str:
+    """The id of the run that wrote ``checkpoint``, single-process or pipeline.
+
+    A checkpoint of an earlier version holds none: its id is then derived from what every checkpoint
+    of one run shares, the fingerprint and the plan, so a run resumed from it and finished keeps one
+    id (a random one would differ from the checkpoint's on every ``--resume``, and the finished run
+    would be trained again each time).
+
+    Args:
+        checkpoint: The checkpoint folder.
+        meta: Its ``trainer_state.json``, where read already.
 
     Raises:
         TrainerError: As :func:`read_checkpoint_file`.
     """
-    run_id = read_checkpoint_file(checkpoint, "trainer_state.json", _read_json).get("run_id")
-    return run_id if isinstance(run_id, str) else None
+    if meta is None:
+        meta = read_checkpoint_file(checkpoint, "trainer_state.json", _read_json)
+    run_id = meta.get("run_id")
+    if isinstance(run_id, str):
+        return run_id
+    plan = read_checkpoint_file(checkpoint, "plan.json", _read_text)
+    return hashlib.sha256(f"{meta.get('fingerprint')}\n{plan}".encode()).hexdigest()[:32]
 
 
 def read_checkpoint_plan(checkpoint: Path) -> Plan:
@@ -277,13 +292,14 @@ def config_match(meta: Mapping[str, Any], fingerprint: RunFingerprint) -> Litera
     return "other"
 
 
-def config_refusal(meta: Mapping[str, Any], fingerprint: RunFingerprint, *, remedy: str) -> str:
+def config_refusal(meta: Mapping[str, Any], fingerprint: RunFingerprint, *, remedy: str, finished: bool = False) -> str:
     """``a different config (changed: ...): <remedy>``, ending instead in what to do when a job's length changed.
 
     Args:
         meta: What the earlier run recorded (with its ``config`` where it stores one).
         fingerprint: This run's.
         remedy: What to do about a change of any other key.
+        finished: The earlier run finished: restoring the old length continues nothing.
     """
     from lorafusion_megatron.config_diff import join_changes
     from lorafusion_megatron.resume_config import length_changed, relevant_changes
@@ -301,7 +317,8 @@ def config_refusal(meta: Mapping[str, Any], fingerprint: RunFingerprint, *, reme
         f"{changes}: the length of job {names} (max_steps, num_train_epochs) cannot change on --resume: the "
         "plan and each job's learning-rate warm-up and decay are laid out for the length the run started with, "
         "so the steps taken so far are not those of a run of the new length. Train the new length from the "
-        "start, without --resume, into a new output_dir; or restore the old length to continue this run"
+        "start, without --resume, into a new output_dir"
+        + ("" if finished else "; or restore the old length to continue this run")
     )
 
 
@@ -448,7 +465,7 @@ def load_checkpoint(
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(rng["cuda"]))
     state = RunState.from_json(meta["state"])
-    return LoadedCheckpoint(path=path, state=state, plan=plan, run_id=meta.get("run_id"))
+    return LoadedCheckpoint(path=path, state=state, plan=plan, run_id=checkpoint_run_id(path, meta))
 
 
 def _read_text(path: Path) -> str:

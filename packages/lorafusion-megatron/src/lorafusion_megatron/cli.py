@@ -6,9 +6,10 @@ Every command turns a :class:`TrainerError` into one clear message and exit stat
 interrupted run that wrote a checkpoint, 3 with a traceback for any other error: a bug, or a host
 failure that no check names). SIGTERM is taken like Ctrl-C (:mod:`lorafusion_megatron.interrupts`).
 In training the first one stops at a checkpoint (status 1) or, once the plan is done, lets the final
-adapters be written first (status 128 + the signal); anywhere else, and a second one in training,
-stops at once: staging folders and temporary files are deleted on the way out, one line says so,
-and the status is 128 + the signal (130 for Ctrl-C, 143 for SIGTERM).
+adapters be written first (status 128 + the signal in one process; a pipeline run then exits 0);
+anywhere else, and a second one in training, stops at once: staging folders and temporary files
+are deleted on the way out (not those of pipeline ranks that a second signal kills), one line says
+so, and the status is 128 + the signal (130 for Ctrl-C, 143 for SIGTERM).
 """
 
 from __future__ import annotations

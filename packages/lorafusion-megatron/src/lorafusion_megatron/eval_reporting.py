@@ -50,11 +50,12 @@ class EvalHistory:
     ) -> EvalHistory:
         """The history of an interrupted run, up to each job's step in the checkpoint it resumes from.
 
-        A missing or unreadable file starts an empty history: the earlier evaluations are then
-        missing from the summary, the run itself is unaffected. That is warned about when the file
-        should hold them: it is there but damaged, or missing although the interrupted run wrote it
-        at its start, which ``written_by`` tells (a resume may add an ``eval_dataset``; a run that
-        did not evaluate wrote no file, and then no warning is due).
+        A missing, unreadable or damaged file starts an empty history: the earlier evaluations are
+        then missing from the summary, the run itself is unaffected. That is warned about when the
+        file should hold them: it is there but cannot be read, or damaged (then it is kept, renamed
+        ``eval_history.json.damaged``, never deleted or overwritten), or missing although the
+        interrupted run wrote it at its start, which ``written_by`` tells (a resume may add an
+        ``eval_dataset``; a run that did not evaluate wrote no file, and then no warning is due).
 
         Args:
             path: The history file.
@@ -66,7 +67,7 @@ class EvalHistory:
         """
         history = cls(path, adapters)
         try:
-            saved = json.loads(path.read_text(encoding="utf-8"))
+            text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             if any(steps_done.get(name, 0) for name in written_by):
                 _log.warning(
@@ -75,18 +76,20 @@ class EvalHistory:
                     path,
                 )
             return history
-        except (OSError, json.JSONDecodeError) as exc:
-            if any(steps_done.get(name, 0) for name in adapters):
-                _log.warning(
-                    "cannot read %s (%s): evaluations before the resume are left out of the summary", path, exc
-                )
+        except OSError as exc:
+            _log.warning("cannot read %s (%s): evaluations before the resume are left out of the summary", path, exc)
             return history
-        records = {}
-        for name, steps in steps_done.items():  # a job that no longer evaluates keeps its earlier records
-            kept = [EvalLoss(adapter=name, **record) for record in saved.get(name, []) if record["step"] <= steps]
-            if kept or name in history.records:
-                records[name] = kept
-        history.records = records
+        try:
+            history.records = _records_up_to(json.loads(text), steps_done, history.records)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            kept = path.with_name(path.name + ".damaged")
+            path.replace(kept)  # never deleted or overwritten: the resumed run writes a new history beside it
+            _log.warning(
+                "%s is damaged (%s): kept as %s; evaluations before the resume are left out of the summary",
+                path,
+                exc,
+                kept.name,
+            )
         return history
 
     def stopped(self) -> list[str]:
@@ -113,6 +116,25 @@ class EvalHistory:
             name: [{key: value for key, value in asdict(r).items() if key != "adapter"} for r in records]
             for name, records in self.records.items()
         }
+
+
+def _records_up_to(
+    saved: Any, steps_done: Mapping[str, int], evaluating: Mapping[str, list[EvalLoss]]
+) -> dict[str, list[EvalLoss]]:
+    """Each job's records in ``saved`` (the file's content) up to its step in ``steps_done``.
+
+    A job that no longer evaluates keeps its earlier records; one that evaluates gets a list even
+    when it has none yet.
+
+    Raises:
+        TypeError, KeyError, AttributeError: ``saved`` is not a history (a damaged file).
+    """
+    records = {}
+    for name, steps in steps_done.items():
+        kept = [EvalLoss(adapter=name, **record) for record in saved.get(name, []) if record["step"] <= steps]
+        if kept or name in evaluating:
+            records[name] = kept
+    return records
 
 
 def eval_table(history: EvalHistory) -> Table:

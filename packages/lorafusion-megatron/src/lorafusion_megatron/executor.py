@@ -10,10 +10,11 @@ backward of a global batch).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Protocol
 
@@ -110,6 +111,15 @@ class StopSignal:
     def request(self) -> None:
         """Ask the run to stop after the current microbatch."""
         self._requested = True
+
+    @contextlib.contextmanager
+    def saying(self, message: str | None) -> Iterator[None]:
+        """Inside: a first request logs ``message`` instead (the handlers stay as they are)."""
+        before, self.message = self.message, message
+        try:
+            yield
+        finally:
+            self.message = before
 
     def __call__(self) -> bool:
         """Whether a stop was requested."""

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lorafusion_megatron.checkpoint import (
     RunFingerprint,
@@ -33,6 +33,9 @@ from lorafusion_megatron.checkpoint import (
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.run_layout import PIPELINE_SUMMARY, SUMMARY
 from lorafusion_megatron.state import JobProgress, RunState
+
+if TYPE_CHECKING:
+    from lorafusion_megatron.config import TrainerConfig
 
 __all__ = ["FinishedRun", "finished_run", "new_run_id"]
 
@@ -87,8 +90,15 @@ class FinishedRun:
         Raises:
             TrainerError: Naming the changed keys (or both parallel settings) and what to do instead.
         """
-        if config_match(self.record, fingerprint) == "other":
-            raise self._refused(config_refusal(self.record, fingerprint, remedy=_REMEDY))
+        match = config_match(self.record, fingerprint)
+        if match == "other":
+            raise self._refused(config_refusal(self.record, fingerprint, remedy=_REMEDY, finished=True))
+        if match == "moved":
+            _log.warning(
+                "the datasets' paths differ from those %s was trained on; nothing is read, so their content "
+                "is not compared with the run's",
+                self.summary.parent,
+            )
         if parallel is not None and self.record.get("parallel") != dict(parallel):
             raise self._refused(
                 f"parallel settings {self.record.get('parallel')}; this run has {dict(parallel)}: "
@@ -107,22 +117,23 @@ class FinishedRun:
         )
 
 
-def finished_run(output_dir: Path, checkpoint_dir: Path, *, pipeline: bool = False) -> FinishedRun | None:
-    """The run in ``output_dir`` if it finished after its newest checkpoint was written, else ``None``.
+def finished_run(config: TrainerConfig, *, pipeline: bool = False) -> FinishedRun | None:
+    """The run in ``config.output_dir`` if it finished after its newest checkpoint was written, else ``None``.
 
     ``None`` also for a summary of an earlier version (no ``run_id``) or of a pipeline run stopped
-    early, and, with a warning, for one that cannot be read or whose adapters are gone: the run then
-    resumes from its newest checkpoint and writes them again.
+    early, and, with a warning, for one that cannot be read or whose adapters are not where
+    ``config`` puts them (gone, or a job's ``output_dir`` changed since): the run then resumes from
+    its newest checkpoint and writes them there. The adapters are looked for where ``config`` puts
+    them, not where the summary recorded them, so a project moved elsewhere reports its own folders.
 
     Args:
-        output_dir: The run's output folder.
-        checkpoint_dir: Its checkpoints' folder.
+        config: The run.
         pipeline: Read the pipeline runtime's ``pipeline_summary.json`` instead of ``summary.json``.
 
     Raises:
         TrainerError: The newest checkpoint's ``trainer_state.json`` cannot be read.
     """
-    path = output_dir / (PIPELINE_SUMMARY if pipeline else SUMMARY)
+    path = Path(config.output_dir) / (PIPELINE_SUMMARY if pipeline else SUMMARY)
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -136,15 +147,15 @@ def finished_run(output_dir: Path, checkpoint_dir: Path, *, pipeline: bool = Fal
     state = _final_state(record, pipeline=pipeline)
     if state is None:
         return None
-    newest = latest_checkpoint(checkpoint_dir)
+    newest = latest_checkpoint(config.checkpoint_dir)
     if newest is not None and checkpoint_run_id(newest) != run_id:
         return None
-    adapters = {name: Path(folder) for name, folder in record["adapters"].items()}
+    adapters = {job.name: config.job_output_dir(job) for job in config.jobs}
     missing = [name for name, folder in adapters.items() if not (folder / "adapter_config.json").is_file()]
     if missing:
         _log.warning(
-            "%s records a finished run, but the adapter of job %s is gone: resuming from the newest checkpoint, "
-            "which writes the adapters again",
+            "%s records a finished run, but the adapter of job %s is not in its folder (gone, or the job's "
+            "output_dir changed): resuming from the newest checkpoint, which writes the adapters there",
             path,
             ", ".join(missing),
         )

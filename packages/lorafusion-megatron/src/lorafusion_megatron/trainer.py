@@ -174,7 +174,7 @@ class Trainer:
     def _train(self, *, resume: bool, overwrite: bool) -> TrainResult:
         config = self.config
         check_fresh_run(config, resume=resume, overwrite=overwrite)
-        finished = finished_run(Path(config.output_dir), config.checkpoint_dir) if resume else None
+        finished = finished_run(config) if resume else None
         if finished is not None:
             return self._report_finished(finished)
         checkpoint_path = checkpoint_to_resume(config.checkpoint_dir, resume=resume)
@@ -192,7 +192,7 @@ class Trainer:
             state = loaded.state
             # In config order, which a resume may change (a checkpoint names jobs, never numbers them).
             state.jobs = {job.name: state.jobs[job.name] for job in config.jobs}
-            run_id = loaded.run_id or new_run_id()  # a checkpoint of an earlier version holds none
+            run_id = loaded.run_id
             _log.info("resuming from %s at microbatch %d", checkpoint_path, state.position)
         else:
             plan = make_plan(config, prepared.jobs)
@@ -205,30 +205,28 @@ class Trainer:
             )
             run_id = new_run_id()
         # The collection that freezes the start-up objects is start-up too: the clock starts after it.
-        with start_up_objects_frozen():
+        # One stop handler from the first microbatch to the summary: no signal finds the default handler between.
+        with start_up_objects_frozen(), self.stop:
             session.start(plan, state, self.console, run_id=run_id, resumed=checkpoint_path is not None)
-            with (
-                self.stop,
-                ProgressDisplay(
-                    len(plan.microbatches), state.position, enabled=config.logging.progress_bar, console=self.console
-                ) as display,
-            ):
+            with ProgressDisplay(
+                len(plan.microbatches), state.position, enabled=config.logging.progress_bar, console=self.console
+            ) as display:
                 session.display = display
                 position = execute_plan(plan.microbatches, session, start=state.position, should_stop=self.stop)
-        session.close()
-        if position < len(plan.microbatches):
-            path = session.save_checkpoint()
-            self.console.print(f"Stopped at microbatch {position}/{len(plan.microbatches)}; checkpoint: {path}")
-            self.console.print(f"Continue with: {self.resume_command}", soft_wrap=True, markup=False)
-            return TrainResult(state=session.state, adapters={}, checkpoint=path)
-        # Every job's adapter, then the summary: a stop signal now waits for all of them (a second aborts).
-        with StopSignal(message=_FINAL_WRITE_STOP) as finishing:
-            outputs = session.save_adapters()
-            self._write_summary(session, outputs)
+            session.close()
+            if position < len(plan.microbatches):
+                path = session.save_checkpoint()
+                self.console.print(f"Stopped at microbatch {position}/{len(plan.microbatches)}; checkpoint: {path}")
+                self.console.print(f"Continue with: {self.resume_command}", soft_wrap=True, markup=False)
+                return TrainResult(state=session.state, adapters={}, checkpoint=path)
+            # Every job's adapter, then the summary: a first stop signal now waits for all of them (a second aborts).
+            with self.stop.saying(_FINAL_WRITE_STOP):
+                outputs = session.save_adapters()
+                self._write_summary(session, outputs)
         self.console.print(summary_table(session.state, outputs, Path(config.output_dir)))
         if session.eval_history is not None:
             self.console.print(eval_table(session.eval_history))
-        stopped_by = finishing.received or self.stop.received  # the latter: in the last microbatch
+        stopped_by = self.stop.received  # in the last microbatch, or while the adapters were written
         if stopped_by is not None:
             self.console.print(
                 f"{stopped_by.name} came as the run ended: every job's adapter and summary.json were written "

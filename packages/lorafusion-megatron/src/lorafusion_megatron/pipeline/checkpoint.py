@@ -179,7 +179,7 @@ def check_resumable(config: TrainerConfig, parallel: ParallelConfig) -> Finished
     from lorafusion_megatron.profiler.run import with_profiled_choices
 
     fingerprint = run_fingerprint(with_profiled_choices(config), None)
-    finished = finished_run(Path(config.output_dir), config.checkpoint_dir, pipeline=True)
+    finished = finished_run(config, pipeline=True)
     if finished is not None:
         finished.check_config(fingerprint, parallel=parallel.layout_settings())
         return finished

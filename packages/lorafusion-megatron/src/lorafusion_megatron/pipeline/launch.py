@@ -16,6 +16,7 @@ rank starts; one of a run that already finished starts none and writes nothing
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -204,7 +205,14 @@ def launch(
     from lorafusion_megatron.pipeline.checkpoint import check_resumable
     from lorafusion_megatron.pipeline.worker import run_rank
 
-    finished = check_resumable(config, parallel) if resume else None
+    finished = None
+    if resume:
+        from lorafusion_megatron.run_lock import run_locks
+
+        # Under the run's lock, as the single-process trainer checks: a run training in the folder now is
+        # refused as such, not taken for the finished one its older summary records.
+        with contextlib.nullcontext() if under_torchrun() else run_locks(config):
+            finished = check_resumable(config, parallel)
     if finished is not None:
         if under_torchrun() and os.environ["RANK"] != "0":  # every rank checked; rank 0 reports
             return None

@@ -138,7 +138,12 @@ def shared_plan(
     which a resume cannot do). ``heartbeat`` hears of the planning and of the waits for its broadcast.
     """
     from lorafusion_megatron.adapters_io import check_run_outputs
-    from lorafusion_megatron.checkpoint import checkpoint_to_resume, read_checkpoint_plan, run_fingerprint
+    from lorafusion_megatron.checkpoint import (
+        checkpoint_run_id,
+        checkpoint_to_resume,
+        read_checkpoint_plan,
+        run_fingerprint,
+    )
     from lorafusion_megatron.finished_run import new_run_id
     from lorafusion_megatron.pipeline.checkpoint import read_run_state
     from lorafusion_megatron.planning import check_plan
@@ -151,8 +156,7 @@ def shared_plan(
             write_text_atomically(Path(config.output_dir, PLAN), made.model_dump_json())
             return made, None, new_run_id()
         meta = read_run_state(found, fingerprint=run_fingerprint(config, data), parallel=parallel)
-        run_id = meta.get("run_id") or new_run_id()  # a checkpoint of an earlier version holds none
-        return read_checkpoint_plan(found), str(found), run_id
+        return read_checkpoint_plan(found), str(found), checkpoint_run_id(found, meta)
 
     plan, checkpoint, run_id = _rank_zero_decides(layout, decide, what="plan", heartbeat=heartbeat)
     check_plan(plan, data, config, pipeline_stages=parallel.pipeline_stages, data_parallel=parallel.data_parallel)
