@@ -11,21 +11,15 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from lorafusion_megatron.config import TrainerConfig, parse_config
 from lorafusion_megatron.pipeline.options import ParallelConfig
-from lorafusion_megatron.testing import two_job_config
+from lorafusion_megatron.testing import assert_same_adapters, saved_adapters, two_job_config
 from lorafusion_megatron.trainer import Trainer
 
 
 def _config(tiny_base: Path, output: Path, *, fused: bool) -> TrainerConfig:
     return parse_config(two_job_config(tiny_base, output, lora_dropout=0.1, max_grad_norm=0.05, fused_kernels=fused))
-
-
-def _adapters(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
-    return {job.name: load_file(job / "adapter_model.safetensors") for job in sorted(folder.iterdir())}
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain-peft"])
@@ -45,9 +39,5 @@ def test_two_stages_with_dropout_end_with_the_single_process_adapters(
     assert summary["pipeline_stages"] == 2
     plans = [json.loads((tmp_path / run / "plan.json").read_text()) for run in ("trainer", "pipeline")]
     assert plans[0]["microbatches"] == plans[1]["microbatches"]
-    got, want = _adapters(tmp_path / "pipeline" / "adapters"), _adapters(tmp_path / "trainer" / "adapters")
-    assert got.keys() == want.keys()
-    for job, tensors in want.items():
-        assert got[job].keys() == tensors.keys()
-        for key, tensor in tensors.items():
-            torch.testing.assert_close(got[job][key], tensor, rtol=1e-4, atol=2e-5, msg=f"{job}: {key}")
+    got, want = saved_adapters(tmp_path / "pipeline" / "adapters"), saved_adapters(tmp_path / "trainer" / "adapters")
+    assert_same_adapters(got, want, rtol=1e-4, atol=2e-5)

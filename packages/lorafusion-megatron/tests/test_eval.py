@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from lorafusion_megatron.config import parse_config
 from lorafusion_megatron.data.eval_split import held_out_count, split_held_out
@@ -19,7 +18,7 @@ from lorafusion_megatron.eval_reporting import EvalHistory
 from lorafusion_megatron.evaluation import EvalLoss, Evaluator, as_one_global_batch, eval_due, pack_eval_set
 from lorafusion_megatron.model import set_active_adapters
 from lorafusion_megatron.runner import MicrobatchRunner
-from lorafusion_megatron.testing import StopAfter, random_job, tiny_peft_model
+from lorafusion_megatron.testing import StopAfter, assert_same_adapters, random_job, saved_adapters, tiny_peft_model
 from lorafusion_megatron.trainer import Trainer
 
 
@@ -230,17 +229,6 @@ def run_config(config_dict, tiny_base: Path, jsonl_factory, tmp_path: Path):
     return make
 
 
-def _adapters(config) -> dict[str, dict[str, torch.Tensor]]:
-    return {job.name: load_file(config.job_output_dir(job) / "adapter_model.safetensors") for job in config.jobs}
-
-
-def _assert_same_adapters(actual, expected) -> None:
-    for name, tensors in expected.items():
-        assert actual[name].keys() == tensors.keys()
-        for key, tensor in tensors.items():
-            torch.testing.assert_close(actual[name][key], tensor, rtol=0, atol=0, msg=f"{name} {key}")
-
-
 @pytest.mark.together
 def test_evaluation_does_not_change_training_and_is_reported(run_config, tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
@@ -255,7 +243,7 @@ def test_evaluation_does_not_change_training_and_is_reported(run_config, tmp_pat
         logging={"progress_bar": False, "tensorboard_dir": str(tmp_path / "tb")},
     )
     Trainer(evaluated).train()
-    _assert_same_adapters(_adapters(evaluated), _adapters(plain))
+    assert_same_adapters(saved_adapters(evaluated), saved_adapters(plain))
 
     summary = json.loads((Path(evaluated.output_dir) / "summary.json").read_text())
     history = summary["eval"]["first"]
@@ -283,7 +271,7 @@ def test_resume_keeps_the_split_and_the_eval_history(run_config) -> None:
     first = Trainer(resumed, stop=StopAfter(3)).train()
     assert first.interrupted
     Trainer(resumed).train(resume=True)
-    _assert_same_adapters(_adapters(resumed), _adapters(straight))
+    assert_same_adapters(saved_adapters(resumed), saved_adapters(straight))
     expected = json.loads((Path(straight.output_dir) / "summary.json").read_text())["eval"]
     actual = json.loads((Path(resumed.output_dir) / "summary.json").read_text())["eval"]
     assert [r["step"] for r in actual["first"]] == [1, 2, 3, 4, 5]

@@ -13,25 +13,17 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from lorafusion_megatron.config import TrainerConfig, parse_config
 from lorafusion_megatron.pipeline.options import ParallelConfig
-from lorafusion_megatron.testing import two_job_config
+from lorafusion_megatron.testing import assert_same_adapters, saved_adapters, two_job_config
 from lorafusion_megatron.trainer import Trainer
 
 
-def _adapters(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
-    return {job.name: load_file(job / "adapter_model.safetensors") for job in sorted(folder.iterdir())}
-
-
 def _assert_same_adapters(got: Path, want: Path) -> None:
-    got_tensors, want_tensors = _adapters(got), _adapters(want)
-    assert got_tensors.keys() == want_tensors.keys()
-    for job, tensors in want_tensors.items():
-        assert got_tensors[job].keys() == tensors.keys()
-        for key, tensor in tensors.items():
-            torch.testing.assert_close(got_tensors[job][key], tensor, rtol=1e-4, atol=2e-5, msg=f"{job}: {key}")
+    want_tensors = saved_adapters(want)
+    assert_same_adapters(saved_adapters(got), want_tensors, rtol=1e-4, atol=2e-5)
+    for job in want_tensors:
         configs = [json.loads((root / job / "adapter_config.json").read_text()) for root in (got, want)]
         for config in configs:
             config.pop("base_model_name_or_path")
@@ -160,7 +152,7 @@ def _resume_from_first_checkpoint(config: TrainerConfig, run: Any) -> None:
 
     run(resume=False)
     adapters = Path(config.output_dir) / "adapters"
-    straight = {job: dict(tensors) for job, tensors in _adapters(adapters).items()}
+    straight = {job: dict(tensors) for job, tensors in saved_adapters(adapters).items()}
     checkpoints = sorted(config.checkpoint_dir.iterdir(), key=lambda p: int(p.name.split("-")[1]))
     assert len(checkpoints) >= 2
     # The first checkpoint falls inside a global batch: its accumulated gradients are saved too.
@@ -169,7 +161,7 @@ def _resume_from_first_checkpoint(config: TrainerConfig, run: Any) -> None:
         shutil.rmtree(later)
     shutil.rmtree(adapters)
     run(resume=True)
-    for job, tensors in _adapters(adapters).items():
+    for job, tensors in saved_adapters(adapters).items():
         for key, tensor in tensors.items():
             assert torch.equal(tensor, straight[job][key]), f"{job}: {key}"
 

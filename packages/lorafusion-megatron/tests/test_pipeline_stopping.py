@@ -17,32 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import yaml
-from safetensors.torch import load_file
 
 from lorafusion_megatron.config import TrainerConfig, parse_config
 from lorafusion_megatron.pipeline.options import ParallelConfig
-from lorafusion_megatron.testing import two_job_config
+from lorafusion_megatron.testing import assert_same_adapters, saved_adapters, two_job_config
 
 
 def _config_dict(tiny_base: Path, output: Path) -> dict[str, Any]:
     """Two jobs, capacity 64: a dozen microbatches and several steps per job."""
     return two_job_config(tiny_base, output, lora_dropout=0.1, capacity=64)
-
-
-def _adapters(output: Path) -> dict[str, dict[str, torch.Tensor]]:
-    folder = output / "adapters"
-    return {job.name: load_file(job / "adapter_model.safetensors") for job in sorted(folder.iterdir())}
-
-
-def _assert_identical(got: Path, want: Path) -> None:
-    got_tensors, want_tensors = _adapters(got), _adapters(want)
-    assert got_tensors.keys() == want_tensors.keys()
-    for job, tensors in want_tensors.items():
-        assert got_tensors[job].keys() == tensors.keys()
-        for key, tensor in tensors.items():
-            assert torch.equal(got_tensors[job][key], tensor), f"{job}: {key}"
 
 
 def _run_one_rank(config: TrainerConfig, store: Path, *, resume: bool = False) -> dict[str, Any]:
@@ -99,7 +83,7 @@ def test_ctrl_c_at_a_step_writes_a_checkpoint_and_resume_ends_bit_identical(
     assert resumed["checkpoint"] is None
     assert resumed["run_state"]["total_optimizer_steps"] == finished["run_state"]["total_optimizer_steps"]
     assert resumed["run_state"]["jobs"][0]["first_loss"] == finished["run_state"]["jobs"][0]["first_loss"]
-    _assert_identical(Path(config.output_dir), Path(straight.output_dir))
+    assert_same_adapters(saved_adapters(config), saved_adapters(straight))
 
 
 def test_a_fresh_run_refuses_the_checkpoints_of_a_stopped_one(
@@ -138,7 +122,7 @@ def test_a_ctrl_c_while_the_adapters_are_written_lets_every_one_be_written(
     summary = _run_one_rank(config, tmp_path / "store")
     assert summary["checkpoint"] is None
     assert summary["position"] == summary["num_microbatches"]
-    assert sorted(_adapters(Path(config.output_dir))) == ["first", "second"]
+    assert sorted(saved_adapters(config)) == ["first", "second"]
 
 
 @pytest.mark.slow
@@ -186,4 +170,4 @@ def test_ctrl_c_on_two_processes_checkpoints_and_resume_ends_bit_identical(
     ]
 
     launch(parse_config(raw), parallel, backend="gloo", resume=True)
-    _assert_identical(output, Path(straight.output_dir))
+    assert_same_adapters(saved_adapters(output / "adapters"), saved_adapters(straight))

@@ -18,7 +18,7 @@ from lorafusion_megatron.checkpoint import RunFingerprint, checkpoint_run_id, la
 from lorafusion_megatron.cli import main
 from lorafusion_megatron.config import TrainerConfig, fingerprinted_config, parse_config
 from lorafusion_megatron.errors import TrainerError
-from lorafusion_megatron.testing import StopAfter
+from lorafusion_megatron.testing import StopAfter, assert_same_adapters, saved_adapters
 from lorafusion_megatron.trainer import Trainer
 
 _EVAL_SET = {"synthetic": "xsum", "num_samples": 3, "length_scale": 0.05}
@@ -82,17 +82,6 @@ def _files(folder: Path) -> dict[str, tuple[bytes, int]]:
         for path in sorted(folder.rglob("*"))
         if path.is_file() and path.name != ".lorafusion-run.lock"
     }
-
-
-def _adapters(config: TrainerConfig) -> dict[str, dict[str, torch.Tensor]]:
-    return {job.name: load_file(config.job_output_dir(job) / "adapter_model.safetensors") for job in config.jobs}
-
-
-def _assert_same_adapters(actual, expected) -> None:
-    for name, tensors in expected.items():
-        assert actual[name].keys() == tensors.keys()
-        for key, tensor in tensors.items():
-            torch.testing.assert_close(actual[name][key], tensor, rtol=0, atol=0, msg=f"{name} {key}")
 
 
 def _fails(*args, **kwargs):
@@ -159,7 +148,7 @@ def test_a_finished_run_whose_adapter_is_gone_resumes_from_its_checkpoint(
     with caplog.at_level("WARNING"):
         Trainer(config).train(resume=True)
     assert "records a finished run, but the adapter of job second is not in its folder" in caplog.text
-    _assert_same_adapters({"second": load_file(folder / "adapter_model.safetensors")}, {"second": before})
+    assert_same_adapters({"second": load_file(folder / "adapter_model.safetensors")}, {"second": before})
 
 
 def test_a_finished_run_is_judged_by_the_folders_its_config_names(
@@ -234,7 +223,7 @@ def test_resume_accepts_settings_that_cannot_change_the_result(make_config) -> N
     changed = changed.model_copy(update={"scheduler": changed.scheduler.model_copy(update={"milp_time_limit": 2.0})})
     result = Trainer(changed).train(resume=True)
     assert list(result.state.jobs) == ["second", "first"]
-    _assert_same_adapters(_adapters(changed), _adapters(straight))
+    assert_same_adapters(saved_adapters(changed), saved_adapters(straight))
 
 
 def test_the_config_check_ignores_what_a_resume_cannot_change(tmp_path: Path, config_dict) -> None:
@@ -322,13 +311,14 @@ def test_a_pipeline_run_resumes_with_its_jobs_reordered(tiny_base: Path, tmp_pat
 
     run(raw, "straight", resume=False)
     adapters = tmp_path / "run" / "adapters"
-    straight = {job: load_file(adapters / job / "adapter_model.safetensors") for job in ("first", "second")}
+    straight = saved_adapters(adapters)
+    assert list(straight) == ["first", "second"]
     checkpoints = sorted((tmp_path / "run" / "checkpoints").iterdir(), key=lambda p: int(p.name.split("-")[1]))
     for later in checkpoints[1:]:
         shutil.rmtree(later)
     shutil.rmtree(adapters)
     run({**raw, "jobs": raw["jobs"][::-1]}, "resumed", resume=True)
-    _assert_same_adapters({job: load_file(adapters / job / "adapter_model.safetensors") for job in straight}, straight)
+    assert_same_adapters(saved_adapters(adapters), straight)
 
 
 def _pipeline_config(tiny_base: Path, output: Path) -> dict:
@@ -428,13 +418,13 @@ def test_a_finished_pipeline_run_resumes_from_its_checkpoint_unless_its_summary_
         path.write_text(json.dumps({**summary, **edit}))
         assert check_resumable(config, parallel) is None, edit
     path.write_text(written)
-    expected = _adapters(config)
+    expected = saved_adapters(config)
     shutil.rmtree(config.job_output_dir(config.jobs[1]))
     with caplog.at_level("WARNING"):
         assert check_resumable(config, parallel) is None
     assert "records a finished run, but the adapter of job second is not in its folder" in caplog.text
     run("resumed", resume=True)
-    _assert_same_adapters(_adapters(config), expected)
+    assert_same_adapters(saved_adapters(config), expected)
     assert json.loads(path.read_text())["run_id"] == summary["run_id"]
     assert check_resumable(config, parallel) is not None
     # Checked under the run's lock: a run training in the folder is refused as such, not reported complete.

@@ -6,13 +6,13 @@ can drive :class:`~lorafusion_megatron.runner.MicrobatchRunner` or the executor 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lorafusion_megatron.config import BaseModelConfig, DatasetConfig, JobConfig
+from lorafusion_megatron.config import BaseModelConfig, DatasetConfig, JobConfig, TrainerConfig
 from lorafusion_megatron.data.job_data import JobData
 from lorafusion_megatron.data.samples import Sample
 from lorafusion_megatron.executor import StopSignal
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = [
     "INJECTED_FAILURE",
     "StopAfter",
+    "assert_same_adapters",
     "cpu_stage_layout",
     "hang",
     "lora_grads",
@@ -35,6 +36,7 @@ __all__ = [
     "run_rank_failing_in_first_forward",
     "run_rank_hanging_in_first_forward",
     "run_rank_hanging_while_reading_data",
+    "saved_adapters",
     "tiny_peft_model",
     "two_job_config",
 ]
@@ -184,6 +186,39 @@ def cpu_stage_layout(stage: int) -> Layout:
 def lora_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Copies of every LoRA gradient, by parameter name."""
     return {n: p.grad.clone() for n, p in model.named_parameters() if "lora_" in n and p.grad is not None}
+
+
+def saved_adapters(source: Path | TrainerConfig) -> dict[str, dict[str, torch.Tensor]]:
+    """Each job's saved adapter tensors, by job name then key.
+
+    Args:
+        source: A run's ``adapters`` folder (one sub-folder per job, named after it), or a run's
+            config, whose jobs' adapters are read where it puts them (``job_output_dir``).
+    """
+    from safetensors.torch import load_file
+
+    if isinstance(source, Path):
+        folders = {job.name: job for job in sorted(source.iterdir())}
+    else:
+        folders = {job.name: source.job_output_dir(job) for job in source.jobs}
+    return {name: load_file(folder / "adapter_model.safetensors") for name, folder in folders.items()}
+
+
+def assert_same_adapters(
+    actual: Mapping[str, Mapping[str, torch.Tensor]],
+    expected: Mapping[str, Mapping[str, torch.Tensor]],
+    *,
+    rtol: float = 0.0,
+    atol: float = 0.0,
+) -> None:
+    """The same jobs with the same tensors: bit for bit, or within ``rtol``/``atol`` (as ``assert_close``)."""
+    import torch
+
+    assert actual.keys() == expected.keys()
+    for name, tensors in expected.items():
+        assert actual[name].keys() == tensors.keys(), name
+        for key, tensor in tensors.items():
+            torch.testing.assert_close(actual[name][key], tensor, rtol=rtol, atol=atol, msg=f"{name}: {key}")
 
 
 def run_rank_failing_in_first_forward(config: Any, parallel: Any, **kwargs: Any) -> dict[str, Any] | None:
