@@ -341,7 +341,7 @@ class RuntimeConfig(ConfigSection):
 
     fuse_sibling_layers: bool = False
     """With ``fused_kernels``: run the LoRA layers that read one input (q/k/v, gate/up) as one call per
-    group (about 40% less host time than their separate calls; LLaMa-3.1-8B on H100: the trainer at
+    group (19-43% less host time than their separate calls; LLaMa-3.1-8B on H100: the trainer at
     1.10-1.11x the frozen model with it, 1.20-1.23x without, see the trainer benchmarks). The members
     then share each token's dropout mask, as one LoRA layer on a fused qkv projection does; ``false``:
     one mask per layer, as separate PEFT layers draw (identical results with ``lora_dropout: 0``)."""
