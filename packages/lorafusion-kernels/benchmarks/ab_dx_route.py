@@ -1,7 +1,7 @@
 """The two routes of FusedMultiLoRA's input gradient compared on the whole op, interleaved in one process.
 
 ``dx = dy W + keep_a * (dS A_a) / (1 - p_a)`` is computed one of two ways
-(``lorafusion_kernels.multi_lora._dx_from_da_pass`` picks, by the weight's shape):
+(``lorafusion_kernels.multi_lora_core.dx_from_da_pass`` picks, by the weight's shape):
 
 - ``fused_gemm``: one Triton GEMM adds the LoRA term to ``dy W`` in its accumulator (the mask drawn
   again for each output tile);
@@ -28,10 +28,10 @@ import torch
 from bench_lora import LAYERS, graph_time, provenance, write_results
 from bench_multi_lora import make_provider, segment_lengths
 
-from lorafusion_kernels import multi_lora
+from lorafusion_kernels import multi_lora_core
 
 ROUTES = {"fused_gemm": lambda n, k: False, "da_pass": lambda n, k: True}
-"""What ``_dx_from_da_pass`` answers under each route."""
+"""What ``dx_from_da_pass`` answers under each route."""
 
 
 def time_row(layer: tuple[str, int, int], m: int, p: float, rounds: int, rep: int) -> dict[str, object]:
@@ -42,17 +42,17 @@ def time_row(layer: tuple[str, int, int], m: int, p: float, rounds: int, rep: in
     frozen = make_provider("frozen", m, n, k, 16, p, lengths, torch.bfloat16)["fwd_bwd"]
     assert callable(fused)
     assert callable(frozen)
-    shipped = multi_lora._dx_from_da_pass
+    shipped = multi_lora_core.dx_from_da_pass
     times: dict[str, list[float]] = {label: [] for label in [*ROUTES, "frozen"]}
     try:
         for round_index in range(rounds):
             for label in list(ROUTES) if round_index % 2 == 0 else list(reversed(ROUTES)):
-                multi_lora._dx_from_da_pass = ROUTES[label]
+                multi_lora_core.dx_from_da_pass = ROUTES[label]
                 fused()  # compile this route's kernels outside the timing
                 times[label].append(graph_time(fused, rep))
             times["frozen"].append(graph_time(frozen, rep))
     finally:
-        multi_lora._dx_from_da_pass = shipped
+        multi_lora_core.dx_from_da_pass = shipped
     medians = {label: round(statistics.median(values), 5) for label, values in times.items()}
     ratio = round(statistics.median(a / b for a, b in zip(times["da_pass"], times["fused_gemm"], strict=True)), 4)
     print(

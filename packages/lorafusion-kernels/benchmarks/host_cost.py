@@ -238,12 +238,16 @@ def _kernels_forward(
 ) -> Callable[[], torch.Tensor]:
     """The op's forward core (its two kernels through their wrappers), inputs stacked once outside."""
     from lorafusion_kernels.dropout import seed_tensor
-    from lorafusion_kernels.multi_lora import _AdapterParams, _forward_core, _stack
+    from lorafusion_kernels.multi_lora_core import forward_core
+    from lorafusion_kernels.multi_lora_params import AdapterParams, stack_adapters
 
-    params = _AdapterParams(tuple(a.shape[0] for a in lora_a), tuple(scaling), tuple(ps))
-    a_cat, b_cat = _stack([a.detach() for a in lora_a], dim=0), _stack([b.detach() for b in lora_b], dim=1)
+    params = AdapterParams(tuple(a.shape[0] for a in lora_a), tuple(scaling), tuple(ps))
+    a_cat, b_cat = (
+        stack_adapters([a.detach() for a in lora_a], dim=0),
+        stack_adapters([b.detach() for b in lora_b], dim=1),
+    )
     seed = seed_tensor(1, x.device)
-    return lambda: _forward_core(x.detach(), w, None, a_cat, b_cat, seed, batch, params)[0]
+    return lambda: forward_core(x.detach(), w, None, a_cat, b_cat, seed, batch, params)[0]
 
 
 def main(argv: list[str] | None = None) -> None:

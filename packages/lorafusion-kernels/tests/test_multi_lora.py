@@ -20,6 +20,8 @@ import lorafusion_kernels.multi_lora as multi_lora_module
 from lorafusion_kernels.errors import LoRAFusionKernelsError
 from lorafusion_kernels.metadata import MultiLoRABatch
 from lorafusion_kernels.multi_lora import fused_multi_lora_linear
+from lorafusion_kernels.multi_lora_autograd import batch_of_segments
+from lorafusion_kernels.multi_lora_params import AdapterParams, device_params
 from lorafusion_kernels.reference import multi_lora_linear_reference
 from lorafusion_kernels.testing import assert_close_to_reference, rel_rms
 from lorafusion_kernels.tuning.config import KernelConfig, override_configs
@@ -505,7 +507,7 @@ def test_torch_compile_traces_the_custom_ops() -> None:
 
     def op_calls() -> int:
         """Calls of the custom ops' implementations (only they look batches up by segment lists)."""
-        info = multi_lora_module._batch_of.cache_info()
+        info = batch_of_segments.cache_info()
         return info.hits + info.misses
 
     counter = CompileCounterWithBackend("aot_eager")
@@ -534,8 +536,8 @@ def test_custom_ops_are_registered() -> None:
 
 def test_scaling_and_p_stay_fp32_values() -> None:
     """Regression (authors' bf16 tables): 1/3 and p = 0.1 reach the kernels unrounded."""
-    params = multi_lora_module._AdapterParams(ranks=(8, 16), scaling=(1.0 / 3.0, 2.0), dropout_p=(0.1, 0.0))
-    dev = multi_lora_module._device_params(params, torch.device("cpu"))
+    params = AdapterParams(ranks=(8, 16), scaling=(1.0 / 3.0, 2.0), dropout_p=(0.1, 0.0))
+    dev = device_params(params, torch.device("cpu"))
     assert dev.scaling.dtype == torch.float32
     assert dev.scaling[0].item() == pytest.approx(1.0 / 3.0, rel=1e-7)
     assert dev.inv_keep[0].item() == pytest.approx(1.0 / 0.9, rel=1e-7)

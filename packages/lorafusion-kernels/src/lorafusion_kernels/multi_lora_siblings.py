@@ -33,21 +33,18 @@ from lorafusion_kernels.errors import LoRAFusionKernelsError
 from lorafusion_kernels.first_order import first_order_only
 from lorafusion_kernels.lora import check_deterministic, deterministic_mode
 from lorafusion_kernels.metadata import MultiLoRABatch
-from lorafusion_kernels.multi_lora import (
-    _AdapterParams,
-    _backward,
-    _device_params,
-    _save_for_backward,
-    _stack,
+from lorafusion_kernels.multi_lora import frozen_linear, multi_lora_torch, run_triton
+from lorafusion_kernels.multi_lora_autograd import autograd_backward, save_for_backward
+from lorafusion_kernels.multi_lora_core import shrink
+from lorafusion_kernels.multi_lora_params import (
+    AdapterParams,
     call_batch,
     check_call,
+    device_params,
     eager_seed,
-    frozen_linear,
-    multi_lora_torch,
     owned_ranks,
     owning,
-    run_triton,
-    shrink,
+    stack_adapters,
 )
 
 __all__ = ["fused_multi_lora_siblings"]
@@ -110,9 +107,9 @@ def fused_multi_lora_siblings(
     if batch.total_tokens == 0:
         y = frozen_linear(x2, weight, bias)
     elif runs_triton(x2):
-        params = _AdapterParams(owned_ranks(batch, ranks), scales, ps, members)
-        a_cat = _stack([a for per_member in owning(batch, lora_a) for a in per_member], dim=0)
-        b_flat = _stack([b.reshape(-1) for per_member in owning(batch, lora_b) for b in per_member], dim=0)
+        params = AdapterParams(owned_ranks(batch, ranks), scales, ps, members)
+        a_cat = stack_adapters([a for per_member in owning(batch, lora_a) for a in per_member], dim=0)
+        b_flat = stack_adapters([b.reshape(-1) for per_member in owning(batch, lora_b) for b in per_member], dim=0)
         if not torch.compiler.is_compiling() and member_outputs_fit(x2, weight, members, params.max_rank):
             det = deterministic_mode() if deterministic is None else deterministic
             seed_t = eager_seed(seed, params, x2.device)
@@ -190,12 +187,12 @@ class _FusedSiblingMembers(torch.autograd.Function):
         b_flat: torch.Tensor,
         seed: torch.Tensor,
         batch: MultiLoRABatch,
-        params: _AdapterParams,
+        params: AdapterParams,
         deterministic: bool,
     ) -> tuple[torch.Tensor, ...]:
         """``(y_1 [T, N_1], ..., y_G [T, N_G])``."""
         x = x.contiguous()
-        dev = _device_params(params, x.device)
+        dev = device_params(params, x.device)
         s = shrink(x, a_cat, seed, batch, params)
         assert dev.bounds is not None
         ys = multi_lora_linear_members(
@@ -203,7 +200,7 @@ class _FusedSiblingMembers(torch.autograd.Function):
             scaling=dev.scaling, max_rank=params.max_rank, bounds=dev.bounds, ranks_host=params.ranks,
         )  # fmt: skip
         segments = (batch.segment_lengths, batch.segment_adapters, batch.num_adapters)
-        _save_for_backward(ctx, (x, weight, bias, a_cat, b_flat, seed), s, segments, params, deterministic)
+        save_for_backward(ctx, (x, weight, bias, a_cat, b_flat, seed), s, segments, params, deterministic)
         ctx.batch = batch
         return ys
 
@@ -212,4 +209,4 @@ class _FusedSiblingMembers(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, *dys: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """:func:`fused_multi_lora_linear`'s gradients, ``dy`` given as the members' gradients."""
-        return _backward(ctx, dys, opaque=False)
+        return autograd_backward(ctx, dys, opaque=False)

@@ -61,14 +61,14 @@ def coverage(
     make one row. ``multi_dsx_dx`` counts only on layers with ``k <= n``, the ones the op runs it on.
     ``config_file`` None (no file for the GPU): every row is the heuristic.
     """
-    from lorafusion_kernels.multi_lora import _dx_from_da_pass
+    from lorafusion_kernels.multi_lora_core import dx_from_da_pass
 
     names: dict[tuple[str, ShapeKey], list[str]] = collections.defaultdict(list)
     for m in ms:
         for r in ranks:
             for name, n, k in layers:
                 for kernel in kernels:
-                    if kernel == "multi_dsx_dx" and not _dx_from_da_pass(n, k):
+                    if kernel == "multi_dsx_dx" and not dx_from_da_pass(n, k):
                         continue
                     names[(kernel, shape_key(kernel, m=m, n=n, k=k, r=r, dtype=dtype))].append(name)
     rows = []

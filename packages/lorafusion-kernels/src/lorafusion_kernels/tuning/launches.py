@@ -164,11 +164,12 @@ def multi_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
     from lorafusion_kernels._kernels import multi_lora_bwd, multi_lora_fwd
     from lorafusion_kernels.dropout import seed_tensor
     from lorafusion_kernels.metadata import MultiLoRABatch
-    from lorafusion_kernels.multi_lora import _AdapterParams, _device_params, _dx_from_da_pass
+    from lorafusion_kernels.multi_lora_core import dx_from_da_pass
+    from lorafusion_kernels.multi_lora_params import AdapterParams, device_params
 
     m, n, k, r, count = problem.m, problem.n, problem.k, problem.r, problem.adapters
-    params = _AdapterParams(ranks=(r,) * count, scaling=(2.0,) * count, dropout_p=(problem.p,) * count)
-    tables = _device_params(params, torch.device(problem.device))
+    params = AdapterParams(ranks=(r,) * count, scaling=(2.0,) * count, dropout_p=(problem.p,) * count)
+    tables = device_params(params, torch.device(problem.device))
     batch = MultiLoRABatch.from_segments(even_segments(m, count), list(range(count)), device=problem.device)
     x = _random(problem, m, k)
     w = _random(problem, n, k, scale=1 / math.sqrt(k))
@@ -216,6 +217,6 @@ def multi_adapter_launches(problem: LayerProblem) -> dict[str, Launch]:
             )
         ),
     }
-    if _dx_from_da_pass(n, k):
+    if dx_from_da_pass(n, k):
         launches[multi_lora_bwd.DA_DX_KERNEL] = da_launch((a_cat, torch.empty_like(x)))
     return launches
