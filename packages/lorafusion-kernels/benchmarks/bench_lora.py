@@ -20,6 +20,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import platform
 import sys
 from collections.abc import Callable
@@ -208,8 +209,19 @@ def provenance(script: str, argv: list[str] | None) -> dict[str, object]:
             "lorafusion_kernels": lorafusion_kernels.__version__,
         },
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
-        "command": " ".join([script, *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(_portable(word) for word in [script, *(argv if argv is not None else sys.argv[1:])]),
     }
+
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def _portable(word: str) -> str:
+    """``word`` of a command line with no machine's paths: the device tool's ``$OUT`` and the repository root."""
+    out = os.environ.get("OUT", "")
+    if len(out) > 1:
+        word = word.replace(out.rstrip("/"), "$OUT")
+    return word.replace(f"{REPO_ROOT}/", "")
 
 
 def write_results(out: Path, suffix: str, result: dict[str, object]) -> None:
