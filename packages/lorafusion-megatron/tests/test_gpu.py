@@ -119,11 +119,13 @@ def test_queueing_a_microbatch_and_a_step_never_waits_for_the_gpu() -> None:
     torch.cuda.synchronize()
 
 
-def test_a_resume_with_the_jobs_reordered_is_bit_identical_on_cuda(
+def test_a_resume_with_the_jobs_reordered_and_layers_recomputed_is_bit_identical_on_cuda(
     tmp_path, config_dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A resume accepts reordered jobs: the fused kernels number adapters in config order (their
     tables stack the adapters, of different ranks, in that order); no token's arithmetic may depend on it.
+    It accepts activation checkpointing turned on too: a recomputed layer repeats its forward with
+    the same dropout draws.
 
     Dropout on, adapters of two ranks; deterministic kernels, so that bits can be compared.
     """
@@ -135,11 +137,11 @@ def test_a_resume_with_the_jobs_reordered_is_bit_identical_on_cuda(
     for job in jobs:
         job["lora_dropout"] = 0.1
 
-    def config(name: str, ordered: list[dict]):
+    def config(name: str, ordered: list[dict], *, recompute: bool = False):
         data = config_dict(
             jobs=ordered,
             base_model={"model_name_or_path": "tiny", "dtype": "bfloat16"},
-            runtime={"device": "cuda", "seed": 0},
+            runtime={"device": "cuda", "seed": 0, "activation_checkpointing": recompute},
             output_dir=str(tmp_path / name),
         )
         data["scheduler"]["milp_time_limit"] = None  # the same plan for both runs
@@ -147,7 +149,7 @@ def test_a_resume_with_the_jobs_reordered_is_bit_identical_on_cuda(
 
     straight = Trainer(config("straight", jobs)).train()
     assert Trainer(config("resumed", jobs), stop=StopAfter(2)).train().interrupted
-    resumed = Trainer(config("resumed", jobs[::-1])).train(resume=True)
+    resumed = Trainer(config("resumed", jobs[::-1], recompute=True)).train(resume=True)
     assert list(resumed.state.jobs) == ["second", "first"]
     for name, folder in straight.adapters.items():
         expected = load_file(folder / "adapter_model.safetensors")

@@ -210,8 +210,8 @@ def test_a_run_started_afresh_after_a_finished_one_is_resumed(make_config) -> No
 
 
 def test_resume_accepts_settings_that_cannot_change_the_result(make_config) -> None:
-    """Jobs reordered, another MILP time limit, epochs of a job with max_steps, device auto for cpu: the same
-    adapters, bit for bit, as a run never interrupted (dropout on)."""
+    """Jobs reordered, another MILP time limit, epochs of a job with max_steps, device auto for cpu, every layer
+    recomputed: the same adapters, bit for bit, as a run never interrupted (dropout on)."""
     straight = make_config("straight")
     Trainer(straight).train()
     resumed = make_config("resumed")
@@ -219,7 +219,7 @@ def test_resume_accepts_settings_that_cannot_change_the_result(make_config) -> N
     jobs = _jobs()[::-1]
     jobs[0]["num_train_epochs"] = 4  # second: max_steps overrides it
     device = "cpu" if torch.cuda.is_available() else "auto"  # auto is cpu here only without a GPU
-    changed = make_config("resumed", jobs=jobs, runtime={"device": device, "seed": 0})
+    changed = make_config("resumed", jobs=jobs, runtime={"device": device, "seed": 0, "activation_checkpointing": True})
     changed = changed.model_copy(update={"scheduler": changed.scheduler.model_copy(update={"milp_time_limit": 2.0})})
     result = Trainer(changed).train(resume=True)
     assert list(result.state.jobs) == ["second", "first"]
@@ -243,6 +243,7 @@ def test_the_config_check_ignores_what_a_resume_cannot_change(tmp_path: Path, co
 
     check(jobs=jobs[::-1], scheduler={"milp_time_limit": None})
     check(jobs=[jobs[0], {**jobs[1], "num_train_epochs": 7}])  # max_steps overrides it
+    check(runtime={"activation_checkpointing": "balanced"})
     with pytest.raises(TrainerError) as refused:
         check(jobs=[{**jobs[1], "r": 8}, jobs[0]], scheduler={"milp_time_limit": 9.0})
     assert "(changed: jobs[second].r: 4 -> 8): restore that config" in str(refused.value)
@@ -288,7 +289,8 @@ def test_evaluation_removed_at_a_resume_keeps_its_history_and_says_so(
 
 def test_a_pipeline_run_resumes_with_its_jobs_reordered(tiny_base: Path, tmp_path: Path) -> None:
     """The pipeline runtime's checkpoints name jobs too (rank files, engine counters, progress): one rank over
-    gloo, resumed from its first checkpoint with the jobs listed the other way round: the same adapters."""
+    gloo, resumed from its first checkpoint with the jobs listed the other way round and every layer
+    recomputed: the same adapters."""
     from lorafusion_megatron.pipeline.options import ParallelConfig
     from lorafusion_megatron.pipeline.worker import run_rank
     from lorafusion_megatron.testing import two_job_config
@@ -317,7 +319,8 @@ def test_a_pipeline_run_resumes_with_its_jobs_reordered(tiny_base: Path, tmp_pat
     for later in checkpoints[1:]:
         shutil.rmtree(later)
     shutil.rmtree(adapters)
-    run({**raw, "jobs": raw["jobs"][::-1]}, "resumed", resume=True)
+    runtime = {**raw["runtime"], "activation_checkpointing": True}
+    run({**raw, "jobs": raw["jobs"][::-1], "runtime": runtime}, "resumed", resume=True)
     assert_same_adapters(saved_adapters(adapters), straight)
 
 

@@ -356,7 +356,7 @@ class RuntimeConfig(ConfigSection):
     stages (one process: every layer); ``auto``: as few as fit the GPUs' memory at the capacity, per
     stage, chosen by ``lorafusion-megatron profile`` (which ``train`` runs first, as for
     ``scheduler.capacity: auto``; stage ``s`` of ``S`` holds up to ``S - s`` microbatches); every
-    layer while there is no profile (the CPU)."""
+    layer while there is no profile (the CPU). May change on ``--resume`` (the adapters come out the same)."""
 
     seed: int = Field(default=0, ge=0)
     """Seed for LoRA initialisation, dropout, shuffling and synthetic data."""

@@ -8,6 +8,10 @@ the stored config would, so it is the same run:
 * the order of ``jobs``: the plan, the checkpoint's tensors and optimizer states, the data's hashes
   and the dropout seeds name a job, never its position;
 * ``num_train_epochs`` of a job with ``max_steps``, which overrides it;
+* ``runtime.activation_checkpointing``: a recomputed layer repeats its forward with the same
+  weights and dropout draws, so the gradients are those of a layer that kept its activations
+  (memory for time: a resume on a smaller GPU may recompute more), and the plan, whose stage costs
+  it entered, is the checkpoint's;
 * ``runtime.device`` and ``base_model.attn_implementation`` values that resolve to the same device
   and attention kernel on this host (``auto`` and ``cpu`` where torch sees no GPU).
 
@@ -46,6 +50,8 @@ def comparable_config(config: Mapping[str, Any], *, dataset_paths: bool = True) 
     if isinstance(scheduler, dict):
         scheduler.pop("milp_time_limit", None)
     runtime, base_model = data.get("runtime"), data.get("base_model")
+    if isinstance(runtime, dict):
+        runtime.pop("activation_checkpointing", None)
     if isinstance(runtime, dict) and isinstance(base_model, dict):
         _resolve_device_and_attention(runtime, base_model)
     jobs = data.get("jobs")

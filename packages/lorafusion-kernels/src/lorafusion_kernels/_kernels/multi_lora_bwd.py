@@ -657,7 +657,9 @@ def multi_lora_dsx(
     T, K = x.shape
     out_dtype = out_dtype or x.dtype
     # Writing dx's LoRA term ([T, K] more bytes out) changes the best tiles: a kernel name of its own.
-    kernel = DA_KERNEL if lora_dx is None else DA_DX_KERNEL
+    # Deterministic sums take DA_KERNEL's tiles either way, so dA's bits do not depend on whether the
+    # call also writes dx (a layer whose input needs no gradient rounds as one whose input does).
+    kernel = DA_DX_KERNEL if lora_dx is not None and not deterministic else DA_KERNEL
     cfg = config or launch_config(kernel, x, m=T, n=max_rank, k=K, r=max_rank)
     col_tiles = cdiv(K, cfg.block_n)
     runs = batch.segment_runs(_run_tiles(x, cdiv(T, cfg.block_m), col_tiles) * cfg.block_m)

@@ -166,8 +166,8 @@ def check_resumable(config: TrainerConfig, parallel: ParallelConfig) -> Finished
     returned, once its config and parallel settings are found to be these: nothing is left to
     resume. Otherwise the newest checkpoint must exist, come from a pipeline run of this config
     (the data's part of the fingerprint needs the tokenized data: rank 0 checks it) and have these
-    parallel settings. ``capacity: auto`` and ``activation_checkpointing: auto`` are compared as
-    the ranks resolve them (from ``profile.json``), not as written.
+    parallel settings. ``capacity: auto`` is compared as the ranks resolve it (from ``profile.json``),
+    not as written; ``activation_checkpointing`` may differ (it cannot change the result).
 
     Returns:
         The finished run, or ``None``: the ranks resume from the newest checkpoint.
