@@ -30,7 +30,9 @@ def failures_folder(tmp_path: Path):
     record_failures_in(None)
 
 
-def test_own_work_may_last_0_9_and_an_exchange_1_1_of_the_timeout(failures_folder: Path) -> None:
+def test_own_work_may_last_0_9_and_an_exchange_1_1_of_the_timeout(
+    failures_folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     clock, exits = _Clock(), []
     watchdog = StallWatchdog(100, LAYOUT, clock=clock, end_process=exits.append)
     watchdog.beat("an exchange with the neighbouring stages", waiting=True)
@@ -49,6 +51,8 @@ def test_own_work_may_last_0_9_and_an_exchange_1_1_of_the_timeout(failures_folde
         "it (the limit: 0.9 x parallel.collective_timeout_minutes = 90 s), so it was stopped. Its main thread was at:"
     ), failure.error
     assert "in test_own_work_may_last_0_9_and_an_exchange_1_1_of_the_timeout" in failure.message, failure.message
+    # torchrun reads no failure file: the same line on stderr, marked as an error as the CLI's are.
+    assert capsys.readouterr().err.startswith("lorafusion-megatron: error: rank 1 (stage 1, replica 0) spent 91 s")
 
 
 def test_the_thread_ends_a_stalled_rank_and_leaves_a_beating_one(failures_folder: Path) -> None:

@@ -127,7 +127,7 @@ class StallWatchdog:
         error = RankStalledError(self._message(doing, elapsed, fraction))
         layout = self.layout
         note_failure(error, rank=layout.rank, stage=layout.stage, replica=layout.replica)
-        sys.stderr.write(f"lorafusion-megatron: {error}\n")  # for torchrun, which reads no failure file
+        sys.stderr.write(f"lorafusion-megatron: error: {error}\n")  # for torchrun, which reads no failure file
         sys.stderr.flush()
         self._end_process(1)
         return True
