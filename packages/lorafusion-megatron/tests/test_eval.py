@@ -193,6 +193,36 @@ def test_a_resume_that_adds_an_eval_dataset_warns_of_no_lost_history(run_config,
     assert summary["eval"]["first"][-1]["step"] == 5, "the resumed run evaluates"
 
 
+def test_a_resume_with_another_eval_set_keeps_both_sets_losses_apart_and_says_so(
+    run_config, jsonl_factory, tmp_path: Path, caplog
+) -> None:
+    """Each record names the hash of the eval set it measured; a resume with other eval samples warns."""
+    jsonl_factory("first-eval-other", 4, seed=3)
+    data = tmp_path / "data"
+
+    def config(eval_file: str, name: str = "run"):
+        return run_config(name, first={"eval_dataset": {"path": str(data / eval_file)}, "eval_steps": 2})
+
+    assert Trainer(config("first-eval.jsonl"), stop=StopAfter(3)).train().interrupted
+    with caplog.at_level("WARNING"):
+        Trainer(config("first-eval-other.jsonl")).train(resume=True)
+    history = json.loads((tmp_path / "run" / "eval_history.json").read_text())["first"]
+    assert [(r["step"], r["samples"]) for r in history] == [(2, 5), (4, 4), (5, 4)]
+    earlier, later = history[0]["eval_set"], history[1]["eval_set"]
+    assert len(earlier) == len(later) == 16
+    assert earlier != later
+    assert history[2]["eval_set"] == later
+    assert (
+        f"first's eval_dataset holds other samples than when it was evaluated up to step 2: its history keeps "
+        f"those losses (eval_set {earlier}) beside the new set's (eval_set {later})" in caplog.text
+    )
+    caplog.clear()
+    assert Trainer(config("first-eval.jsonl", "same"), stop=StopAfter(3)).train().interrupted
+    with caplog.at_level("WARNING"):
+        Trainer(config("first-eval.jsonl", "same")).train(resume=True)
+    assert "eval_dataset holds other samples" not in caplog.text, "the same eval set: no warning"
+
+
 @pytest.fixture
 def run_config(config_dict, tiny_base: Path, jsonl_factory, tmp_path: Path):
     """Two jobs on the tiny local model with dropout: ``first`` from JSONL, ``second`` synthetic."""

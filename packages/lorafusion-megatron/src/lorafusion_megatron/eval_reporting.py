@@ -3,10 +3,13 @@
 ``<output_dir>/eval_history.json`` holds every evaluation of the run so far, by job, rewritten
 atomically after each one::
 
-    {"first": [{"step": 5, "loss": 2.31, "samples": 40, "targets": 812, "seconds": 0.4}, ...], ...}
+    {"first": [{"step": 5, "loss": 2.31, "samples": 40, "targets": 812, "seconds": 0.4,
+                "eval_set": "9f3c..."}, ...], ...}
 
 A resumed run keeps each job's records up to the step its checkpoint holds and computes the later
-ones again (a resumed run reaches the same weights, so they come out the same). A job whose
+ones again (a resumed run reaches the same weights, so they come out the same). Each record names
+the hash of the eval set it measured (``eval_set``): a resume whose ``eval_dataset`` holds other
+samples keeps the earlier records, says so, and the two sets' losses stay told apart. A job whose
 ``eval_dataset`` the resumed config removes keeps its records up to that step, and gets no more: its
 evaluation stopped there (the log and the end-of-run table say so). ``val_size`` cannot be removed
 on resume: it decides which samples are trained on.
@@ -46,7 +49,13 @@ class EvalHistory:
 
     @classmethod
     def resumed(
-        cls, path: Path, adapters: Sequence[str], steps_done: Mapping[str, int], *, written_by: Collection[str]
+        cls,
+        path: Path,
+        adapters: Sequence[str],
+        steps_done: Mapping[str, int],
+        *,
+        written_by: Collection[str],
+        eval_sets: Mapping[str, str] | None = None,
     ) -> EvalHistory:
         """The history of an interrupted run, up to each job's step in the checkpoint it resumes from.
 
@@ -64,6 +73,9 @@ class EvalHistory:
                 longer evaluates keeps its records up to them).
             written_by: Jobs that certainly evaluated in the interrupted run too (``val_size``, which
                 a resume cannot change), so that it wrote the file.
+            eval_sets: Each evaluating job's eval-set hash now; a job whose records measured another
+                set gets a warning (its history then holds the losses of two sets, each named).
+                None checks nothing.
         """
         history = cls(path, adapters)
         try:
@@ -90,7 +102,23 @@ class EvalHistory:
                 exc,
                 kept.name,
             )
+        history._warn_of_other_eval_sets(eval_sets or {})
         return history
+
+    def _warn_of_other_eval_sets(self, eval_sets: Mapping[str, str]) -> None:
+        """Warn about each evaluating job whose kept records measured an eval set other than its current one."""
+        for name, current in eval_sets.items():
+            earlier = [r for r in self.records.get(name, []) if r.eval_set and r.eval_set != current]
+            if earlier:
+                _log.warning(
+                    "%s's eval_dataset holds other samples than when it was evaluated up to step %d: its history "
+                    "keeps those losses (eval_set %s) beside the new set's (eval_set %s), which are not comparable "
+                    "with them",
+                    name,
+                    earlier[-1].step,
+                    earlier[-1].eval_set,
+                    current,
+                )
 
     def stopped(self) -> list[str]:
         """The jobs with evaluations that no longer evaluate (their ``eval_dataset`` was removed at a resume)."""
@@ -111,9 +139,12 @@ class EvalHistory:
         return records[-1] if records else None
 
     def to_json(self) -> dict[str, list[dict[str, Any]]]:
-        """``{job: [{step, loss, samples, targets, seconds}, ...]}``."""
+        """``{job: [{step, loss, samples, targets, seconds, eval_set}, ...]}`` (``eval_set`` only where known)."""
         return {
-            name: [{key: value for key, value in asdict(r).items() if key != "adapter"} for r in records]
+            name: [
+                {key: value for key, value in asdict(r).items() if key != "adapter" and (key != "eval_set" or value)}
+                for r in records
+            ]
             for name, records in self.records.items()
         }
 

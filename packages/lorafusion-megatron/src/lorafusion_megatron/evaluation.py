@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lorafusion_megatron.data.job_data import JobData
+from lorafusion_megatron.data.job_data import JobData, data_fingerprint
 from lorafusion_megatron.packing import pack_microbatch
 
 if TYPE_CHECKING:
@@ -48,6 +48,10 @@ class EvalLoss:
         samples: Samples in the eval set.
         targets: Trained tokens in the eval set (the mean's denominator).
         seconds: Wall time of the evaluation.
+        eval_set: 16 hex digits of the eval set's hash (its samples' token ids and targets, as
+            :func:`~lorafusion_megatron.data.job_data.data_fingerprint` hashes training data), so
+            that a history whose ``eval_dataset`` changed at a resume shows which set each loss
+            measured; empty in histories of earlier versions.
     """
 
     adapter: str
@@ -56,6 +60,7 @@ class EvalLoss:
     samples: int
     targets: int
     seconds: float
+    eval_set: str = ""
 
 
 def eval_due(step: int, total_steps: int, eval_steps: int | None) -> bool:
@@ -114,6 +119,8 @@ class Evaluator:
             name: as_one_global_batch(name, job.eval_samples) for name, job in data.items() if job.eval_samples
         }
         self._microbatches = {name: pack_eval_set(eval_set, config) for name, eval_set in self._sets.items()}
+        self.eval_sets = {name: data_fingerprint({name: eval_set}) for name, eval_set in self._sets.items()}
+        """Each evaluating job's eval-set hash (:attr:`EvalLoss.eval_set`)."""
 
     @property
     def adapters(self) -> tuple[str, ...]:
@@ -146,4 +153,5 @@ class Evaluator:
             samples=len(self._sets[adapter]),
             targets=targets,
             seconds=time.perf_counter() - started,
+            eval_set=self.eval_sets[adapter],
         )

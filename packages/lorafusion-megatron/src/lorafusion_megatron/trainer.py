@@ -376,7 +376,8 @@ class _Session:
         evaluating = () if self.evaluator is None else self.evaluator.adapters
         steps = {name: job.steps_done for name, job in self.state.jobs.items()}
         held_out = [job.name for job in self.config.jobs if job.val_size is not None]
-        history = EvalHistory.resumed(path, evaluating, steps, written_by=held_out)
+        eval_sets = {} if self.evaluator is None else self.evaluator.eval_sets
+        history = EvalHistory.resumed(path, evaluating, steps, written_by=held_out, eval_sets=eval_sets)
         for name in history.stopped():
             _log.info(
                 "%s no longer evaluates (its eval_dataset was removed): its evaluations up to step %d stay in %s "
