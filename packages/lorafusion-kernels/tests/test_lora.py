@@ -463,6 +463,19 @@ def test_module_under_autocast_computes_as_nn_linear_would():
     assert x.grad.dtype == layer.lora_a.grad.dtype == torch.float32
 
 
+def test_a_float64_module_under_autocast_stays_float64_as_nn_linear_does():
+    """Autocast casts no float64 tensor: nn.Linear computes in float64 there, and so does the module."""
+    layer = FusedLoRALinear(24, 20, 8, lora_alpha=16, dtype=torch.float64)
+    torch.nn.init.normal_(layer.lora_b, std=0.1)
+    x = torch.randn(3, 5, 24, dtype=torch.float64)
+    linear = torch.nn.Linear(24, 20, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+        assert linear(x).dtype == torch.float64
+    assert y.dtype == torch.float64
+    assert torch.equal(y, layer(x))
+
+
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize(
     ("block_n", "split"),

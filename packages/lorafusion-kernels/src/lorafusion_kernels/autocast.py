@@ -55,9 +55,15 @@ def call_as_linear(
 
     Outside autocast, as given. Inside, ``x``, ``weight`` and ``bias`` cast to autocast's dtype
     (differentiably: gradients reach them in their own dtypes) and ``op`` run with autocast off.
+    Autocast leaves float64 tensors alone, so a float64 operand stays float64 here too (a float64
+    layer computes in float64 inside autocast, as ``nn.Linear`` does).
     """
     dtype = autocast_dtype(x)
     if dtype is None:
         return op(x, weight, *args, bias=bias, **kwargs)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t if t.dtype == torch.float64 else t.to(dtype)
+
     with torch.autocast(x.device.type, enabled=False):
-        return op(x.to(dtype), weight.to(dtype), *args, bias=None if bias is None else bias.to(dtype), **kwargs)
+        return op(cast(x), cast(weight), *args, bias=None if bias is None else cast(bias), **kwargs)
