@@ -18,8 +18,10 @@ from typing import Any
 
 import pytest
 import yaml
+from rich.console import Console
 
 from lorafusion_megatron.config import TrainerConfig, parse_config
+from lorafusion_megatron.pipeline.commands import report
 from lorafusion_megatron.pipeline.options import ParallelConfig
 from lorafusion_megatron.testing import assert_same_adapters, saved_adapters, two_job_config
 
@@ -123,6 +125,29 @@ def test_a_ctrl_c_while_the_adapters_are_written_lets_every_one_be_written(
     assert summary["checkpoint"] is None
     assert summary["position"] == summary["num_microbatches"]
     assert sorted(saved_adapters(config)) == ["first", "second"]
+    # The local launcher adds the signal it passed on (stopped_by): the CLI says the run is complete
+    # and exits as the single-process trainer does, 128 + the signal.
+    console = Console(record=True, width=200)
+    assert report(summary, Path(config.output_dir), console) == 0
+    assert "came as the run ended" not in console.export_text()
+    assert report({**summary, "stopped_by": "SIGINT"}, Path(config.output_dir), console) == 130
+    assert (
+        "SIGINT came as the run ended: every job's adapter and pipeline_summary.json were written first, so the "
+        "run is complete (nothing to resume)" in console.export_text()
+    )
+
+
+def test_the_launcher_remembers_the_first_signal_it_passed_on() -> None:
+    """The first SIGINT/SIGTERM goes on to the ranks and is remembered; a second aborts."""
+    from lorafusion_megatron.interrupts import Interrupted
+    from lorafusion_megatron.pipeline.launch import _SignalForwarder
+
+    forwarder = _SignalForwarder([])
+    forwarder._handle(signal.SIGTERM, None)
+    assert forwarder.first == signal.SIGTERM
+    with pytest.raises(Interrupted):
+        forwarder._handle(signal.SIGINT, None)
+    assert forwarder.first == signal.SIGTERM
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ and return the exit status.
 from __future__ import annotations
 
 import argparse
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lorafusion_megatron.pipeline.options import SCHEDULES, ParallelConfig
-from lorafusion_megatron.run_layout import PROFILE_TABLE
+from lorafusion_megatron.run_layout import PIPELINE_SUMMARY, PROFILE_TABLE
 
 if TYPE_CHECKING:
     from lorafusion_megatron.config import TrainerConfig
@@ -94,6 +95,8 @@ def report(summary: dict[str, Any], output_dir: Path, console: Console, *, resum
     """Print a run's summary: throughput, each job's counters and adapter; returns the exit status.
 
     A run stopped by Ctrl-C prints where it stopped and how to continue (``resume_command``), and returns 1.
+    One whose signal came too late to stop it (``stopped_by``) is complete: that is said, and the status
+    is ``128 + signal`` (130 for Ctrl-C, 143 for SIGTERM), as in the single-process trainer.
     """
     from lorafusion_megatron import reporting
     from lorafusion_megatron.state import RunState
@@ -109,7 +112,14 @@ def report(summary: dict[str, Any], output_dir: Path, console: Console, *, resum
         console.print(f"Continue with: {resume_command}", soft_wrap=True, markup=False)
         return 1
     console.print(reporting.summary_table(state, adapters, output_dir))
-    return 0
+    late = summary.get("stopped_by")
+    if late is None:
+        return 0
+    console.print(
+        f"{late} came as the run ended: every job's adapter and {PIPELINE_SUMMARY} were written first, "
+        "so the run is complete (nothing to resume)"
+    )
+    return 128 + signal.Signals[late]
 
 
 def train(
@@ -123,7 +133,8 @@ def train(
     """``lorafusion-megatron train [--resume]`` on ``parallel``; prints the summary on rank 0.
 
     Returns:
-        0 when the run finished, 1 when Ctrl-C stopped it (after writing a checkpoint).
+        0 when the run finished, 1 when Ctrl-C stopped it (after writing a checkpoint), ``128 +
+        signal`` when a signal came too late to stop it (the run is complete).
     """
     from lorafusion_megatron.pipeline.launch import launch
 

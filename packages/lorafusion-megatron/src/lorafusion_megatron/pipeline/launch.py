@@ -81,11 +81,17 @@ def _spawned_rank(
 
 def _start(
     entry: RankEntry, config: TrainerConfig, parallel: ParallelConfig, backend: str | None, result: str
-) -> dict[str, Any] | None:
+) -> tuple[dict[str, Any] | None, signal.Signals | None]:
+    """Run ``entry`` on every rank (here, or as this torchrun rank).
+
+    Returns:
+        Rank 0's ``result`` file (None on other torchrun ranks), and the first SIGINT/SIGTERM this
+        launcher passed on to the ranks while they ran (None under torchrun).
+    """
     import torch
 
     if under_torchrun():
-        return entry(config, parallel, backend=backend)
+        return entry(config, parallel, backend=backend), None
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     world = parallel.world_size
@@ -109,8 +115,9 @@ def _start(
             nprocs=world,
             join=False,
         )
+        forwarder = _SignalForwarder(context.processes)
         try:
-            with _SignalForwarder(context.processes) as forwarder:
+            with forwarder:
                 supervise(
                     context.processes,
                     Path(folder),
@@ -121,7 +128,7 @@ def _start(
             for path in context.error_files:  # torch's spawn leaves them to its own join, not used here
                 Path(path).unlink(missing_ok=True)
     summary: dict[str, Any] = json.loads((Path(config.output_dir) / result).read_text(encoding="utf-8"))
-    return summary
+    return summary, forwarder.first
 
 
 def _spawn_error(error_files: Sequence[str], rank: int) -> str:
@@ -149,12 +156,15 @@ class _SignalForwarder:
         self._processes = processes
         self.received = 0
         """Signals received so far."""
+        self.first: signal.Signals | None = None
+        """The first of them."""
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received += 1
         alive = [p for p in self._processes if p.is_alive()]
         if self.received == 1:
+            self.first = signal.Signals(signum)
             _log.warning(
                 "%s: the ranks stop at their next optimizer step, drain the pipeline and write a checkpoint; "
                 "press Ctrl-C again to abort without one",
@@ -195,8 +205,11 @@ def launch(
         under ``run_state``, the run's id, config and parallel settings), also written to
         ``<output_dir>/pipeline_summary.json``; ``None`` on ranks other than 0 under torchrun.
         After a Ctrl-C, ``checkpoint`` names the checkpoint written and ``position < num_microbatches``;
-        no adapters are written. A ``resume`` of a run that finished starts no rank, writes
-        nothing, logs that the run is complete and returns its summary as it was written.
+        no adapters are written. A first SIGINT/SIGTERM that came too late to stop the run (after
+        the ranks' last agreement, while the adapters were written) adds ``stopped_by``, its name,
+        to the returned summary (not to the file): the run is complete. A ``resume`` of a run that
+        finished starts no rank, writes nothing, logs that the run is complete and returns its
+        summary as it was written.
 
     Raises:
         TrainerError: Too few GPUs for the processes, a ``resume`` that the newest checkpoint or
@@ -218,7 +231,10 @@ def launch(
             return None
         _log.info("%s", finished.message())
         return finished.record
-    return _start(functools.partial(run_rank, resume=resume), config, parallel, backend, PIPELINE_SUMMARY)
+    summary, signalled = _start(functools.partial(run_rank, resume=resume), config, parallel, backend, PIPELINE_SUMMARY)
+    if summary is not None and signalled is not None and summary["checkpoint"] is None:
+        summary["stopped_by"] = signalled.name
+    return summary
 
 
 def launch_profile(
@@ -238,7 +254,8 @@ def launch_profile(
     """
     from lorafusion_megatron.profiler.run import profile_rank
 
-    return _start(functools.partial(profile_rank, **options), config, parallel, backend, PROFILE_REPORT)
+    report, _ = _start(functools.partial(profile_rank, **options), config, parallel, backend, PROFILE_REPORT)
+    return report
 
 
 def run_demo(
