@@ -98,6 +98,10 @@ def test_the_command_reports_a_file_and_refuses_what_it_cannot_read(tmp_path, ca
     assert "unknown layer 'mlp'" in capsys.readouterr().out
     assert main(["--coverage", "NVIDIA Made-up GPU", "--models", "llama-3.1-8b", "--r", "16", "--m", "8192"]) == 0
     assert "no file" in capsys.readouterr().out, "a GPU with no file: every lookup takes the heuristic"
+    assert main(["--coverage", "H200", "--models", "llama-3.1-8b", "--r", "16", "--m", "8192"]) == 0
+    assert "nvidia_h200.json (NVIDIA H200)" in capsys.readouterr().out, "a short name of one shipped file's GPU"
+    assert main(["--coverage", "NVIDIA", "--models", "llama-3.1-8b", "--r", "16", "--m", "8192"]) == 0
+    assert "no file" in capsys.readouterr().out, "a name that several files' keys hold picks none"
 
 
 SHIPPED = sorted(Path(str(importlib.resources.files("lorafusion_kernels") / "configs")).glob("*.json"))

@@ -83,8 +83,9 @@ def test_lookup_exact_then_nearest_m_then_default(config_dir):
 def test_unknown_gpu_gets_the_heuristic_and_one_warning(config_dir):
     import lorafusion_kernels._kernels.lora_xw_sb  # noqa: F401  (registers the heuristic)
 
-    with pytest.warns(LoRAFusionKernelsWarning, match="no launch configs for GPU 'Mystery GPU'"):
+    with pytest.warns(LoRAFusionKernelsWarning, match="no launch configs for GPU 'Mystery GPU'") as caught:
         first = lookup_config("xw_sb", key(4096), device_name="Mystery GPU", capability=(9, 0))
+    assert "or set LORAFUSION_GPU_NAME to the name of a GPU whose file is there" in str(caught[0].message)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         second = lookup_config("xw_sb", key(4096), device_name="Mystery GPU", capability=(9, 0))

@@ -463,9 +463,13 @@ def _lookup_cached(
         if config is not None:
             return config
         if found is None:
+            from lorafusion_kernels.tuning.device import GPU_NAME_ENV
+
+            shipped = ", ".join(sorted(path.stem for path in config_dir().glob("*.json"))) or "none"
             _warn_once(
                 f"lorafusion-kernels has no launch configs for GPU {device_name!r} (looked for {gpu}.json in "
-                f"{config_dir()}); using built-in heuristics. Run `lorafusion-tune` to write one."
+                f"{config_dir()}); using built-in heuristics. Run `lorafusion-tune` to write one, or set "
+                f"{GPU_NAME_ENV} to the name of a GPU whose file is there to use it (files: {shipped})."
             )
         else:
             names = repr(kernel) if fallback is None else f"{kernel!r} (nor for its fallback {fallback!r})"

@@ -530,7 +530,7 @@ def _check_rank_defaults(timings_path: Path, config_path: Path) -> int:
 
 def _coverage(gpu: str, args: argparse.Namespace) -> int:
     """``--coverage``: where each kernel's config comes from on the swept shapes, in one GPU's file."""
-    path = Path(gpu) if gpu.endswith(".json") else config_dir() / f"{gpu_key(gpu)}.json"
+    path = Path(gpu) if gpu.endswith(".json") else _shipped_file(gpu)
     if gpu.endswith(".json") and _missing_files("--coverage", path):
         return 2
     try:
@@ -554,6 +554,25 @@ def _coverage(gpu: str, args: argparse.Namespace) -> int:
     _say(f"{where}: where each lookup's config comes from, keys counted per kernel, r and m (bfloat16)")
     _say(format_coverage(rows))
     return 0
+
+
+def _shipped_file(gpu: str) -> Path:
+    """The config file of GPU ``gpu`` (a device name or a file key).
+
+    Its key's file; else the one shipped file whose key holds it as a run of whole words (``H200`` ->
+    ``nvidia_h200.json``); else the key's (missing) file.
+    """
+    key = gpu_key(gpu)
+    exact = config_dir() / f"{key}.json"
+    if exact.is_file():
+        return exact
+    words = key.split("_")
+    holding = [
+        path
+        for path in sorted(config_dir().glob("*.json"))
+        if any(path.stem.split("_")[i : i + len(words)] == words for i in range(len(path.stem.split("_"))))
+    ]
+    return holding[0] if len(holding) == 1 else exact
 
 
 def _int_in(low: int, high: int | None) -> Callable[[str], int]:
