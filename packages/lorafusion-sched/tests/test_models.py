@@ -51,6 +51,7 @@ def test_bad_job_names_field_and_value(kwargs: dict[str, object], needle: str) -
     [
         ({"capacity": 1000, "padding_multiple": 64}, "capacity = 1000 is not a multiple of padding_multiple = 64"),
         ({"pipeline_stages": 0}, "pipeline_stages = 0"),
+        ({"pipeline_stages": 40_000}, "pipeline_stages = 40000: at most 1024"),
         ({"capacity": 0}, "capacity = 0"),
         ({"data_parallel": 0}, "data_parallel = 0"),
         ({"padding_multiple": -1}, "padding_multiple = -1"),

@@ -152,6 +152,10 @@ class AdapterJob(BaseModel):
         return value
 
 
+MAX_PIPELINE_STAGES = 1024
+"""The most pipeline stages :class:`PlanOptions` takes (a typo's 40,000 would plan millions of no-ops)."""
+
+
 class PlanOptions(BaseModel):
     """How to plan: microbatch capacity, pipeline shape, padding, and the solver's limits."""
 
@@ -204,6 +208,11 @@ class PlanOptions(BaseModel):
     def _at_least_one(cls, value: int, info: ValidationInfo) -> int:
         if value < 1:
             raise ValueError(f"{info.field_name} = {value}: it must be at least 1")
+        if info.field_name == "pipeline_stages" and value > MAX_PIPELINE_STAGES:
+            raise ValueError(
+                f"pipeline_stages = {value}: at most {MAX_PIPELINE_STAGES} (more stages than any model has "
+                f"layers; each stage adds about one no-op microbatch per global batch to the plan)"
+            )
         return value
 
     @model_validator(mode="after")
