@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 __all__ = [
+    "MAX_PIPELINE_STAGES",
     "SCHEMA_VERSION",
     "AdapterInfo",
     "AdapterJob",

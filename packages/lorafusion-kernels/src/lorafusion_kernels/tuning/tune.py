@@ -567,11 +567,12 @@ def _shipped_file(gpu: str) -> Path:
     if exact.is_file():
         return exact
     words = key.split("_")
-    holding = [
-        path
-        for path in sorted(config_dir().glob("*.json"))
-        if any(path.stem.split("_")[i : i + len(words)] == words for i in range(len(path.stem.split("_"))))
-    ]
+
+    def holds(stem: str) -> bool:
+        stem_words = stem.split("_")
+        return any(stem_words[i : i + len(words)] == words for i in range(len(stem_words)))
+
+    holding = [path for path in sorted(config_dir().glob("*.json")) if holds(path.stem)]
     return holding[0] if len(holding) == 1 else exact
 
 
