@@ -23,6 +23,7 @@ import math
 import os
 import platform
 import sys
+import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 
@@ -209,19 +210,25 @@ def provenance(script: str, argv: list[str] | None) -> dict[str, object]:
             "lorafusion_kernels": lorafusion_kernels.__version__,
         },
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
-        "command": " ".join(_portable(word) for word in [script, *(argv if argv is not None else sys.argv[1:])]),
+        "command": without_machine_paths(" ".join([script, *(argv if argv is not None else sys.argv[1:])])),
     }
 
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
-def _portable(word: str) -> str:
-    """``word`` of a command line with no machine's paths: the device tool's ``$OUT`` and the repository root."""
+def without_machine_paths(text: str) -> str:
+    """``text`` (a command line, a profile) with no machine's folders in it.
+
+    The device tool's ``$OUT`` is written as ``$OUT``, the Python installation's packages as
+    ``<site-packages>/`` and the repository root is dropped (paths become repository-relative).
+    """
     out = os.environ.get("OUT", "")
     if len(out) > 1:
-        word = word.replace(out.rstrip("/"), "$OUT")
-    return word.replace(f"{REPO_ROOT}/", "")
+        text = text.replace(out.rstrip("/"), "$OUT")
+    for folder in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        text = text.replace(f"{folder}/", "<site-packages>/")
+    return text.replace(f"{REPO_ROOT}/", "")
 
 
 def write_results(out: Path, suffix: str, result: dict[str, object]) -> None:

@@ -29,7 +29,6 @@ import cProfile
 import io
 import pstats
 import statistics
-import sysconfig
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -38,7 +37,7 @@ from pathlib import Path
 import bench_lora
 import bench_multi_lora
 import torch
-from bench_lora import LAYERS, REPO_ROOT, provenance, write_results
+from bench_lora import LAYERS, provenance, without_machine_paths, write_results
 from torch.profiler import ProfilerActivity, profile
 
 SINGLE_PROVIDERS = ["frozen", "eager", "fused"]
@@ -117,13 +116,6 @@ def host_profile(fn: Callable[[], object], iters: int, top: int, sort: str = "to
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats(sort).print_stats(top)
     return without_machine_paths(text.getvalue())
-
-
-def without_machine_paths(text: str) -> str:
-    """``text`` with this machine's installation and checkout folders written as ``<site-packages>/`` and ``./``."""
-    for folder in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
-        text = text.replace(f"{folder}/", "<site-packages>/")
-    return text.replace(f"{REPO_ROOT}/", "./")
 
 
 def main(argv: list[str] | None = None) -> None:

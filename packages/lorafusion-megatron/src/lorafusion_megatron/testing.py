@@ -198,7 +198,7 @@ def saved_adapters(source: Path | TrainerConfig) -> dict[str, dict[str, torch.Te
     from safetensors.torch import load_file
 
     if isinstance(source, Path):
-        folders = {job.name: job for job in sorted(source.iterdir())}
+        folders = {folder.name: folder for folder in sorted(source.iterdir())}
     else:
         folders = {job.name: source.job_output_dir(job) for job in source.jobs}
     return {name: load_file(folder / "adapter_model.safetensors") for name, folder in folders.items()}
