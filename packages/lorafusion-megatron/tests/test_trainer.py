@@ -218,7 +218,8 @@ def test_a_second_run_into_the_same_output_dir_is_refused(make_config, tmp_path:
 
 def test_a_job_folder_is_locked_however_another_run_names_it(make_config, tmp_path: Path) -> None:
     """Two runs with run folders of their own but one job folder both wrote it, the last one winning:
-    named alike, through a symbolic link, or as the other run's default folder."""
+    named alike, through a symbolic link, or as the other run's default folder (that run started
+    first, or later)."""
 
     def run(name: str, folder: Path | None) -> TrainerConfig:
         config = make_config(output_dir=str(tmp_path / name))
@@ -237,6 +238,10 @@ def test_a_job_folder_is_locked_however_another_run_names_it(make_config, tmp_pa
         with run_locks(run("a", held)), pytest.raises(TrainerError, match=in_use):
             Trainer(run("b", other)).train()
         assert not (tmp_path / "b" / "summary.json").exists()
+    # A run folder that never ran has no run lock: its default job folder is locked on its own.
+    with run_locks(run("b", tmp_path / "c" / "adapters" / "first")), pytest.raises(TrainerError, match=in_use):
+        Trainer(run("c", None)).train()
+    assert not (tmp_path / "c" / "summary.json").exists()
     Trainer(run("b", shared)).train()  # released: the run goes ahead
     assert (shared / "adapter_config.json").is_file()
     assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == [".adapter.lorafusion-run.lock", "adapter"]

@@ -46,25 +46,32 @@ def run_locks(config: TrainerConfig) -> Iterator[None]:
     A job folder outside the run folder is locked by a file beside it, named after its real path
     (symbolic links resolved), so two runs that reach one folder by different paths take one lock;
     when it lies inside another run's folder (one with a run lock file), that run's lock is taken
-    too, since that run may write the folder as its own default. Every run takes them in one order.
+    too, since that run may write the folder as its own default. A job folder inside the run folder
+    is covered by the run lock, and by the lock file beside it where one exists (none is created,
+    so that the adapters' folder holds only adapters): another run that named it as its own job's
+    folder, before this run ever took its run lock, holds that file. Every run takes them in one
+    order.
 
     Raises:
         TrainerError: Another process holds one of them (naming the folder and its process id).
     """
     run_dir = Path(config.output_dir).resolve()
-    locks: dict[Path, str] = {}  # lock file -> what it guards, for the message
+    locks: dict[Path, tuple[str, bool]] = {}  # lock file -> what it guards (for the message), create it?
     for job in config.jobs:
         folder = config.job_output_dir(job).resolve()
-        if folder.is_relative_to(run_dir):
-            continue  # the run lock covers it
-        locks[folder.parent / f".{folder.name}{LOCK_FILE}"] = f"{folder}, job {job.name}'s output folder,"
+        inside = folder.is_relative_to(run_dir)
+        locks[folder.parent / f".{folder.name}{LOCK_FILE}"] = (f"{folder}, job {job.name}'s output folder,", not inside)
+        if inside:
+            continue  # the run lock covers it from now on
         other_run = next((parent for parent in folder.parents if (parent / LOCK_FILE).is_file()), None)
         if other_run is not None:
-            locks[other_run / LOCK_FILE] = f"{other_run}, the run folder holding job {job.name}'s output folder,"
+            what = f"{other_run}, the run folder holding job {job.name}'s output folder,"
+            locks[other_run / LOCK_FILE] = (what, True)
     with ExitStack() as held:
         held.enter_context(run_lock(Path(config.output_dir)))
         for lock in sorted(locks):
-            held.enter_context(_locked(lock.parent, lock.name, locks[lock]))
+            what, create = locks[lock]
+            held.enter_context(_locked(lock.parent, lock.name, what, create=create))
         yield
 
 
@@ -82,10 +89,20 @@ def run_lock(output_dir: Path) -> Iterator[None]:
 
 
 @contextmanager
-def _locked(folder: Path, name: str, what: str) -> Iterator[None]:
-    """Hold an ``flock`` on ``folder / name`` (both created if needed); ``what`` names the locked thing."""
-    folder.mkdir(parents=True, exist_ok=True)
-    descriptor = os.open(folder / name, os.O_RDWR | os.O_CREAT, 0o644)
+def _locked(folder: Path, name: str, what: str, *, create: bool = True) -> Iterator[None]:
+    """Hold an ``flock`` on ``folder / name``; ``what`` names the locked thing.
+
+    ``create``: make the folder and the file if needed; else a missing file is no lock to take.
+    """
+    if not create:
+        try:
+            descriptor = os.open(folder / name, os.O_RDWR)
+        except FileNotFoundError:
+            yield
+            return
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(folder / name, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
