@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lorafusion_megatron.atomic_dirs import replace_dir, replaced_name
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.run_layout import EVAL_HISTORY, SUMMARY
 
@@ -28,7 +28,6 @@ __all__ = [
     "check_writable",
     "holds_files",
     "replace_adapter",
-    "replace_dir",
     "save_adapter",
     "sort_target_modules",
 ]
@@ -102,7 +101,8 @@ def check_fresh_run(config: TrainerConfig, *, resume: bool, overwrite: bool) -> 
     if resume or overwrite:
         return
     found = [p for p in (Path(config.output_dir) / n for n in _RESULTS) if p.is_file()]
-    found += [folder for folder in map(config.job_output_dir, config.jobs) if holds_files(folder)]
+    # A job folder a crash left aside in the middle of its replace counts (the run restores it first).
+    found += [f for f in map(config.job_output_dir, config.jobs) if holds_files(f) or replaced_name(f).is_dir()]
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         kept = config.checkpoint_dir
@@ -115,23 +115,6 @@ def check_fresh_run(config: TrainerConfig, *, resume: bool, overwrite: bool) -> 
 
 _RESULTS = (SUMMARY, EVAL_HISTORY)
 """A finished run's files in its output folder that a fresh run with ``--overwrite`` replaces."""
-
-
-def replace_dir(source: Path, target: Path) -> None:
-    """Move the finished folder ``source`` to ``target``, replacing an older ``target``.
-
-    ``source`` must sit next to ``target`` (same file system), so each rename is atomic: at every
-    moment ``target`` is either the old complete folder or the new complete one (or, between the
-    two renames, absent while the old one is kept as ``<target>.old``).
-    """
-    old = target.with_name(target.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
-    if target.exists():
-        os.replace(target, old)
-    os.replace(source, target)
-    if old.exists():
-        shutil.rmtree(old)
 
 
 def replace_adapter(source: Path, target: Path, job: str) -> None:

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from lorafusion_megatron.adapters_io import replace_dir, save_adapter
+from lorafusion_megatron.adapters_io import save_adapter
+from lorafusion_megatron.atomic_dirs import replace_dir, restore_interrupted_replace
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.planning import plan_from_json
 from lorafusion_megatron.run_layout import PROFILE_REPORT
@@ -59,7 +60,7 @@ __all__ = [
     "read_checkpoint_file",
     "read_checkpoint_meta",
     "read_checkpoint_plan",
-    "remove_stale_staging",
+    "recover_interrupted_writes",
     "run_fingerprint",
     "save_checkpoint",
 ]
@@ -144,15 +145,23 @@ def checkpoint_to_resume(directory: Path, *, resume: bool) -> Path | None:
     return found
 
 
-def remove_stale_staging(directory: Path) -> None:
-    """Delete the staging folders (``.checkpoint-<n>.tmp-*``) that a killed run left in ``directory``.
+def recover_interrupted_writes(config: TrainerConfig) -> None:
+    """Tidy what a killed run left half-written: checkpoints' staging, replaces cut in two.
 
-    A checkpoint is written under such a name and renamed when complete, so one that is left is
-    incomplete and never read. Call it only under the run lock
-    (:func:`lorafusion_megatron.run_lock.run_lock`): then no other run is writing one.
+    A checkpoint is written as ``.checkpoint-<n>.tmp-*`` and renamed when complete, so such a
+    folder that is left is incomplete and never read: it is deleted. A folder replace that a crash
+    cut between its two renames (:mod:`lorafusion_megatron.atomic_dirs`, where the file system
+    cannot swap folders) is finished, for the checkpoints and the jobs' adapter folders. Call it
+    only under the run locks (:func:`lorafusion_megatron.run_lock.run_locks`): then no other run is
+    writing there.
     """
+    directory = config.checkpoint_dir
     for folder in directory.glob(".checkpoint-*.tmp-*"):
         shutil.rmtree(folder, ignore_errors=True)
+    for replaced in directory.glob(".checkpoint-*.replaced"):
+        restore_interrupted_replace(directory / replaced.name[1 : -len(".replaced")])
+    for job in config.jobs:
+        restore_interrupted_replace(config.job_output_dir(job))
 
 
 def prune_checkpoints(directory: Path, keep: int) -> None:

@@ -12,7 +12,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from lorafusion_megatron.adapters_io import holds_files, replace_dir
+from lorafusion_megatron.adapters_io import holds_files
+from lorafusion_megatron.atomic_dirs import replace_dir, restore_interrupted_replace
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.model import quiet_peft_deprecations
 from lorafusion_megatron.presets import PRESETS
@@ -71,6 +72,7 @@ def merge_adapter(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    restore_interrupted_replace(output)  # an earlier export cut between its renames: its model is back
     if output.exists() and not output.is_dir():
         raise TrainerError(f"--output {output} is a file: name a folder for the merged model")
     if holds_files(output) and not overwrite:

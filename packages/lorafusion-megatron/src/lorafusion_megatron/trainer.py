@@ -22,7 +22,7 @@ from lorafusion_megatron.atomic_files import write_json_atomically, write_text_a
 from lorafusion_megatron.checkpoint import (
     checkpoint_to_resume,
     load_checkpoint,
-    remove_stale_staging,
+    recover_interrupted_writes,
     run_fingerprint,
     save_checkpoint,
 )
@@ -168,7 +168,7 @@ class Trainer:
         """
         check_run_outputs(self.config)
         with run_locks(self.config):  # one run per output folder (and job folder)
-            remove_stale_staging(self.config.checkpoint_dir)
+            recover_interrupted_writes(self.config)
             return self._train(resume=resume, overwrite=overwrite)
 
     def _train(self, *, resume: bool, overwrite: bool) -> TrainResult:

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lorafusion_megatron.adapters_io import replace_dir
+from lorafusion_megatron.atomic_dirs import replace_dir
 from lorafusion_megatron.checkpoint import (
     RunFingerprint,
     load_torch_file,

@@ -102,12 +102,12 @@ def _start(
         )
     from torch.multiprocessing.spawn import spawn
 
-    from lorafusion_megatron.checkpoint import remove_stale_staging
+    from lorafusion_megatron.checkpoint import recover_interrupted_writes
     from lorafusion_megatron.pipeline.failures import supervise
     from lorafusion_megatron.run_lock import run_locks
 
     with run_locks(config), tempfile.TemporaryDirectory(prefix="lorafusion-rendezvous-") as folder:
-        remove_stale_staging(config.checkpoint_dir)
+        recover_interrupted_writes(config)
         init_method = Path(folder, "store").as_uri()
         context = spawn(  # type: ignore[no-untyped-call]
             _spawned_rank,

@@ -101,19 +101,20 @@ def _run_lock_on_rank_zero(config: TrainerConfig, layout: Layout) -> Iterator[No
     """The run's locks (:func:`run_locks`), held by global rank 0 inside the block; a refusal is raised on every rank.
 
     Under ``torchrun`` no launcher process of this package holds it, so rank 0 does, and deletes
-    the staging folders a killed run left (as the local launcher and the single-process trainer do).
+    the staging folders a killed run left and finishes its cut replaces (as the local launcher and the
+    single-process trainer do).
 
     Raises:
         TrainerError: Another run holds the lock (on every rank).
     """
-    from lorafusion_megatron.checkpoint import remove_stale_staging
+    from lorafusion_megatron.checkpoint import recover_interrupted_writes
     from lorafusion_megatron.run_lock import run_locks
 
     with contextlib.ExitStack() as held:
 
         def take() -> None:
             held.enter_context(run_locks(config))
-            remove_stale_staging(config.checkpoint_dir)
+            recover_interrupted_writes(config)
 
         _rank_zero_decides(layout, take)
         yield
