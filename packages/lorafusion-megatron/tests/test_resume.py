@@ -196,6 +196,30 @@ def test_a_longer_run_is_refused_with_what_to_do_instead(make_config) -> None:
         Trainer(other).train(resume=True)
 
 
+def test_a_resume_onto_other_base_weights_is_refused(make_config, tiny_base: Path, tmp_path: Path) -> None:
+    """The base model's folder holds other weights at the resume (same path, same config): refused."""
+    from transformers import AutoModelForCausalLM
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_base, base)
+    config = make_config(
+        base_model={"model_name_or_path": str(base), "dtype": "float32", "attn_implementation": "sdpa"}
+    )
+    assert Trainer(config, stop=StopAfter(2)).train().interrupted
+    original = (base / "model.safetensors").read_bytes()
+    other = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        for param in other.parameters():
+            param.add_(0.01)  # another fine-tune of the same model: same shapes and files
+    other.save_pretrained(base)
+    with pytest.raises(
+        TrainerError, match=rf"checkpoint .* was trained on other base weights: the weight files in {base}"
+    ):
+        Trainer(config).train(resume=True)
+    (base / "model.safetensors").write_bytes(original)
+    assert not Trainer(config).train(resume=True).interrupted
+
+
 def test_a_run_started_afresh_after_a_finished_one_is_resumed(make_config) -> None:
     """--overwrite keeps the finished run's summary.json until it ends: its checkpoint, not that summary, counts."""
     config = make_config()

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from lorafusion_megatron.adapters_io import save_adapter
 from lorafusion_megatron.atomic_dirs import replace_dir, restore_interrupted_replace
+from lorafusion_megatron.base_fingerprint import base_weights_fingerprint
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.planning import plan_from_json
 from lorafusion_megatron.run_layout import PROFILE_REPORT
@@ -98,16 +99,24 @@ class RunFingerprint:
             (:func:`~lorafusion_megatron.config.fingerprinted_config`); a checkpoint stores it, so a
             resume with another config can be told which keys changed.
         data_by_job: Per job, the hash of its training samples (empty where the data was not read).
+        base_weights: The hash of the base model's weight files
+            (:func:`~lorafusion_megatron.base_fingerprint.base_weights_fingerprint`; ``None`` for a preset).
     """
 
     value: str
     config: Mapping[str, Any]
     data_by_job: Mapping[str, str] = field(default_factory=dict)
     """Per job, the hash of its training samples (so a refusal can name the jobs whose data changed)."""
+    base_weights: str | None = None
 
     def to_meta(self) -> dict[str, Any]:
-        """The ``fingerprint``, ``config`` and ``data_by_job`` entries of a checkpoint's ``trainer_state.json``."""
-        return {"fingerprint": self.value, "config": dict(self.config), "data_by_job": dict(self.data_by_job)}
+        """The ``fingerprint``, ``config``, ``data_by_job`` and ``base_weights`` entries of a ``trainer_state.json``."""
+        return {
+            "fingerprint": self.value,
+            "config": dict(self.config),
+            "data_by_job": dict(self.data_by_job),
+            "base_weights": self.base_weights,
+        }
 
 
 def _checkpoints(directory: Path) -> list[tuple[int, Path]]:
@@ -276,6 +285,14 @@ def read_checkpoint_meta(path: Path, *, fingerprint: RunFingerprint) -> dict[str
             meta, fingerprint, remedy="restore that config, or train without --resume into a new output_dir"
         )
         raise TrainerError(f"checkpoint {path} was written by a run with {refusal}" + _profile_hint(path))
+    stored_base = meta.get("base_weights")  # absent from checkpoints of earlier versions
+    if stored_base and fingerprint.base_weights and stored_base != fingerprint.base_weights:
+        base = fingerprint.config.get("base_model", {}).get("model_name_or_path", "the base model's folder")
+        raise TrainerError(
+            f"checkpoint {path} was trained on other base weights: the weight files in {base} are not those "
+            "the run started with (another model, revision or fine-tune under the same path): restore them, "
+            "or train without --resume into a new output_dir"
+        )
     return meta
 
 
@@ -332,7 +349,7 @@ def config_refusal(meta: Mapping[str, Any], fingerprint: RunFingerprint, *, reme
 
 
 def run_fingerprint(config: TrainerConfig, jobs: Mapping[str, JobData] | None) -> RunFingerprint:
-    """What a checkpoint of this run records and a resume must match: the config and the training data.
+    """What a checkpoint of this run records and a resume must match: config, training data, base weights.
 
     A checkpoint of an older version holds the config's part of the value only, and is checked on
     that part. ``jobs=None`` leaves the data's part empty, so a check compares the config alone
@@ -344,7 +361,10 @@ def run_fingerprint(config: TrainerConfig, jobs: Mapping[str, JobData] | None) -
     data = "" if jobs is None else data_fingerprint(jobs)
     by_job = {} if jobs is None else {name: data_fingerprint({name: job}) for name, job in jobs.items()}
     return RunFingerprint(
-        value=f"{config_fingerprint(config)}/{data}", config=fingerprinted_config(config), data_by_job=by_job
+        value=f"{config_fingerprint(config)}/{data}",
+        config=fingerprinted_config(config),
+        data_by_job=by_job,
+        base_weights=base_weights_fingerprint(config.base_model.model_name_or_path),
     )
 
 
