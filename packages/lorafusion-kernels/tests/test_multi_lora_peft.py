@@ -463,10 +463,10 @@ def test_an_adapter_that_cannot_train_is_named_once(
 
 def test_a_name_no_layer_holds_is_named_once(patched_model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
     """A misspelt adapter name would leave its tokens on the frozen model (and its adapter untrained)."""
-    from lorafusion_kernels import multi_lora_routing
+    from lorafusion_kernels import multi_lora_context
     from lorafusion_kernels.errors import OnceWarnings
 
-    monkeypatch.setattr(multi_lora_routing, "_WARNED_UNHELD", OnceWarnings())
+    monkeypatch.setattr(multi_lora_context, "_WARNED_UNHELD", OnceWarnings())
     batch, names = row_batch()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", LoRAFusionKernelsWarning)
@@ -483,10 +483,10 @@ def test_a_name_no_layer_holds_is_named_once(patched_model: torch.nn.Module, mon
 
 def test_a_block_on_an_unpatched_model_is_warned_about(monkeypatch: pytest.MonkeyPatch) -> None:
     """PEFT's own layers ignore the block: every token got the active adapter, silently."""
-    from lorafusion_kernels import multi_lora_routing
+    from lorafusion_kernels import multi_lora_context
     from lorafusion_kernels.errors import OnceWarnings
 
-    monkeypatch.setattr(multi_lora_routing, "_WARNED_UNHELD", OnceWarnings())
+    monkeypatch.setattr(multi_lora_context, "_WARNED_UNHELD", OnceWarnings())
     model = tiny_peft_model()
     unpatched = pytest.warns(LoRAFusionKernelsWarning, match="no patched module ran inside multi_lora_batch")
     with unpatched, multi_lora_batch(*row_batch()):

@@ -10,7 +10,7 @@ from lorafusion_kernels.errors import LoRAFusionKernelsError, LoRAFusionKernelsW
 from lorafusion_kernels.lora import FusedLoRALinear, fused_lora_linear
 from lorafusion_kernels.metadata import MultiLoRABatch
 from lorafusion_kernels.multi_lora import fused_multi_lora_linear
-from lorafusion_kernels.multi_lora_routing import (
+from lorafusion_kernels.multi_lora_context import (
     multi_lora_batch,
     multi_lora_checkpoint_contexts,
     routed_checkpoint_function,

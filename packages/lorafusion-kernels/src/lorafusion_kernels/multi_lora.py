@@ -23,8 +23,9 @@ split by job: :mod:`~lorafusion_kernels.multi_lora_params` prepares a call on th
 values and their device tables, seeds, the stacked adapters), :mod:`~lorafusion_kernels.multi_lora_core`
 runs the kernels forward and backward, and :mod:`~lorafusion_kernels.multi_lora_autograd` wires them
 into autograd and ``torch.compile``. The runtime hook
-:func:`~lorafusion_kernels.multi_lora_routing.multi_lora_batch` and the PEFT routing of mixed-adapter
-batches live in :mod:`lorafusion_kernels.multi_lora_routing`.
+:func:`~lorafusion_kernels.multi_lora_context.multi_lora_batch` lives in
+:mod:`lorafusion_kernels.multi_lora_context`, the PEFT routing of mixed-adapter batches in
+:mod:`lorafusion_kernels.multi_lora_routing`.
 """
 
 from __future__ import annotations

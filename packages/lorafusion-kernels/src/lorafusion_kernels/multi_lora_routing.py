@@ -9,10 +9,8 @@ PEFT's own ``adapter_names=`` mixed batches, which PEFT itself refuses in traini
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,253 +24,23 @@ from lorafusion_kernels.instance_forward import bind_forward, unbind_forward
 from lorafusion_kernels.metadata import MultiLoRABatch
 from lorafusion_kernels.module_hooks import parts_wrapped
 from lorafusion_kernels.multi_lora import fused_multi_lora_linear
+from lorafusion_kernels.multi_lora_context import (
+    ACTIVE_ROWS,
+    BASE_ADAPTER,
+    active_routing,
+    captured_routing,
+    route_checkpoints,
+    unroute_checkpoints,
+)
 from lorafusion_kernels.peft_siblings import sibling_forward
 from lorafusion_kernels.peft_wrappers import segment_wrapper_forward, wrong_copy_error
 
 __all__ = [
-    "BASE_ADAPTER",
     "install_peft_mixed_batches",
-    "multi_lora_batch",
-    "multi_lora_checkpoint_contexts",
     "multi_lora_router",
     "peft_multi_lora_forward",
-    "routed_checkpoint",
-    "routed_checkpoint_function",
     "uninstall_peft_mixed_batches",
 ]
-
-BASE_ADAPTER = "__base__"
-"""PEFT's name for "no adapter" in ``adapter_names``: those tokens get the frozen layer only."""
-
-
-@dataclass
-class _Routing:
-    batch: MultiLoRABatch
-    adapter_names: tuple[str, ...]
-    on_device: dict[torch.device, MultiLoRABatch]
-    held: set[str] = field(default_factory=set)
-    """The adapter names held by the LoRA layers that ran inside the block (to catch a misspelt name)."""
-    reached: bool = False
-    """Whether a patched module (model, LoRA layer, wrapper) looked the routing up: else the model is unpatched."""
-
-    def batch_on(self, device: torch.device) -> MultiLoRABatch:
-        if device not in self.on_device:
-            self.on_device[device] = self.batch.to(device)
-        return self.on_device[device]
-
-
-_ACTIVE: contextvars.ContextVar[_Routing | None] = contextvars.ContextVar("lorafusion_multi_lora_batch", default=None)
-_ACTIVE_ROWS: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
-    "lorafusion_adapter_names", default=None
-)
-"""PEFT's ``adapter_names=`` of the model call running in training mode, for recomputed forwards.
-
-PEFT hands ``adapter_names`` to each LoRA layer through hooks that live only during the model call;
-a checkpointed layer recomputed in the backward finds them here (re-entered with the routing).
-"""
-
-_Captured = tuple[_Routing | None, tuple[str, ...] | None]
-
-
-def _captured() -> _Captured:
-    return _ACTIVE.get(), _ACTIVE_ROWS.get()
-
-
-def _active_routing() -> _Routing | None:
-    """The routing of the enclosing :func:`multi_lora_batch`, marked as reached by a patched module."""
-    routing = _ACTIVE.get()
-    if routing is not None:
-        routing.reached = True
-    return routing
-
-
-@contextlib.contextmanager
-def multi_lora_batch(batch: MultiLoRABatch, adapter_names: Sequence[str]) -> Iterator[MultiLoRABatch]:
-    """Route every patched PEFT ``lora.Linear`` through FusedMultiLoRA for one microbatch's forward.
-
-    Inside the block, each PEFT ``lora.Linear`` of a model patched with
-    :func:`lorafusion_kernels.patch_peft_model` flattens its input ``[..., K]`` to ``[T, K]`` (``T``
-    must equal ``batch.total_tokens``, else :class:`LoRAFusionKernelsError`) and treats it as the
-    batch's segments: segment ``j`` uses the PEFT adapter named
-    ``adapter_names[batch.segment_adapters[j]]`` with that layer's own ``lora_A``/``lora_B``
-    weights, ``scaling`` and ``lora_dropout`` p (p applies only while the layer is in training mode).
-    The name ``"__base__"``, or an adapter that a layer does not have, means "frozen layer only" for
-    those tokens (as in PEFT's ``adapter_names=``); a name with tokens that no layer run inside the
-    block holds (misspelt?) is warned about once, when the block exits, and so is a block in which
-    no patched module ran (an unpatched model). Works in training and eval
-    mode, on CPU (plain torch) and CUDA fp16/bf16 (Triton). Autograd saves what the backward needs:
-    the context is needed only while the forward runs, so ``loss.backward()`` may run after the block.
-    PEFT's ``modules_to_save`` and trainable-token wrappers around ``nn.Linear`` and ``nn.Embedding``
-    (``lm_head``, a ``SEQ_CLS`` head, ``embed_tokens``) give each segment's tokens the copy of its
-    adapter; one around another module whose single copy would be wrong for an adapter with tokens
-    raises :class:`LoRAFusionKernelsError` when it is called inside the block.
-
-    Trainer usage (one microbatch, adapters of the run listed once in a fixed order)::
-
-        batch = MultiLoRABatch.from_segments(lengths, adapter_ids, num_adapters=len(names), device="cuda")
-        with lorafusion_kernels.multi_lora_batch(batch, names):
-            logits = model(input_ids=packed_ids, position_ids=position_ids)  # [1, T] packed tokens
-        loss.backward()
-
-    Recomputed forwards (activation checkpointing) must see the same segments. HF models'
-    checkpointing (``gradient_checkpointing_enable``, reentrant or not, before or after patching)
-    replays the routing by itself: ``patch_peft_model`` wraps the models' checkpoint function
-    (:func:`routed_checkpoint`). Around a direct ``torch.utils.checkpoint.checkpoint`` call, wrap the
-    function (``checkpoint(routed_checkpoint_function(block), h, ...)``) or, with
-    ``use_reentrant=False``, pass ``context_fn=multi_lora_checkpoint_contexts``.
-
-    Args:
-        batch: The microbatch's segments, built once with :meth:`MultiLoRABatch.from_segments`.
-        adapter_names: PEFT adapter name of each adapter index (at least ``batch.num_adapters`` names).
-
-    Yields:
-        ``batch``.
-
-    Raises:
-        LoRAFusionKernelsError: Fewer names than the batch's adapters.
-    """
-    names = tuple(adapter_names)
-    if isinstance(adapter_names, str) or len(names) < batch.num_adapters:
-        raise LoRAFusionKernelsError(
-            f"adapter_names must list one PEFT adapter name per adapter index "
-            f"({batch.num_adapters} needed), got {adapter_names!r}"
-        )
-    routing = _Routing(batch, names, {batch.device: batch})
-    token = _ACTIVE.set(routing)
-    try:
-        yield batch
-    finally:
-        _ACTIVE.reset(token)
-    _warn_unheld_names(routing)
-
-
-_WARNED_UNHELD = OnceWarnings()
-
-
-def _warn_unheld_names(routing: _Routing) -> None:
-    """Once per name: an adapter with tokens that no LoRA layer of the block held (a misspelt name?).
-
-    A block in which no patched module (model, LoRA layer, PEFT wrapper) ran at all is warned about
-    too: PEFT's own layers of an unpatched model ignore the block and give every token the active
-    adapter.
-    """
-    if not routing.reached:
-        _WARNED_UNHELD.warn(
-            "lorafusion: no patched module ran inside multi_lora_batch, so nothing was routed by "
-            "adapter: call lorafusion_kernels.patch_peft_model(model) first (an unpatched PEFT model gives "
-            "every token its active adapter), and run the model's forward inside the block"
-        )
-    if not routing.held:
-        return  # no LoRA layer ran (only wrappers, or an error was caught inside the block)
-    batch = routing.batch
-    for a in batch.active_adapters:
-        name = routing.adapter_names[a]
-        if name != BASE_ADAPTER and name not in routing.held:
-            _WARNED_UNHELD.warn(
-                f"lorafusion: adapter {name!r} (index {a}) has {batch.adapter_tokens[a]} tokens in a "
-                f"multi_lora_batch, but no LoRA layer that ran holds an adapter of that name (they hold "
-                f"{sorted(routing.held)}), so its tokens got the frozen model only; check adapter_names "
-                f"(name {BASE_ADAPTER!r} to mean the frozen model on purpose)",
-            )
-
-
-def multi_lora_checkpoint_contexts() -> tuple[
-    contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]
-]:
-    """``context_fn`` for ``torch.utils.checkpoint.checkpoint``: the recomputation sees the same segments.
-
-    Called by the checkpoint at forward time, it captures the routing active then (if any) and
-    re-enters it around the recomputation in the backward, when :func:`multi_lora_batch` has long
-    exited (and another microbatch's routing may be active)::
-
-        torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False, context_fn=multi_lora_checkpoint_contexts)
-
-    Returns:
-        ``(forward context, recompute context)``.
-    """
-    return contextlib.nullcontext(), _reenter(_captured())
-
-
-@contextlib.contextmanager
-def _reenter(captured: _Captured) -> Iterator[None]:
-    routing, rows = captured
-    token, rows_token = _ACTIVE.set(routing), _ACTIVE_ROWS.set(rows)
-    try:
-        yield
-    finally:
-        _ACTIVE_ROWS.reset(rows_token)
-        _ACTIVE.reset(token)
-
-
-_UNROUTED = "_lorafusion_unrouted_checkpoint"
-"""Attribute of a :func:`routed_checkpoint` wrapper: the checkpoint function it wraps."""
-_CHECKPOINT_SETTER = "_set_gradient_checkpointing"
-"""HF ``PreTrainedModel`` method that sets every layer's ``_gradient_checkpointing_func``."""
-
-
-def routed_checkpoint_function(function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function`` made to run, each time it is called, under the routing active when this was called.
-
-    For ``torch.utils.checkpoint.checkpoint`` (reentrant or not), whose recomputation in the backward
-    runs after :func:`multi_lora_batch` or the ``adapter_names=`` call has exited::
-
-        h = torch.utils.checkpoint.checkpoint(routed_checkpoint_function(block), h, use_reentrant=True)
-    """
-    captured = _captured()
-    if captured == (None, None):
-        return function
-
-    @functools.wraps(function)
-    def replayed(*args: Any, **kwargs: Any) -> Any:
-        with _reenter(captured):
-            return function(*args, **kwargs)
-
-    return replayed
-
-
-def routed_checkpoint(checkpoint: Callable[..., Any]) -> Callable[..., Any]:
-    """A checkpoint function (``checkpoint(function, *args, **kwargs)``) that replays the routing.
-
-    ``patch_peft_model`` sets HF models' ``_gradient_checkpointing_func`` to this wrapper of theirs,
-    so a decoder layer recomputed in the backward sees the segments it saw in the forward. Wrapping
-    twice returns the same wrapper.
-    """
-    if hasattr(checkpoint, _UNROUTED):
-        return checkpoint
-
-    @functools.wraps(checkpoint)
-    def checkpoint_with_routing(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(routed_checkpoint_function(function), *args, **kwargs)
-
-    setattr(checkpoint_with_routing, _UNROUTED, checkpoint)
-    return checkpoint_with_routing
-
-
-def _route_checkpoints(model: nn.Module) -> None:
-    """Wrap every HF checkpoint function of ``model`` now, and whenever checkpointing is enabled later."""
-    for module in model.modules():
-        func = getattr(module, "_gradient_checkpointing_func", None)
-        if callable(func):
-            setattr(module, "_gradient_checkpointing_func", routed_checkpoint(func))  # noqa: B010 (not a typed field)
-        setter = getattr(module, _CHECKPOINT_SETTER, None)
-        if callable(setter) and _CHECKPOINT_SETTER not in vars(module):
-            setattr(module, _CHECKPOINT_SETTER, functools.partial(_set_checkpointing_routed, module, setter))
-
-
-def _set_checkpointing_routed(model: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """HF's ``_set_gradient_checkpointing``, then the checkpoint functions it set wrapped."""
-    result = original(*args, **kwargs)
-    _route_checkpoints(model)
-    return result
-
-
-def _unroute_checkpoints(model: nn.Module) -> None:
-    for module in model.modules():
-        func = getattr(module, "_gradient_checkpointing_func", None)
-        if hasattr(func, _UNROUTED):
-            setattr(module, "_gradient_checkpointing_func", getattr(func, _UNROUTED))  # noqa: B010
-        if _CHECKPOINT_SETTER in vars(module):
-            delattr(module, _CHECKPOINT_SETTER)
 
 
 def _rows_to_batch(layer: Any, x: torch.Tensor, adapter_names: Sequence[str]) -> tuple[MultiLoRABatch, tuple[str, ...]]:
@@ -336,11 +104,11 @@ def peft_multi_lora_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: A
     """
     adapter_names = kwargs.pop("adapter_names", None)
     if adapter_names is None:
-        adapter_names = _ACTIVE_ROWS.get()  # a recomputed forward: PEFT's per-call hooks are gone
+        adapter_names = ACTIVE_ROWS.get()  # a recomputed forward: PEFT's per-call hooks are gone
     if adapter_names is not None:
         batch, names = _rows_to_batch(layer, x, adapter_names)
     else:
-        routing = _active_routing()
+        routing = active_routing()
         if routing is None:
             return None
         batch, names = routing.batch_on(x.device), routing.adapter_names
@@ -504,12 +272,12 @@ def _mixed_batch_hooks(lora_model: Any, original: Any, *args: Any, **kwargs: Any
     finally:
         if mixed_training:
             lora_model.training = True
-    token = _ACTIVE_ROWS.set(tuple(adapter_names)) if mixed_training else None
+    token = ACTIVE_ROWS.set(tuple(adapter_names)) if mixed_training else None
     try:
         yield
     finally:
         if token is not None:
-            _ACTIVE_ROWS.reset(token)
+            ACTIVE_ROWS.reset(token)
         # As if the call had succeeded: PEFT's generator removes its per-call hooks after its
         # ``yield`` without a ``finally``, so an error thrown into it would leave them on the model.
         hooks.__exit__(None, None, None)
@@ -534,7 +302,7 @@ def multi_lora_router(layer: Any, x: torch.Tensor, kwargs: dict[str, Any]) -> An
     """
     from lorafusion_kernels.peft_integration import Route
 
-    if kwargs.get("adapter_names") is None and _captured() == (None, None):
+    if kwargs.get("adapter_names") is None and captured_routing() == (None, None):
         return None
     return Route(_routed_forward, extra_args=True)
 
@@ -554,7 +322,7 @@ def _unpatched_guard(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     ``lora.Linear``. This includes layers whose ``forward`` hooks (e.g. accelerate's) wrapped before
     patching: the forward hook still sees the call's arguments.
     """
-    if kwargs.get("adapter_names") is not None or _captured() == (None, None):
+    if kwargs.get("adapter_names") is not None or captured_routing() == (None, None):
         return None
     from peft.tuners.lora.layer import Linear
 
@@ -583,7 +351,7 @@ def _wrapper_forward(wrapper: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
     peft_forward: Callable[..., torch.Tensor] = type(wrapper).forward
     if kwargs.get("adapter_names") is None:
         kwargs.pop("adapter_names", None)  # an explicit None means no names, as in PEFT
-        rows, routing = _ACTIVE_ROWS.get(), _active_routing()
+        rows, routing = ACTIVE_ROWS.get(), active_routing()
         if rows is not None:
             kwargs = {**kwargs, "adapter_names": list(rows)}
         elif routing is not None:
@@ -602,10 +370,10 @@ def _wrapper_guard(
     """
     if kwargs.get("adapter_names") is not None:
         return None
-    rows = _ACTIVE_ROWS.get()
+    rows = ACTIVE_ROWS.get()
     if rows is not None:
         return args, {**kwargs, "adapter_names": list(rows)}
-    routing = _active_routing()
+    routing = active_routing()
     if routing is not None:
         why = "its forward is wrapped by hooks (e.g. accelerate offloading), so multi_lora_batch cannot route it"
         error = wrong_copy_error(wrapper, routing.batch, routing.adapter_names, why)
@@ -640,7 +408,7 @@ class _LateLayerCheck:
         self.handle: Any = None
 
     def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if _active_routing() is None and (kwargs.get("adapter_names") is None or not model.training):
+        if active_routing() is None and (kwargs.get("adapter_names") is None or not model.training):
             return
         config = getattr(model, "peft_config", None)
         adapters = tuple(config) if isinstance(config, dict) else None
@@ -698,7 +466,7 @@ def install_peft_mixed_batches(model: nn.Module) -> None:
     if lora_model is not None and "_enable_peft_forward_hooks" not in vars(lora_model):
         original = lora_model._enable_peft_forward_hooks
         lora_model._enable_peft_forward_hooks = functools.partial(_mixed_batch_hooks, lora_model, original)
-    _route_checkpoints(model)
+    route_checkpoints(model)
     for path, named in model.named_modules():
         if isinstance(named, LoraLayer | AuxiliaryTrainingWrapper):
             setattr(named, MODULE_PATH, path)
@@ -725,7 +493,7 @@ def uninstall_peft_mixed_batches(model: nn.Module) -> None:
     lora_model = _lora_model(model)
     if lora_model is not None and "_enable_peft_forward_hooks" in vars(lora_model):
         del lora_model._enable_peft_forward_hooks
-    _unroute_checkpoints(model)
+    unroute_checkpoints(model)
     check = vars(model).pop(_LATE_CHECK, None)
     if check is not None:
         check.handle.remove()

@@ -200,7 +200,8 @@ def _group_arguments(
     group: SiblingGroup, x: torch.Tensor, batch: MultiLoRABatch, names: Sequence[str]
 ) -> dict[str, Any] | None:
     """``fused_multi_lora_siblings`` arguments for the group, or None if any member must run alone."""
-    from lorafusion_kernels.multi_lora_routing import BASE_ADAPTER, _dropout_p, _fusable, _no_adapter
+    from lorafusion_kernels.multi_lora_context import BASE_ADAPTER
+    from lorafusion_kernels.multi_lora_routing import _dropout_p, _fusable, _no_adapter
 
     # Per adapter index, the adapter name its tokens use; None: no tokens, or the frozen layer only.
     active = [
