@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lorafusion_megatron.base_fingerprint import SAMPLE_BYTES, SAMPLES, base_weights_fingerprint
+from lorafusion_megatron.base_fingerprint import PRESET_WEIGHTS, SAMPLE_BYTES, SAMPLES, base_weights_fingerprint
 
 
 def _safetensors(path: Path, data: bytes) -> None:
@@ -41,8 +41,8 @@ def test_the_same_weights_anywhere_hash_the_same(model: Path, tmp_path: Path) ->
     assert base_weights_fingerprint(str(tmp_path / "moved")) == fingerprint
 
 
-def test_presets_and_missing_folders_have_no_weights_to_hash(tmp_path: Path) -> None:
-    assert base_weights_fingerprint("tiny") is None
+def test_presets_say_how_their_weights_are_drawn_and_missing_folders_give_none(tmp_path: Path) -> None:
+    assert base_weights_fingerprint("tiny") == PRESET_WEIGHTS
     assert base_weights_fingerprint(str(tmp_path / "missing")) is None
 
 

@@ -70,6 +70,18 @@ def test_every_schedule_ends_with_the_trainers_adapters(tiny_base: Path, tmp_pat
     _assert_same_adapters(Path(config.output_dir) / "adapters", Path(reference.output_dir) / "adapters")
 
 
+def test_a_preset_is_one_model_in_both_runtimes(tmp_path: Path) -> None:
+    """Regression: the single-process trainer drew a preset's weights in one sequence from the seed, the
+    pipeline each tensor from its name, so one config trained two different models (first loss 6.256 and 6.186)."""
+    from lorafusion_megatron.pipeline.worker import run_rank
+
+    reference = _config(Path("tiny"), tmp_path / "trainer")
+    Trainer(reference).train()
+    config = _config(Path("tiny"), tmp_path / "pipeline")
+    run_rank(config, ParallelConfig(), backend="gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
+    _assert_same_adapters(Path(config.output_dir) / "adapters", Path(reference.output_dir) / "adapters")
+
+
 def test_the_summary_lists_the_steps_job_by_job_in_the_configs_order() -> None:
     """They came in the order the steps ran, so the jobs (and the printed table's rows) in no order of the config's."""
     from lorafusion_megatron.pipeline.engine import EngineStats, StepRecord

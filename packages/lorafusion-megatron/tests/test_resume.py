@@ -220,6 +220,22 @@ def test_a_resume_onto_other_base_weights_is_refused(make_config, tiny_base: Pat
     assert not Trainer(config).train(resume=True).interrupted
 
 
+def test_a_single_process_preset_checkpoint_of_an_earlier_version_is_refused(make_config) -> None:
+    """Earlier versions drew a preset's weights otherwise in the single-process trainer: resuming would
+    continue the adapters on another base model."""
+    config = make_config()
+    assert Trainer(config, stop=StopAfter(2)).train().interrupted
+    checkpoint = latest_checkpoint(config.checkpoint_dir)
+    assert checkpoint is not None
+    state = checkpoint / "trainer_state.json"
+    meta = json.loads(state.read_text())
+    assert meta["base_weights"] == "preset-drawn-per-tensor-name"
+    del meta["base_weights"]  # as an earlier version wrote it
+    state.write_text(json.dumps(meta))
+    with pytest.raises(TrainerError, match=r"written by an earlier version, whose single-process trainer drew preset"):
+        Trainer(config).train(resume=True)
+
+
 def test_a_run_started_afresh_after_a_finished_one_is_resumed(make_config) -> None:
     """--overwrite keeps the finished run's summary.json until it ends: its checkpoint, not that summary, counts."""
     config = make_config()

@@ -18,8 +18,14 @@ from pathlib import Path
 
 from lorafusion_megatron.presets import PRESETS
 
-__all__ = ["SAMPLES", "SAMPLE_BYTES", "WEIGHT_SUFFIXES", "base_weights_fingerprint"]
+__all__ = ["PRESET_WEIGHTS", "SAMPLES", "SAMPLE_BYTES", "WEIGHT_SUFFIXES", "base_weights_fingerprint"]
 
+PRESET_WEIGHTS = "preset-drawn-per-tensor-name"
+"""What a preset's weights record: drawn per tensor name from the run's seed (in both runtimes).
+
+Until this was recorded, the single-process trainer drew a preset's weights otherwise (in one
+sequence from the global seed), so its checkpoints of a preset run cannot be resumed now.
+"""
 SAMPLES = 64
 """Blocks read from each weight file."""
 SAMPLE_BYTES = 4096
@@ -31,13 +37,16 @@ _MAX_HEADER = 100 * 2**20
 
 
 def base_weights_fingerprint(model_name_or_path: str) -> str | None:
-    """16 hex digits of the weight files in the folder ``model_name_or_path``; ``None`` for a preset.
+    """16 hex digits of the weight files in the folder ``model_name_or_path``.
 
-    A preset's weights are drawn from the run's seed, which the config fingerprint already holds. A
-    missing folder gives ``None`` too: loading the model says what is wrong with the path.
+    A preset's weights are drawn from the run's seed, which the config fingerprint already holds:
+    :data:`PRESET_WEIGHTS` says how. A missing folder gives ``None``: loading the model says what
+    is wrong with the path.
     """
+    if model_name_or_path in PRESETS:
+        return PRESET_WEIGHTS
     folder = Path(model_name_or_path)
-    if model_name_or_path in PRESETS or not folder.is_dir():
+    if not folder.is_dir():
         return None
     digest = hashlib.sha256()
     for path in sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()):

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from lorafusion_megatron.adapters_io import save_adapter
 from lorafusion_megatron.atomic_dirs import replace_dir, restore_interrupted_replace
-from lorafusion_megatron.base_fingerprint import base_weights_fingerprint
+from lorafusion_megatron.base_fingerprint import PRESET_WEIGHTS, base_weights_fingerprint
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.planning import plan_from_json
 from lorafusion_megatron.run_layout import PROFILE_REPORT
@@ -99,8 +99,8 @@ class RunFingerprint:
             (:func:`~lorafusion_megatron.config.fingerprinted_config`); a checkpoint stores it, so a
             resume with another config can be told which keys changed.
         data_by_job: Per job, the hash of its training samples (empty where the data was not read).
-        base_weights: The hash of the base model's weight files
-            (:func:`~lorafusion_megatron.base_fingerprint.base_weights_fingerprint`; ``None`` for a preset).
+        base_weights: The hash of the base model's weight files, or how a preset's are drawn
+            (:func:`~lorafusion_megatron.base_fingerprint.base_weights_fingerprint`).
     """
 
     value: str
@@ -148,8 +148,8 @@ def checkpoint_to_resume(directory: Path, *, resume: bool) -> Path | None:
         raise TrainerError(f"--resume: no checkpoint in {directory}; train without --resume to start afresh")
     if not resume and found is not None:
         raise TrainerError(
-            f"{directory} holds checkpoints of an earlier run: continue it with --resume, or "
-            "choose another output_dir (or delete that folder) to start afresh"
+            f"{directory} holds checkpoints of an earlier run: continue it with --resume, or choose another "
+            "output_dir, or delete that folder to start afresh here (--overwrite never deletes checkpoints)"
         )
     return found
 
@@ -285,15 +285,29 @@ def read_checkpoint_meta(path: Path, *, fingerprint: RunFingerprint) -> dict[str
             meta, fingerprint, remedy="restore that config, or train without --resume into a new output_dir"
         )
         raise TrainerError(f"checkpoint {path} was written by a run with {refusal}" + _profile_hint(path))
-    stored_base = meta.get("base_weights")  # absent from checkpoints of earlier versions
-    if stored_base and fingerprint.base_weights and stored_base != fingerprint.base_weights:
-        base = fingerprint.config.get("base_model", {}).get("model_name_or_path", "the base model's folder")
+    _check_base_weights(path, meta, fingerprint)
+    return meta
+
+
+def _check_base_weights(path: Path, meta: Mapping[str, Any], fingerprint: RunFingerprint) -> None:
+    """Refuse a checkpoint trained on other base weights than this run's (where both record them)."""
+    from lorafusion_megatron.pipeline.checkpoint import PIPELINE_FORMAT
+
+    stored = meta.get("base_weights")  # absent from checkpoints of earlier versions
+    base = fingerprint.config.get("base_model", {}).get("model_name_or_path")
+    if fingerprint.base_weights == PRESET_WEIGHTS:
+        if stored != PRESET_WEIGHTS and meta.get("format") != PIPELINE_FORMAT:
+            raise TrainerError(
+                f"checkpoint {path} was written by an earlier version, whose single-process trainer drew preset "
+                f"{base}'s random weights otherwise than this one (now each tensor from its name, as the pipeline "
+                "runtime does): it cannot be resumed; train without --resume into a new output_dir"
+            )
+    elif stored and fingerprint.base_weights and stored != fingerprint.base_weights:
         raise TrainerError(
             f"checkpoint {path} was trained on other base weights: the weight files in {base} are not those "
             "the run started with (another model, revision or fine-tune under the same path): restore them, "
             "or train without --resume into a new output_dir"
         )
-    return meta
 
 
 def config_match(meta: Mapping[str, Any], fingerprint: RunFingerprint) -> Literal["same", "moved", "other"]:

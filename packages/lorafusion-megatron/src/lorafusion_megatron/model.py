@@ -120,6 +120,9 @@ def build_base_model(
 ) -> PreTrainedModel:
     """Load (or, for a preset, build with seeded random weights) the base model, frozen, on ``device``.
 
+    A preset's weights are :func:`~lorafusion_megatron.pipeline.weights.init_random`'s, each tensor
+    drawn from its name and ``seed``: the same model as the pipeline runtime's stages build.
+
     Args:
         config: The base model section.
         device: Where the model runs.
@@ -134,11 +137,15 @@ def build_base_model(
     attn = resolve_attn_implementation(config.attn_implementation, device)
     model_config = load_model_config(config)
     if config.is_preset:
+        from lorafusion_megatron.pipeline.weights import init_random
+
         torch.manual_seed(seed)
         with device:
             model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
                 model_config, dtype=dtype, attn_implementation=attn
             )
+        # Each tensor from its name, as every pipeline stage draws its own: one model in both runtimes.
+        init_random(model.named_parameters(), seed=seed, std=float(model_config.initializer_range))
         model.name_or_path = config.model_name_or_path
     else:
         try:
