@@ -662,3 +662,18 @@ def test_a_second_ctrl_c_while_the_final_adapters_are_written_aborts_at_once(
     err = " ".join(capsys.readouterr().err.split())
     assert "interrupted at once" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "verbose"),
+    [
+        (["-v", "validate", "run.yaml"], True),
+        (["validate", "run.yaml", "-v"], True),
+        (["export", "adapter", "--output", "merged", "--verbose"], True),
+        (["validate", "run.yaml"], False),
+    ],
+)
+def test_verbose_goes_before_or_after_the_command(argv: list[str], verbose: bool) -> None:
+    from lorafusion_megatron.cli import _parser
+
+    assert _parser().parse_args(argv).verbose is verbose

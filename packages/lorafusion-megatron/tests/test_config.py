@@ -44,6 +44,17 @@ def test_unknown_key_names_the_key_and_suggests(config_dict) -> None:
     assert "base_model.dtyp: unknown key; did you mean 'dtype'?" in message
 
 
+def test_other_trainers_key_names_suggest_ours_not_a_close_spelling(config_dict) -> None:
+    # difflib alone answered "did you mean 'r'?" for lr: following it would set the LoRA rank.
+    data = config_dict()
+    data["jobs"][0].update(lr=1e-4, batch_size=8)
+    data["base_model"]["model"] = "tiny"
+    message = _error(data)
+    assert "jobs.0.lr: unknown key; did you mean 'learning_rate'?" in message
+    assert "jobs.0.batch_size: unknown key; did you mean 'global_batch_size'?" in message
+    assert "base_model.model: unknown key; did you mean 'model_name_or_path'?" in message
+
+
 @pytest.mark.parametrize(
     ("change", "expected"),
     [

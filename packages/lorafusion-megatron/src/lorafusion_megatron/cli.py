@@ -248,10 +248,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    # -v after the command too (`train run.yaml -v`); SUPPRESS keeps the one given before it.
+    verbosity = argparse.ArgumentParser(add_help=False)
+    verbosity.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log debug messages")
     commands = parser.add_subparsers(dest="command", required=True)
 
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=help_text, description=help_text, parents=[verbosity])
+
     def with_config(name: str, help_text: str) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub = command(name, help_text)
         sub.add_argument("config", type=Path, help="the run's YAML file")
         sub.add_argument(
             "--set",
@@ -287,16 +293,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_parallel_arguments(profile)
     profile.set_defaults(handler=_cmd_profile)
-    demo = commands.add_parser("demo", help="4 jobs on a tiny random LLaMA, on the CPU, in about a minute")
+    demo = command("demo", "4 jobs on a tiny random LLaMA, on the CPU, in about a minute")
     demo.add_argument("--output", required=True, type=Path, help="folder for the model, data, config and adapters")
     demo.add_argument("--samples-per-job", type=at_least_one, default=128, help="records per job (default 128)")
     demo.add_argument("--epochs", type=at_least_one, default=2, help="passes over each job's data (default 2)")
     add_parallel_arguments(demo)
     demo.set_defaults(handler=_cmd_demo)
-    export = commands.add_parser("export", help="merge an adapter into its base model's weights")
+    export = command("export", "merge an adapter into its base model's weights")
     export.add_argument("adapter", type=Path, help="a PEFT adapter folder written by train")
     export.add_argument("--output", required=True, type=Path, help="folder for the merged model")
-    export.add_argument("--base", help="base model folder or preset (default: the adapter's base_model_name_or_path)")
+    export.add_argument(
+        "--base",
+        help="base model folder (default: the adapter's base_model_name_or_path); a preset's random weights are "
+        "not saved, so an adapter trained on one cannot be merged",
+    )
     export.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty --output folder")
     export.set_defaults(handler=_cmd_export)

@@ -580,11 +580,25 @@ def _known_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]
     return []
 
 
+_OTHER_TRAINERS_NAMES = {
+    "lr": "learning_rate",
+    "rank": "r",
+    "alpha": "lora_alpha",
+    "dropout": "lora_dropout",
+    "batch_size": "global_batch_size",
+    "epochs": "num_train_epochs",
+    "steps": "max_steps",
+    "model": "model_name_or_path",
+}
+"""Keys that other trainers' configs use for a key of ours (a spelling match would mislead: ``lr`` ~ ``r``)."""
+
+
 def _format_error(error: Any) -> str:
     loc = tuple(error["loc"])
     if error["type"] == "extra_forbidden":
         known = _known_keys(TrainerConfig, loc[:-1])
-        hint = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        alias = _OTHER_TRAINERS_NAMES.get(str(loc[-1]))
+        hint = [alias] if alias in known else difflib.get_close_matches(str(loc[-1]), known, n=1)
         suggestion = f"; did you mean {hint[0]!r}?" if hint else f"; known keys: {', '.join(known)}"
         return f"{_location(loc)}: unknown key{suggestion}"
     message = str(error["msg"]).removeprefix("Value error, ")
