@@ -152,3 +152,15 @@ def test_inside_exact_stages_a_config_that_does_not_fit_raises() -> None:
         launch_fitting(kernel, (1,), BLOCK_R=128, num_stages=4)
     assert kernel.tried[3:] == [4], "neither retried nor taken from what an earlier launch remembered"
     assert launch_fitting(kernel, (1,), BLOCK_R=128, num_stages=4) == {"BLOCK_R": 128, "num_stages": 2}
+
+
+@pytest.mark.parametrize(
+    ("value", "on"),
+    [("1", True), ("true", True), ("ON", True), ("0", False), ("false", False), ("", False)],
+)
+def test_the_interpreter_flag_reads_as_triton_reads_it(
+    monkeypatch: pytest.MonkeyPatch, value: str, *, on: bool
+) -> None:
+    # TRITON_INTERPRET=false was taken as on: CPU tensors went to kernels Triton had no driver to launch.
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert common.interpreting() is on

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from collections.abc import Hashable, Iterator
 from typing import Any
@@ -28,8 +27,13 @@ ACTIVATION_DTYPES = (*SUPPORTED_DTYPES, torch.float64)
 
 
 def interpreting() -> bool:
-    """Whether Triton runs in interpreter mode (``TRITON_INTERPRET=1``), read at call time."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether Triton runs in interpreter mode (``TRITON_INTERPRET=1``), read at call time.
+
+    Triton's own reading of the variable decides (``1``, ``true``, ``on``: on; ``false``: off). A
+    reading of its own here took ``TRITON_INTERPRET=false`` as on, and sent CPU tensors to kernels
+    that Triton, not interpreting, had no driver to launch.
+    """
+    return bool(triton.knobs.runtime.interpret)
 
 
 def runs_triton(t: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
