@@ -247,6 +247,35 @@ def test_a_job_folder_is_locked_however_another_run_names_it(make_config, tmp_pa
     assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == [".adapter.lorafusion-run.lock", "adapter"]
 
 
+def test_two_runs_starting_at_once_into_one_folder_do_not_both_start(
+    make_config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run A starts into its never-used folder while run B, whose job writes A's default job folder, takes
+    its locks: B looks for other runs' locks only after its job folders', so it finds A's."""
+    from contextlib import ExitStack
+
+    from lorafusion_megatron import run_lock as module
+
+    shared = tmp_path / "a" / "adapters" / "first"
+    base = make_config(output_dir=str(tmp_path / "b"))
+    config_b = base.model_copy(
+        update={"jobs": [base.jobs[0].model_copy(update={"output_dir": str(shared)}), *base.jobs[1:]]}
+    )
+    real_locked = module._locked
+    run_a = ExitStack()
+
+    def locked_then_run_a_starts(folder: Path, name: str, what: str, **kwargs):
+        lock = real_locked(folder, name, what, **kwargs)
+        if name.startswith(".first"):
+            run_a.enter_context(run_lock(tmp_path / "a"))  # A takes its run lock right then
+        return lock
+
+    monkeypatch.setattr(module, "_locked", locked_then_run_a_starts)
+    in_use = r"the run folder holding job first's output folder, is in use"
+    with run_a, pytest.raises(TrainerError, match=in_use), run_locks(config_b):
+        pass
+
+
 @pytest.mark.parametrize("code", [errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP])
 def test_a_file_system_without_locks_runs_unlocked_with_a_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, code: int

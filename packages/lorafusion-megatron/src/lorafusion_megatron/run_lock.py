@@ -41,7 +41,7 @@ _LOCKS_UNSUPPORTED = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, er
 
 @contextmanager
 def run_locks(config: TrainerConfig) -> Iterator[None]:
-    """Hold the run lock of ``config.output_dir``, and the locks of job folders outside it, inside the block.
+    """Hold the run lock of ``config.output_dir`` and the locks of its jobs' folders inside the block.
 
     A job folder outside the run folder is locked by a file beside it, named after its real path
     (symbolic links resolved), so two runs that reach one folder by different paths take one lock;
@@ -49,29 +49,32 @@ def run_locks(config: TrainerConfig) -> Iterator[None]:
     too, since that run may write the folder as its own default. A job folder inside the run folder
     is covered by the run lock, and by the lock file beside it where one exists (none is created,
     so that the adapters' folder holds only adapters): another run that named it as its own job's
-    folder, before this run ever took its run lock, holds that file. Every run takes them in one
-    order.
+    folder, before this run ever took its run lock, holds that file. The run lock comes first, the
+    job folders' locks next, the other runs' last (so that of two runs starting at once into one
+    folder, one always finds the other's lock).
 
     Raises:
         TrainerError: Another process holds one of them (naming the folder and its process id).
     """
     run_dir = Path(config.output_dir).resolve()
-    locks: dict[Path, tuple[str, bool]] = {}  # lock file -> what it guards (for the message), create it?
-    for job in config.jobs:
-        folder = config.job_output_dir(job).resolve()
-        inside = folder.is_relative_to(run_dir)
-        locks[folder.parent / f".{folder.name}{LOCK_FILE}"] = (f"{folder}, job {job.name}'s output folder,", not inside)
-        if inside:
-            continue  # the run lock covers it from now on
-        other_run = next((parent for parent in folder.parents if (parent / LOCK_FILE).is_file()), None)
-        if other_run is not None:
-            what = f"{other_run}, the run folder holding job {job.name}'s output folder,"
-            locks[other_run / LOCK_FILE] = (what, True)
+    folders = {config.job_output_dir(job).resolve(): job.name for job in config.jobs}
     with ExitStack() as held:
         held.enter_context(run_lock(Path(config.output_dir)))
-        for lock in sorted(locks):
-            what, create = locks[lock]
-            held.enter_context(_locked(lock.parent, lock.name, what, create=create))
+        for folder in sorted(folders):
+            what = f"{folder}, job {folders[folder]}'s output folder,"
+            create = not folder.is_relative_to(run_dir)
+            held.enter_context(_locked(folder.parent, f".{folder.name}{LOCK_FILE}", what, create=create))
+        # Only now, with those held, look for the run folders around them: a run starting meanwhile
+        # into such a folder either left its lock file to be found here, or finds this run's.
+        others: dict[Path, str] = {}
+        for folder in sorted(f for f in folders if not f.is_relative_to(run_dir)):
+            other_run = next((parent for parent in folder.parents if (parent / LOCK_FILE).is_file()), None)
+            if other_run is not None:
+                others.setdefault(
+                    other_run, f"{other_run}, the run folder holding job {folders[folder]}'s output folder,"
+                )
+        for other_run in sorted(others):
+            held.enter_context(_locked(other_run, LOCK_FILE, others[other_run]))
         yield
 
 
