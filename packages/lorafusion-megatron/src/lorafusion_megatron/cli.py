@@ -293,7 +293,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_parallel_arguments(profile)
     profile.set_defaults(handler=_cmd_profile)
-    demo = command("demo", "4 jobs on a tiny random LLaMA, on the CPU, in about a minute")
+    demo = command("demo", "4 jobs on a tiny random LLaMA, on the CPU, in under a minute")
     demo.add_argument("--output", required=True, type=Path, help="folder for the model, data, config and adapters")
     demo.add_argument("--samples-per-job", type=at_least_one, default=128, help="records per job (default 128)")
     demo.add_argument("--epochs", type=at_least_one, default=2, help="passes over each job's data (default 2)")

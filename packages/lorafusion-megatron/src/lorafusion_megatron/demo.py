@@ -1,4 +1,4 @@
-"""``lorafusion-megatron demo``: four jobs on a tiny random LLaMA, on the CPU, in about a minute.
+"""``lorafusion-megatron demo``: four jobs on a tiny random LLaMA, on the CPU, in under a minute.
 
 Everything is built locally: the ``tiny`` preset with random weights is saved to ``DIR/base``
 with a byte-level BPE tokenizer trained on the demo's own text, exactly as a downloaded checkpoint
