@@ -156,7 +156,7 @@ def test_inside_exact_stages_a_config_that_does_not_fit_raises() -> None:
 
 @pytest.mark.parametrize(
     ("value", "on"),
-    [("1", True), ("true", True), ("ON", True), ("0", False), ("false", False), ("", False)],
+    [("1", True), ("true", True), ("ON", True), ("yes", True), ("0", False), ("false", False), ("", False)],
 )
 def test_the_interpreter_flag_reads_as_triton_reads_it(
     monkeypatch: pytest.MonkeyPatch, value: str, *, on: bool

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Hashable, Iterator
 from typing import Any
@@ -26,14 +27,18 @@ ACTIVATION_DTYPES = (*SUPPORTED_DTYPES, torch.float64)
 """Activation dtypes the ops accept: float64 too, which runs the plain torch path in float64 on every device."""
 
 
+_TRUE_WORDS = frozenset({"1", "true", "yes", "on", "y"})
+"""The values of ``TRITON_INTERPRET`` that Triton takes as on (any case); anything else is off."""
+
+
 def interpreting() -> bool:
     """Whether Triton runs in interpreter mode (``TRITON_INTERPRET=1``), read at call time.
 
-    Triton's own reading of the variable decides (``1``, ``true``, ``on``: on; ``false``: off). A
-    reading of its own here took ``TRITON_INTERPRET=false`` as on, and sent CPU tensors to kernels
-    that Triton, not interpreting, had no driver to launch.
+    Read as Triton reads it (``TRITON_INTERPRET=false`` is off: taken as on, it sent CPU tensors
+    to kernels that Triton, not interpreting, had no driver to launch). Not through
+    ``triton.knobs``: its C++ reader stops ``torch.compile`` from tracing the ops' host code.
     """
-    return bool(triton.knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "").lower() in _TRUE_WORDS
 
 
 def runs_triton(t: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
