@@ -264,3 +264,14 @@ def test_unknown_top_level_keys_of_any_type_are_named(tmp_path: Path) -> None:
     (tmp_path / "jobs.yaml").write_text("adapters: [{name: a, sample_tokens: [5], global_batch_size: 1}]\n1: x\nz: y\n")
     with pytest.raises(SchedError, match=r"unknown top-level keys \['1', 'z'\]"):
         load_jobs(tmp_path / "jobs.yaml")
+
+
+def test_an_adapter_key_under_options_is_named_before_any_lengths_file_is_read(tmp_path: Path) -> None:
+    # It used to surface as the lengths file's error (its field unknown), the misplaced key unmentioned.
+    (tmp_path / "b.jsonl").write_text('{"text_tokens": 7}\n')
+    (tmp_path / "jobs.yaml").write_text(
+        "adapters: [{name: b, lengths_file: b.jsonl, global_batch_size: 1}]\n"
+        "options: {capacity: 64, lengths_field: text_tokens}\n"
+    )
+    with pytest.raises(SchedError, match=r"options has \['lengths_field'\], which belong in an adapter's entry"):
+        load_jobs(tmp_path / "jobs.yaml")

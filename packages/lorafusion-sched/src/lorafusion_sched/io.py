@@ -237,6 +237,10 @@ _JobsLoader.add_implicit_resolver(
 )
 
 
+_ADAPTER_KEYS = frozenset({*AdapterJob.model_fields, "lengths_file", "lengths_field"})
+"""The keys of an adapter's entry in a jobs file."""
+
+
 def load_jobs(path: str | Path) -> tuple[list[AdapterJob], PlanOptions]:
     """Jobs and options from a JSON or YAML jobs file (see the module docstring).
 
@@ -254,6 +258,12 @@ def load_jobs(path: str | Path) -> tuple[list[AdapterJob], PlanOptions]:
     unknown = sorted(str(key) for key in set(raw) - {"adapters", "options"})
     if unknown:
         raise SchedError(f"{path}: unknown top-level keys {unknown}; a jobs file has only 'adapters' and 'options'")
+    # A key of an adapter's entry under options (such as lengths_field) is named as such before the
+    # adapters' lengths files are read without it.
+    raw_options = raw.get("options") or {}
+    misplaced = sorted(set(raw_options) & _ADAPTER_KEYS) if isinstance(raw_options, dict) else []
+    if misplaced:
+        raise SchedError(f"{path}: options has {misplaced}, which belong in an adapter's entry under adapters")
     adapters = raw["adapters"]
     if not isinstance(adapters, list) or not adapters:
         raise SchedError(f"{path}: adapters must be a non-empty list")
@@ -272,7 +282,7 @@ def load_jobs(path: str | Path) -> tuple[list[AdapterJob], PlanOptions]:
         except ValidationError as err:
             raise SchedError(describe_validation_error(err, f"{path}: adapters[{i}].")) from None
     try:
-        options = PlanOptions.model_validate(raw.get("options") or {})
+        options = PlanOptions.model_validate(raw_options)
     except ValidationError as err:
         raise SchedError(describe_validation_error(err, f"{path}: options.")) from None
     return jobs, options
