@@ -24,6 +24,7 @@ from lorafusion_kernels.tuning.agreement import (
     timings_from_json,
     timings_to_json,
 )
+from lorafusion_kernels.tuning.cli import main, write_atomically
 from lorafusion_kernels.tuning.config import dumps, fallback_kernel
 from lorafusion_kernels.tuning.holdout import rank_default_check
 from lorafusion_kernels.tuning.launches import (
@@ -42,9 +43,7 @@ from lorafusion_kernels.tuning.tune import (
     interleaved_times,
     kernel_tables,
     layer_shapes,
-    main,
     sweep,
-    write_atomically,
 )
 
 TINY_GEMM = [
@@ -327,7 +326,7 @@ def test_an_interrupted_write_leaves_the_old_file(tmp_path, monkeypatch):
     def interrupted(source: str, target: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("lorafusion_kernels.tuning.tune.os.replace", interrupted)
+    monkeypatch.setattr("lorafusion_kernels.tuning.cli.os.replace", interrupted)
     with pytest.raises(KeyboardInterrupt):
         write_atomically(path, "half")
     assert path.read_text() == "new"

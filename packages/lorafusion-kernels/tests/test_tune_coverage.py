@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from lorafusion_kernels.tuning import ConfigFile, KernelConfig, KernelTable, ShapeKey, TunedEntry
+from lorafusion_kernels.tuning.cli import main
 from lorafusion_kernels.tuning.config import dumps, load_config_file
 from lorafusion_kernels.tuning.coverage import coverage, format_coverage
 from lorafusion_kernels.tuning.launches import MULTI_ADAPTER_KERNELS, SINGLE_ADAPTER_KERNELS
 from lorafusion_kernels.tuning.search_space import MODEL_LAYERS
-from lorafusion_kernels.tuning.tune import main
 
 TUNED = KernelConfig(block_m=64, block_n=128, block_k=32, num_warps=4, num_stages=4)
 OTHER = KernelConfig(block_m=128, block_n=128, block_k=64)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import lorafusion_kernels.tuning.cli as cli
 import lorafusion_kernels.tuning.tune as tune
 from lorafusion_kernels.errors import LoRAFusionKernelsError
 from lorafusion_kernels.tuning import ConfigFile, KernelTable, ShapeKey, TunedEntry
@@ -47,8 +48,8 @@ def test_one_job_per_distinct_shape_largest_first():
 def test_a_job_passes_the_plan_to_its_process_unchanged():
     plan = dataclasses.replace(PLAN, kernels=["xa", "multi_xw_sb"], adapters=3, p=0.05, rep=12, rounds=4)
     job = layer_jobs(plan.models, ["down"])[0]
-    args = tune._parser().parse_args([*plan.argv(), *job.argv])
-    assert tune._plan(args) == dataclasses.replace(plan, models=[job.model], layers=[job.layer])
+    args = cli._parser().parse_args([*plan.argv(), *job.argv])
+    assert cli._plan(args) == dataclasses.replace(plan, models=[job.model], layers=[job.layer])
 
 
 def test_each_gpu_runs_one_job_at_a_time_and_every_job_runs_once():
@@ -221,7 +222,7 @@ def test_gpus_of_different_models_are_refused_before_any_job(monkeypatch, capsys
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: names[i])
     monkeypatch.setattr(tune, "tune_on_gpus", lambda *a, **k: pytest.fail("no job may start"))
-    assert tune.main(["--gpus", "2", "--models", "llama-3.1-8b"]) == 2
+    assert cli.main(["--gpus", "2", "--models", "llama-3.1-8b"]) == 2
     assert "--gpus 2 spans different GPUs (NVIDIA H100 80GB HBM3, NVIDIA H200)" in capsys.readouterr().out
-    assert tune.main(["--gpus", "3"]) == 2
+    assert cli.main(["--gpus", "3"]) == 2
     assert "--gpus must be between 1 and the 2 GPUs" in capsys.readouterr().out

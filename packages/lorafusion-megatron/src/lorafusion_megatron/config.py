@@ -41,7 +41,9 @@ from pydantic import (
     model_validator,
 )
 
+from lorafusion_megatron.config_overrides import set_dotted
 from lorafusion_megatron.config_section import ConfigSection
+from lorafusion_megatron.config_yaml import UniqueKeyLoader
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.pipeline.options import ParallelConfig
 from lorafusion_megatron.presets import PRESETS
@@ -633,69 +635,6 @@ def parse_config(data: Any, *, source: str = "config") -> TrainerConfig:
         raise TrainerError(f"{source} has {exc.error_count()} problem(s):\n{lines}") from None
 
 
-_MERGE_TAG = "tag:yaml.org,2002:merge"
-_VALUE_TAG = "tag:yaml.org,2002:value"
-_STR_TAG = "tag:yaml.org,2002:str"
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """A safe loader that refuses a key given twice in one mapping (PyYAML keeps the last silently).
-
-    Keys merged in with ``<<: *anchor`` are not the mapping's own: a key written beside the merge
-    overrides the anchor's, as YAML's merge key specifies (a job's own ``r`` over a shared default).
-    """
-
-    def flatten_mapping(self, node: yaml.MappingNode) -> None:
-        """YAML's merge key, each key kept once: the mapping's own, else the first merged mapping's.
-
-        PyYAML's own keeps merged keys beside the keys that override them and tells keys apart by
-        object identity, so an override inside a merged anchor (``x-big: {<<: *small, r: 64}``)
-        could lose to the inner anchor's value, or read here as a key given twice.
-        """
-        own: list[tuple[yaml.Node, yaml.Node]] = []
-        merged: list[tuple[yaml.Node, yaml.Node]] = []
-        for key_node, value_node in node.value:
-            if key_node.tag != _MERGE_TAG:
-                if key_node.tag == _VALUE_TAG:  # the `=` key, read as a string (as PyYAML does)
-                    key_node.tag = _STR_TAG
-                own.append((key_node, value_node))
-                continue
-            sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
-            for source in sources:
-                if not isinstance(source, yaml.MappingNode):
-                    raise yaml.constructor.ConstructorError(
-                        "while constructing a mapping",
-                        node.start_mark,
-                        f"expected a mapping or list of mappings for merging, but found {source.id}",
-                        source.start_mark,
-                    )
-                self.flatten_mapping(source)
-                merged.extend(source.value)
-        seen = {_key_identity(key) for key, _ in own}
-        kept = []
-        for pair in merged:
-            if (identity := _key_identity(pair[0])) not in seen:
-                seen.add(identity)
-                kept.append(pair)
-        node.value = kept + own
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            if key_node.tag == _MERGE_TAG:
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise TrainerError(f"line {key_node.start_mark.line + 1}: key {key!r} appears twice in one mapping")
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def _key_identity(key: yaml.Node) -> object:
-    """What makes two mapping keys the same key: a scalar's tag and text, another node itself."""
-    return (key.tag, key.value) if isinstance(key, yaml.ScalarNode) else id(key)
-
-
 def _resolve_relative(config: TrainerConfig, base: Path) -> TrainerConfig:
     """Make relative paths relative to the config file's folder rather than the working directory.
 
@@ -754,61 +693,11 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Tr
     except OSError as exc:
         raise TrainerError(f"cannot read config {path}: {exc.strerror}") from None
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
+        data = yaml.load(text, Loader=UniqueKeyLoader)  # a SafeLoader subclass
     except TrainerError as exc:
         raise TrainerError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise TrainerError(f"{path} is not valid YAML: {exc}") from None
     for dotted, value in (overrides or {}).items():
-        _set_dotted(data, dotted, value, source=str(path))
+        set_dotted(data, dotted, value, source=str(path))
     return _resolve_relative(parse_config(data, source=str(path)), path.parent)
-
-
-def _set_dotted(data: Any, dotted: str, value: Any, *, source: str) -> None:
-    """Set ``dotted`` (e.g. ``jobs.0.r``, or ``jobs.copy.r`` by the job's name) in ``data`` to ``value``.
-
-    Raises:
-        TrainerError: A part names no list entry, or lies inside a value that is not a mapping or list.
-    """
-    if not isinstance(data, dict):
-        raise TrainerError(f"{source}: expected a mapping at the top level")
-    *parents, last = dotted.split(".")
-    node: Any = data
-    for depth, part in enumerate([*parents, last]):
-        where = ".".join(parents[:depth]) or "the top level"
-        if isinstance(node, list):
-            key: Any = _list_index(node, part, f"override {dotted}: {where}")
-        elif isinstance(node, dict):
-            key = part
-        else:
-            raise TrainerError(
-                f"override {dotted}: {where} is {node!r} in {source}, not a mapping or list, so it has no {part!r}"
-            )
-        if depth == len(parents):
-            node[key] = value
-        elif isinstance(node, dict):
-            node = node.setdefault(key, {})
-        else:
-            node = node[key]
-
-
-def _list_index(items: list[Any], part: str, where: str) -> int:
-    """The entry of ``items`` that ``part`` names: its index, or its ``name`` (a job's).
-
-    A job named by digits (``"1"``) that is not entry 1 makes ``1`` ambiguous, and is refused.
-    """
-    if not items:
-        raise TrainerError(f"{where} is an empty list: it has no entry {part!r} to set")
-    names = {
-        item["name"]: i for i, item in enumerate(items) if isinstance(item, dict) and isinstance(item.get("name"), str)
-    }
-    index = int(part) if part.isascii() and part.isdigit() and int(part) < len(items) else None
-    named = names.get(part)
-    if index is not None and named is not None and index != named:
-        raise TrainerError(f"{where}: {part!r} is both entry {index} and the name of entry {named}; rename that job")
-    if index is not None:
-        return index
-    if named is not None:
-        return named
-    choices = f" or a name ({', '.join(map(str, names))})" if names else ""
-    raise TrainerError(f"{where} has no entry {part!r}: give an index from 0 to {len(items) - 1}{choices}")

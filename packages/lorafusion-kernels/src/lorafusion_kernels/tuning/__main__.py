@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from lorafusion_kernels.tuning.tune import main
+from lorafusion_kernels.tuning.cli import main
 
 sys.exit(main())

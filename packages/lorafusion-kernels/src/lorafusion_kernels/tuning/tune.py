@@ -1,39 +1,29 @@
-"""``lorafusion-tune``: time every candidate config of every kernel on the real layer shapes, write the winners.
-
-Usage (on the GPU to tune; the file goes to ``--out``, named after the GPU)::
-
-    lorafusion-tune --out packages/lorafusion-kernels/src/lorafusion_kernels/configs
-    lorafusion-tune --models llama-3.1-8b --m 4096 8192 --r 16   # a quick subset
-    lorafusion-tune --kernels multi_xa multi_xw_sb --merge configs/nvidia_h100_80gb_hbm3.json --time-limit 400
-    lorafusion-tune --kernels xw_sb --timings a.json ...; lorafusion-tune --compare a.json b.json  # reproducible?
-    lorafusion-tune --gpus 4 --r 128 --merge configs/nvidia_h200.json --keep-defaults  # one shape per GPU at a time
-    lorafusion-tune --coverage nvidia_h200 --m 8192 --r 16 128  # which shapes a file has tuned (no GPU)
+"""The sweep behind ``lorafusion-tune``: time every candidate config of every kernel on the real layer shapes.
 
 The FusedLoRA kernels (``xa``, ``xw_sb``, ``dys_dyb``, ``dsx``, ``dyw_dsa``) are timed with one
-adapter, the FusedMultiLoRA kernels (``multi_xa``, ...) on a microbatch of ``--adapters`` adapters
+adapter, the FusedMultiLoRA kernels (``multi_xa``, ...) on a microbatch of ``adapters`` adapters
 splitting the ``m`` tokens evenly; both are keyed by ``(m, n, k, r, dtype)``, ``r`` being the
-(largest) rank. The written file is deterministic given the measurements: entries sorted by shape,
-keys sorted, each kernel's default the config that won most often (ties: earliest candidate).
+(largest) rank. The config file built from a sweep is deterministic given the measurements: entries
+sorted by shape, keys sorted, each kernel's default the config that won most often (ties: earliest
+candidate).
 
-Each kernel's candidates, and the config the file gives it today, are timed in ``--rounds``
+Each kernel's candidates, and the config the file gives it today, are timed in ``rounds``
 interleaved rounds, forward then backward order, and ranked by their mean over the rounds, so
 timings that drift steadily during a shape's sweep shift every candidate alike. (Timed one after
 the other, on one H100 on 2026-11-25 with ``--rep 20``, the config in the file, timed once after
 the sweep, came out between 11% faster and 23% slower than the same config inside the sweep.)
+
+The command line (options, ``--compare``, ``--coverage``, writing the file) is
+:mod:`lorafusion_kernels.tuning.cli`.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import datetime
-import json
 import math
-import os
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -41,16 +31,10 @@ from pathlib import Path
 import torch
 
 from lorafusion_kernels.__about__ import __version__
-from lorafusion_kernels._kernels._common import MAX_RANK, exact_stages
+from lorafusion_kernels._kernels._common import exact_stages
 from lorafusion_kernels.errors import LoRAFusionKernelsError
 from lorafusion_kernels.tuning.agreement import (
     ShapeTimings,
-    agreement,
-    format_agreement,
-    format_regret,
-    regret,
-    timings_from_json,
-    timings_to_json,
 )
 from lorafusion_kernels.tuning.config import (
     ConfigFile,
@@ -58,14 +42,9 @@ from lorafusion_kernels.tuning.config import (
     KernelTable,
     ShapeKey,
     TunedEntry,
-    config_dir,
     dtype_name,
-    dumps,
-    load_config_file,
 )
-from lorafusion_kernels.tuning.coverage import coverage, format_coverage
 from lorafusion_kernels.tuning.device import capability, gpu_key
-from lorafusion_kernels.tuning.holdout import format_rank_default_check, rank_default_check
 from lorafusion_kernels.tuning.launches import (
     MULTI_ADAPTER_KERNELS,
     SINGLE_ADAPTER_KERNELS,
@@ -81,14 +60,10 @@ from lorafusion_kernels.tuning.parallel import (
     read_job_results,
     run_jobs,
     subprocess_runner,
-    visible_gpus,
 )
 from lorafusion_kernels.tuning.search_space import (
     CANDIDATES,
-    M_VALUES,
-    MODEL_LAYERS,
     MULTI_ADAPTERS,
-    RANKS,
     SEARCH_SPACE_ID,
 )
 
@@ -98,7 +73,7 @@ Timer = Callable[[Callable[[], object]], float]
 """Median milliseconds of a zero-argument launch (``math.inf`` if it fails)."""
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
     """Progress line on stdout (this is a CLI), flushed so logs of a killed run keep it."""
     sys.stdout.write(message + "\n")
     sys.stdout.flush()
@@ -141,7 +116,7 @@ def gpu_timer(rep: int, kind: str = "graph") -> Timer:
 
 
 def _say_failed(exc: Exception) -> None:
-    _say(f"    candidate failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}")
+    say(f"    candidate failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}")
 
 
 def _with_exact_stages(fn: Callable[[], object]) -> Callable[[], object]:
@@ -255,10 +230,10 @@ def sweep(
     for n, k, m, r in points:
         elapsed = time.monotonic() - started
         if time_limit_s is not None and elapsed >= time_limit_s:
-            _say(f"time limit of {time_limit_s:.0f} s reached after {done} of {len(points)} shapes")
+            say(f"time limit of {time_limit_s:.0f} s reached after {done} of {len(points)} shapes")
             break
         problem = LayerProblem(m=m, n=n, k=k, r=r, dtype=dtype, p=p, adapters=adapters, device=device)
-        _say(f"m={m} n={n} k={k} r={r} (at {elapsed:.0f} s): torch x W^T {timer(_frozen_gemm(problem)):.4f} ms")
+        say(f"m={m} n={n} k={k} r={r} (at {elapsed:.0f} s): torch x W^T {timer(_frozen_gemm(problem)):.4f} ms")
         # A kernel whose key another layer shape already gave (e.g. the shrink of every layer with
         # this k) is not timed again.
         keys = {kernel: config_key(kernel, problem) for kernel in kernels}
@@ -274,18 +249,18 @@ def sweep(
             timings.append(ShapeTimings(kernel, key, dict(zip(candidates[kernel], times, strict=True)), current_ms))
             best_ms, second_ms = sorted(times)[:2] if len(times) > 1 else (times[0], math.inf)
             if math.isinf(best_ms):
-                _say(f"  {kernel:14s} every candidate failed: no entry")
+                say(f"  {kernel:14s} every candidate failed: no entry")
                 continue
             best = timings[-1].winner
             entries[kernel].append(TunedEntry(key=key, config=best, ms=best_ms))
-            _say(
+            say(
                 f"  {kernel:14s} {best_ms:.4f} ms (runner-up +{second_ms / best_ms - 1:.1%}, "
                 f"looked-up config {current_ms:.4f} ms; key n={key.n} k={key.k})  {best.to_dict()}"
             )
         done += 1
         if device == "cuda":
             torch.cuda.empty_cache()
-    _say(f"swept {done} of {len(points)} shapes in {time.monotonic() - started:.0f} s")
+    say(f"swept {done} of {len(points)} shapes in {time.monotonic() - started:.0f} s")
     return SweepResult(entries=dict(entries), timings=timings, points_done=done, points_total=len(points))
 
 
@@ -411,7 +386,7 @@ def tune_on_gpus(
         LoRAFusionKernelsError: for an unknown model or layer name, or if no job wrote a file.
     """
     jobs = layer_jobs(plan.models, plan.layers)
-    outcome = run_jobs(jobs, gpus, subprocess_runner(plan.argv(), workdir, _say), time_limit_s)
+    outcome = run_jobs(jobs, gpus, subprocess_runner(plan.argv(), workdir, say), time_limit_s)
     results = read_job_results(workdir, outcome.succeeded)
     per_job = len(plan.ms) * len(plan.ranks)
     done = sum(points_done(config_file, per_job) for config_file in results.files)
@@ -449,7 +424,7 @@ def merge(old: ConfigFile, new: ConfigFile, *, keep_defaults: bool = False) -> C
         dropped += len(table.entries) - len(reachable)
         kernels[name] = dataclasses.replace(table, entries=reachable)
     if dropped:
-        _say(f"--merge: dropped {dropped} entries of the old file that no launch looks up (keyed by the layer)")
+        say(f"--merge: dropped {dropped} entries of the old file that no launch looks up (keyed by the layer)")
     for name, table in new.kernels.items():
         keys = {e.key for e in table.entries}
         kept = tuple(e for e in kernels[name].entries if e.key not in keys) if name in kernels else ()
@@ -462,259 +437,3 @@ def merge(old: ConfigFile, new: ConfigFile, *, keep_defaults: bool = False) -> C
         merged += f"; {old.provenance['merged_from']}"
     provenance["merged_from"] = merged
     return dataclasses.replace(new, kernels=kernels, provenance=provenance)
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in its folder, then rename it.
-
-    An interrupted write (or a ``--merge`` onto the file being replaced) leaves the old file whole.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(handle, "w") as file:
-            file.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
-def _missing_files(option: str, *paths: Path) -> bool:
-    """Whether any of ``paths`` is not a file (saying which, for ``option``)."""
-    missing = [str(path) for path in paths if not path.is_file()]
-    if missing:
-        _say(f"{option}: not a file: {', '.join(missing)}")
-    return bool(missing)
-
-
-def _compare(first: Path, second: Path) -> int:
-    """``--compare``: the agreement of two config files, or the regret of two ``--timings`` files."""
-    if _missing_files("--compare", first, second):
-        return 2
-    try:
-        docs = [json.loads(path.read_text()) for path in (first, second)]
-        kinds = {"timings" in doc for doc in docs}
-        if kinds == {True}:
-            a, b = (timings_from_json(doc, where=str(path)) for doc, path in zip(docs, (first, second), strict=True))
-            regrets = regret(a, b)
-            table = format_regret(regrets) if regrets else ""
-        elif kinds == {False}:
-            x, y = (ConfigFile.from_json(doc, where=str(path)) for doc, path in zip(docs, (first, second), strict=True))
-            agreements = agreement(x, y)
-            table = format_agreement(agreements) if agreements else ""
-        else:
-            _say("--compare: give two config files or two --timings files, not one of each")
-            return 2
-    except (LoRAFusionKernelsError, json.JSONDecodeError) as exc:
-        _say(f"--compare: {exc}")
-        return 2
-    _say(table or "the two files share no tuned shape")
-    return 0
-
-
-def _check_rank_defaults(timings_path: Path, config_path: Path) -> int:
-    """``--check-rank-defaults``: held-out widths of a ``--timings`` file against a config file's defaults."""
-    if _missing_files("--check-rank-defaults", timings_path, config_path):
-        return 2
-    try:
-        timings = timings_from_json(json.loads(timings_path.read_text()), where=str(timings_path))
-        config_file = ConfigFile.from_json(json.loads(config_path.read_text()), where=str(config_path))
-    except (LoRAFusionKernelsError, json.JSONDecodeError) as exc:
-        _say(f"--check-rank-defaults: {exc}")
-        return 2
-    rows = rank_default_check(timings, config_file)
-    _say(format_rank_default_check(rows) if rows else "no kernel of the config file was timed at two widths or more")
-    return 0
-
-
-def _coverage(gpu: str, args: argparse.Namespace) -> int:
-    """``--coverage``: where each kernel's config comes from on the swept shapes, in one GPU's file."""
-    path = Path(gpu) if gpu.endswith(".json") else _shipped_file(gpu)
-    if gpu.endswith(".json") and _missing_files("--coverage", path):
-        return 2
-    try:
-        layer_jobs(args.models, args.layers)
-        config_file = load_config_file(path)
-    except (LoRAFusionKernelsError, json.JSONDecodeError) as exc:
-        _say(f"--coverage: {exc}")
-        return 2
-    layers = [
-        (f"{model}.{layer}", n, k)
-        for model in args.models
-        for layer, n, k in MODEL_LAYERS[model]
-        if args.layers is None or layer in args.layers
-    ]
-    rows = coverage(config_file, layers=layers, ms=args.m, ranks=args.r, kernels=args.kernels)
-    if config_file is not None:
-        where = f"{path} ({config_file.device_name})"
-    else:
-        shipped = ", ".join(sorted(p.stem for p in config_dir().glob("*.json")))
-        where = f"no file {path} (shipped: {shipped}), so the built-in heuristic serves every shape"
-    _say(f"{where}: where each lookup's config comes from, keys counted per kernel, r and m (bfloat16)")
-    _say(format_coverage(rows))
-    return 0
-
-
-def _shipped_file(gpu: str) -> Path:
-    """The config file of GPU ``gpu`` (a device name or a file key).
-
-    Its key's file; else the one shipped file whose key holds it as a run of whole words (``H200`` ->
-    ``nvidia_h200.json``); else the key's (missing) file.
-    """
-    key = gpu_key(gpu)
-    exact = config_dir() / f"{key}.json"
-    if exact.is_file():
-        return exact
-    words = key.split("_")
-
-    def holds(stem: str) -> bool:
-        stem_words = stem.split("_")
-        return any(stem_words[i : i + len(words)] == words for i in range(len(stem_words)))
-
-    holding = [path for path in sorted(config_dir().glob("*.json")) if holds(path.stem)]
-    return holding[0] if len(holding) == 1 else exact
-
-
-def _int_in(low: int, high: int | None) -> Callable[[str], int]:
-    """An argparse type: a whole number in ``[low, high]`` (no upper bound when ``high`` is None)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"{value} is not in [{low}, {high if high is not None else 'inf'}]")
-        return value
-
-    return parse
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lorafusion-tune",
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument("--models", nargs="+", default=sorted(MODEL_LAYERS), choices=sorted(MODEL_LAYERS))
-    parser.add_argument("--m", nargs="+", type=_int_in(1, None), default=M_VALUES, help="tokens per microbatch")
-    parser.add_argument("--r", nargs="+", type=_int_in(1, MAX_RANK), default=RANKS, help="LoRA ranks")
-    parser.add_argument("--kernels", nargs="+", default=KERNELS, choices=KERNELS)
-    parser.add_argument(
-        "--layers", nargs="+", default=None, help="only these layers of the models (qkv, o, gate_up, down); default all"
-    )
-    parser.add_argument("--adapters", type=int, default=MULTI_ADAPTERS, help="adapters in the multi_* kernels' batch")
-    parser.add_argument("--p", type=float, default=0.1, help="dropout probability the kernels are timed with")
-    parser.add_argument("--rep", type=int, default=30, help="repetition budget per timing, ms")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved timings per candidate (even: drift cancels)")
-    parser.add_argument("--timer", default="graph", choices=TIMERS, help="CUDA-graph replays or eager launches")
-    parser.add_argument("--time-limit", type=float, default=None, help="seconds after which no new shape starts")
-    parser.add_argument(
-        "--gpus", type=int, default=1, help="spread the sweep over this many GPUs, one process per layer shape"
-    )
-    parser.add_argument("--out", type=Path, default=Path("."), help="directory for <gpu-key>.json")
-    parser.add_argument("--merge", type=Path, default=None, help="an existing file to update instead of replace")
-    parser.add_argument("--keep-defaults", action="store_true", help="with --merge: keep that file's defaults")
-    parser.add_argument(
-        "--timings", type=Path, default=None, help="also write every candidate's time to this JSON file (see --compare)"
-    )
-    parser.add_argument(
-        "--compare", nargs=2, type=Path, metavar=("A", "B"), help="only compare two tuned files' winners (no GPU)"
-    )
-    parser.add_argument(
-        "--coverage",
-        metavar="GPU",
-        help="only report which swept shapes a GPU's file (a name, a key or a .json path) has tuned (no GPU)",
-    )
-    parser.add_argument(
-        "--check-rank-defaults",
-        nargs=2,
-        type=Path,
-        metavar=("TIMINGS", "CONFIG"),
-        help="only check rank defaults on held-out widths of a --timings file against CONFIG's defaults (no GPU)",
-    )
-    return parser
-
-
-def _plan(args: argparse.Namespace) -> SweepPlan:
-    return SweepPlan(
-        models=args.models,
-        ms=args.m,
-        ranks=args.r,
-        kernels=args.kernels,
-        layers=args.layers,
-        p=args.p,
-        adapters=args.adapters,
-        rep=args.rep,
-        rounds=args.rounds,
-        timer=args.timer,
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``lorafusion-tune``."""
-    args = _parser().parse_args(argv)
-    if args.compare is not None:
-        return _compare(*args.compare)
-    if args.check_rank_defaults is not None:
-        return _check_rank_defaults(*args.check_rank_defaults)
-    if args.coverage is not None:
-        return _coverage(args.coverage, args)
-    if not torch.cuda.is_available():
-        _say("lorafusion-tune needs a CUDA GPU")
-        return 2
-    if args.adapters < 2:
-        _say("--adapters must be at least 2 (one adapter takes the FusedLoRA path)")
-        return 2
-    if args.rounds < 1:
-        _say("--rounds must be at least 1")
-        return 2
-    if not 1 <= args.gpus <= torch.cuda.device_count():
-        _say(f"--gpus must be between 1 and the {torch.cuda.device_count()} GPUs this process sees")
-        return 2
-    names = sorted({torch.cuda.get_device_name(i) for i in range(args.gpus)})
-    if len(names) > 1:
-        _say(f"--gpus {args.gpus} spans different GPUs ({', '.join(names)}): one file holds one GPU's configs")
-        return 2
-    try:
-        layer_jobs(args.models, args.layers)
-    except LoRAFusionKernelsError as exc:
-        _say(str(exc))
-        return 2
-    merge_into = None
-    if args.merge is not None and args.merge.is_file():
-        merge_into = ConfigFile.from_json(json.loads(args.merge.read_text()), where=str(args.merge))
-        this_gpu = gpu_key(torch.cuda.get_device_name())
-        if merge_into.device_key != this_gpu:
-            _say(f"--merge {args.merge} holds configs for {merge_into.device_key}, not this GPU ({this_gpu})")
-            return 2
-    plan = _plan(args)
-    status = 0
-    if args.gpus == 1:
-        result, timings = tune(plan, args.time_limit)
-    else:
-        workdir = Path(tempfile.mkdtemp(prefix="lorafusion-tune-"))
-        try:
-            result, timings, outcome = tune_on_gpus(plan, visible_gpus(args.gpus), workdir, args.time_limit)
-        except LoRAFusionKernelsError as exc:
-            _say(str(exc))
-            return 1
-        if outcome.skipped:
-            _say(f"time limit: not started: {', '.join(job.name for job in outcome.skipped)}")
-        if outcome.failed:
-            _say(f"failed: {', '.join(job.name for job in outcome.failed)}; their logs are kept in {workdir}")
-            status = 1
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
-    if args.timings is not None:
-        write_atomically(args.timings, json.dumps(timings_to_json(timings, result.provenance), indent=1) + "\n")
-        _say(f"wrote {args.timings}")
-    if merge_into is not None:
-        result = merge(merge_into, result, keep_defaults=args.keep_defaults)
-    path = args.out / f"{result.device_key}.json"
-    write_atomically(path, dumps(result))
-    for name, table in sorted(result.kernels.items()):
-        _say(f"default {name:14s} {json.dumps(table.default.to_dict(), sort_keys=True)}")
-    _say(f"wrote {path}")
-    return status
