@@ -12,7 +12,7 @@ from lorafusion_kernels.dropout import dropout_keep_mask, keep_threshold, seed_t
 from lorafusion_kernels.reference import lora_linear_reference_seeded
 from lorafusion_kernels.testing import assert_close_to_reference, case_id, make_lora_inputs
 from lorafusion_kernels.tuning import gpu_key
-from lorafusion_kernels.tuning.config import config_dir, load_config_file
+from lorafusion_kernels.tuning.config import KernelConfig, config_dir, load_config_file, override_configs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -173,3 +173,51 @@ def test_rank_128_runs_as_tuned_where_the_file_has_rank_128_entries():
     ).sum().backward()
     torch.cuda.synchronize()
     assert common._FITTING_STAGES == {}, "launches that needed fewer stages than their rank-128 entry"
+
+
+def _chunked_matmul(a: torch.Tensor, b: torch.Tensor, rows: int = 32768) -> torch.Tensor:
+    """``a @ b`` in fp32, ``rows`` rows of ``a`` at a time (no fp32 copy of a tensor of 2**31 elements)."""
+    return torch.cat([a[i : i + rows].float() @ b.float() for i in range(0, a.shape[0], rows)])
+
+
+def _chunked_t_matmul(p: torch.Tensor, q: torch.Tensor, rows: int = 32768) -> torch.Tensor:
+    """``p^T q`` in fp32, summed over ``rows`` rows at a time."""
+    return sum(p[i : i + rows].float().T @ q[i : i + rows].float() for i in range(0, p.shape[0], rows))
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_tensors_past_2_to_the_31_elements(tma):
+    """x, dy and dx of more than 2**31 elements: row offsets in 32 bits would wrap and read other rows.
+
+    ``x`` is a view 1,024 rows into a larger buffer, as where the wrapped offsets landed in memory
+    that exists (no fault, wrong rows): LLaMa-3.1-70B's down projection (K = 28,672) gets there from
+    75,000 tokens. The rows on both sides of the 2**31st element, the last rows and the adapters'
+    gradients are compared with fp32 references.
+    """
+    m, n, k, r, offset = 2**31 // 8192 + 1024, 256, 8192, 16, 1024
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen) * scale
+
+    buffer = randn(offset + m, k).requires_grad_()
+    x = buffer[offset:]
+    w, a, b = randn(n, k, scale=k**-0.5), randn(r, k, scale=k**-0.5).requires_grad_(), randn(n, r).requires_grad_()
+    gemm = KernelConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, tma=tma)
+    with override_configs({"xw_sb": gemm, "dyw_dsa": gemm}):
+        y = fused_lora_linear(x, w, a, b, scaling=2.0)
+        dy = randn(m, n)
+        d_buffer, da, db = torch.autograd.grad(y, [buffer, a, b], dy)
+    dx = d_buffer[offset:]
+    s, dys = _chunked_matmul(x.detach(), a.detach().T), _chunked_matmul(dy, b.detach())
+    boundary = 2**31 // k
+    for rows in (slice(0, 2048), slice(boundary - 2048, boundary + 1024), slice(m - 2048, m)):
+        y_ref = x[rows].float() @ w.float().T + 2.0 * s[rows] @ b.detach().float().T
+        dx_ref = dy[rows].float() @ w.float() + 2.0 * dys[rows] @ a.detach().float()
+        for name, got, ref in (("y", y[rows], y_ref), ("dx", dx[rows], dx_ref)):
+            error = (got.float() - ref).abs().max() / ref.abs().max()
+            assert error < 0.02, (name, rows, error.item())
+    da_ref, db_ref = 2.0 * _chunked_t_matmul(dys, x.detach()), 2.0 * _chunked_t_matmul(dy, s)
+    for name, got, ref in (("dA", da, da_ref), ("dB", db, db_ref)):
+        error = (got.float() - ref).abs().max() / ref.abs().max()
+        assert error < 0.02, (name, error.item())

@@ -127,7 +127,7 @@ def _dropout_keep_mask_kernel(
     seed_lo, seed_hi = load_seed(seed_ptr)
     keep = dropout_keep_tile(seed_lo, seed_hi, offs_m + row_offset, pid_k * BLOCK_K, keep_threshold, BLOCK_K)
     mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
-    tl.store(mask_ptr + offs_m[:, None] * K + offs_k[None, :], keep.to(tl.int8), mask=mask)
+    tl.store(mask_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :], keep.to(tl.int8), mask=mask)
 
 
 def dropout_keep_mask_triton(

@@ -74,12 +74,12 @@ def _lora_dsx_kernel(
         offs_m = m + tl.arange(0, BLOCK_M)
         mask_m = offs_m < m_end
         ds = tl.load(
-            ds_ptr + offs_m[:, None] * stride_dsm + offs_r[None, :] * stride_dsr,
+            ds_ptr + offs_m.to(tl.int64)[:, None] * stride_dsm + offs_r[None, :] * stride_dsr,
             mask=mask_m[:, None] & mask_r[None, :],
             other=0.0,
         )
         x = load_kept_tile(
-            x_ptr + offs_m[:, None] * stride_xm + offs_c[None, :] * stride_xk,
+            x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_c[None, :] * stride_xk,
             seed_lo, seed_hi, offs_m, pid_k * BLOCK_N, keep_threshold, HAS_DROPOUT, BLOCK_N,
             mask=mask_m[:, None] & mask_c[None, :],
         )  # fmt: skip

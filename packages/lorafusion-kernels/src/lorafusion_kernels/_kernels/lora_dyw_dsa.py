@@ -82,6 +82,7 @@ def _lora_dyw_dsa_kernel(
     _, pid_c, offs_m, offs_c, rows, cols = wrapped_tile(M, K, BLOCK_M, BLOCK_N, GROUP_M)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
+    rows = rows.to(tl.int64)  # row offsets of dy and dS in 64 bits: [M, N] may hold 2**31 elements or more
     ds = tl.load(ds_ptr + rows[:, None] * stride_dsm + offs_r[None, :] * stride_dsr, mask=mask_r[None, :], other=0.0)
     ds = ds.to(dy_ptr.dtype.element_ty)
     a = tl.load(a_ptr + offs_r[:, None] * stride_ar + cols[None, :] * stride_ak, mask=mask_r[:, None], other=0.0)
@@ -93,7 +94,7 @@ def _lora_dyw_dsa_kernel(
     w_ptrs = w_ptr + offs_k[:, None] * stride_wn + cols[None, :] * stride_wk
     acc = dot_k_loop(acc, dy_ptrs, w_ptrs, N, stride_dyn, stride_wn, BLOCK_K, DOT_PRECISION)
     tl.store(
-        dx_ptr + offs_m[:, None] * stride_dxm + offs_c[None, :] * stride_dxk,
+        dx_ptr + offs_m.to(tl.int64)[:, None] * stride_dxm + offs_c[None, :] * stride_dxk,
         acc.to(dx_ptr.dtype.element_ty),
         mask=(offs_m[:, None] < M) & (offs_c[None, :] < K),
     )
@@ -134,7 +135,7 @@ def _lora_dyw_dsa_tma_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     ds = tl.load(
-        ds_ptr + offs_m[:, None] * stride_dsm + offs_r[None, :] * stride_dsr,
+        ds_ptr + offs_m.to(tl.int64)[:, None] * stride_dsm + offs_r[None, :] * stride_dsr,
         mask=(offs_m[:, None] < M) & mask_r[None, :],
         other=0.0,
     ).to(dx_desc.dtype)

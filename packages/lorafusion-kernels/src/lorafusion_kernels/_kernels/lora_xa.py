@@ -70,7 +70,7 @@ def _lora_xa_kernel(
         offs_k = k + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
         x = load_kept_tile(
-            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+            x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk,
             seed_lo, seed_hi, offs_m, k, keep_threshold, HAS_DROPOUT, BLOCK_K,
             mask=mask_m[:, None] & mask_k[None, :],
         )  # fmt: skip
@@ -82,7 +82,7 @@ def _lora_xa_kernel(
         acc = tl.dot(x, a.to(x.dtype), acc, input_precision=DOT_PRECISION)
     acc = acc * scale
     tl.store(
-        out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_r[None, :] * stride_or,
+        out_ptr + pid_s * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_r[None, :] * stride_or,
         acc.to(out_ptr.dtype.element_ty),
         mask=mask_m[:, None] & mask_r[None, :],
     )

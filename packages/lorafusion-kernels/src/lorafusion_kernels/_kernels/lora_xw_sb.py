@@ -64,6 +64,7 @@ def _lora_xw_sb_kernel(
     _, _, offs_m, offs_n, rows, cols = wrapped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
+    rows = rows.to(tl.int64)  # row offsets of x in 64 bits: [M, K] may hold 2**31 elements or more
     s = tl.load(s_ptr + rows[:, None] * stride_sm + offs_r[None, :] * stride_sr, mask=mask_r[None, :], other=0.0)
     b = tl.load(b_ptr + cols[None, :] * stride_bn + offs_r[:, None] * stride_br, mask=mask_r[:, None], other=0.0)
     acc = tl.dot(s, b.to(s.dtype), input_precision=DOT_PRECISION) * scaling
@@ -74,7 +75,7 @@ def _lora_xw_sb_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
     tl.store(
-        y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
+        y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn,
         acc.to(y_ptr.dtype.element_ty),
         mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
     )
@@ -117,7 +118,7 @@ def _lora_xw_sb_tma_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     s = tl.load(
-        s_ptr + offs_m[:, None] * stride_sm + offs_r[None, :] * stride_sr,
+        s_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + offs_r[None, :] * stride_sr,
         mask=(offs_m[:, None] < M) & mask_r[None, :],
         other=0.0,
     )
