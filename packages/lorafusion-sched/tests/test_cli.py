@@ -207,3 +207,71 @@ def test_verify_checks_the_runtime_settings_given(tmp_path: Path, capsys: pytest
         main(["verify", str(plan_path), "--data-parallel", "0"])
     assert exit_info.value.code == 2
     assert "argument --data-parallel: 0 is less than 1" in capsys.readouterr().err
+
+
+def _lone_tail_jobs(tmp_path: Path) -> Path:
+    """'big' outlives 'small' by 18 global batches of one microbatch each: 3 no-ops after each."""
+    adapters = [
+        {"name": "big", "sample_tokens": [300] * 40, "global_batch_size": 2},
+        {"name": "small", "sample_tokens": [300] * 4, "global_batch_size": 2},
+    ]
+    path = tmp_path / "jobs.json"
+    path.write_text(json.dumps({"adapters": adapters, "options": {"capacity": 1024, "pipeline_stages": 4}}))
+    return path
+
+
+def test_simulate_lists_the_violations_of_an_invalid_plan_and_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plan whose no-ops were dropped simulated faster than the valid one, exit 0, without a word."""
+    plan_path = tmp_path / "p.json"
+    assert main(["plan", str(_lone_tail_jobs(tmp_path)), "-q", "--no-milp", "-o", str(plan_path)]) == 0
+    data = json.loads(plan_path.read_text())
+    data["microbatches"] = [mb for mb in data["microbatches"] if not mb["noop"]]
+    plan_path.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["simulate", str(plan_path)]) == 1
+    out = capsys.readouterr().out
+    assert "violation [bubble_lemma]" in out
+    assert "violation(s) in" in out
+    assert "not simulated" in out
+    assert "bubble ratio" not in out, "no simulation table"
+
+
+def test_verify_shows_every_kind_and_counts_them_past_50(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A reversed plan has over 50 violations of several kinds; the first 50 used to be all of the first kind."""
+    from collections import Counter
+
+    from lorafusion_sched.io import load_plan
+    from lorafusion_sched.verify import verify
+
+    plan_path = tmp_path / "p.json"
+    args = ["demo", "--samples", "256", "--adapters", "2", "--global-batch-size", "8", "--no-milp"]
+    assert main([*args, "-o", str(plan_path)]) == 0
+    data = json.loads(plan_path.read_text())
+    data["stats"]["num_microbatches"] += 1
+    data["microbatches"] = data["microbatches"][::-1]
+    plan_path.write_text(json.dumps(data))
+    counts = Counter(v.kind for v in verify(load_plan(plan_path)))
+    assert sum(counts.values()) > 50, counts
+    assert len(counts) >= 3, counts
+    capsys.readouterr()
+    assert main(["verify", str(plan_path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    shown = Counter(line.split("[")[1].split("]")[0] for line in lines if line.startswith("violation ["))
+    assert set(shown) == set(counts), "each kind gets lines"
+    assert sum(shown.values()) <= 50
+    assert f"by kind: {', '.join(f'{kind} {n}' for kind, n in counts.most_common())}" in lines
+    assert lines[-1].startswith(f"{sum(counts.values())} violation(s) in")
+
+
+def test_plan_warns_of_a_lone_adapter_tail_under_its_summary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", str(_lone_tail_jobs(tmp_path)), "--no-milp", "-o", str(tmp_path / "p.json")]) == 0
+    captured = capsys.readouterr()
+    assert "no-ops (71%)" in captured.out
+    err = " ".join(captured.err.split())
+    assert "warning: 55 of 77 microbatches (71%) are no-ops" in err
+    assert "'big' runs alone" in err
+    assert "What helps: give 'big' a larger global_batch_size" in err

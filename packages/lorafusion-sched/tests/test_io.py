@@ -5,8 +5,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
-from lorafusion_sched import AdapterJob, PlanOptions, SchedError, plan, verify
+from lorafusion_sched import AdapterJob, Plan, PlanOptions, SchedError, plan, verify
 from lorafusion_sched.io import load_jobs, load_plan, read_lengths, save_plan
 
 
@@ -120,7 +121,10 @@ def test_load_jobs_yaml_with_a_lengths_file(tmp_path: Path) -> None:
             {"adapters": [{"name": "a", "sample_tokens": [5], "global_batch_size": 1}], "options": {}},
             "capacity: missing",
         ),
-        ({"adapters": [{"name": "a", "global_batch_size": 1}]}, r"adapters\[0\].sample_tokens: missing"),
+        (
+            {"adapters": [{"name": "a", "global_batch_size": 1}]},
+            r"adapters\[0\] \('a'\): give sample_tokens \(the samples' token counts\) or lengths_file",
+        ),
         (
             {"adapters": [{"name": "a", "sample_tokens": [5], "lengths_file": "a.json", "global_batch_size": 1}]},
             "has both sample_tokens and lengths_file",
@@ -275,3 +279,51 @@ def test_an_adapter_key_under_options_is_named_before_any_lengths_file_is_read(t
     )
     with pytest.raises(SchedError, match=r"options has \['lengths_field'\], which belong in an adapter's entry"):
         load_jobs(tmp_path / "jobs.yaml")
+
+
+def test_a_plan_file_must_state_its_schema_version(tmp_path: Path) -> None:
+    """Without it, the field's default made any document pass for schema 1."""
+    p = plan([make_job("a", [100, 900, 300, 50], gbs=2)], PlanOptions(capacity=1024, use_milp=False))
+    doc = json.loads(p.model_dump_json())
+    del doc["schema_version"]
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    needle = r"plan.json: schema_version is missing: .* reads schema 1; add \"schema_version\": 1 if the file follows"
+    with pytest.raises(SchedError, match=needle):
+        load_plan(tmp_path / "plan.json")
+    with pytest.raises(ValidationError, match="schema_version is missing"):
+        Plan.model_validate_json(json.dumps(doc))
+    assert Plan.model_validate(doc) == p, "built in Python, a plan may leave it to its default"
+
+
+@pytest.mark.parametrize(
+    ("version", "remedy"),
+    [(2, "written by a newer lorafusion-sched: upgrade this one, or plan again with it"), (0, "plan again")],
+)
+def test_a_plan_of_another_schema_names_the_one_read_and_what_to_do(tmp_path: Path, version: int, remedy: str) -> None:
+    p = plan([make_job("a", [100, 900, 300, 50], gbs=2)], PlanOptions(capacity=1024, use_milp=False))
+    doc = json.loads(p.model_dump_json()) | {"schema_version": version}
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    with pytest.raises(SchedError) as info:
+        load_plan(tmp_path / "plan.json")
+    message = str(info.value)
+    # "Input should be 1" first: a caller (lorafusion-megatron's checkpoint reader) matches it
+    assert f"schema_version = {version}: Input should be 1, the plan schema lorafusion-sched " in message
+    assert message.endswith(remedy)
+
+
+def test_an_adapter_without_lengths_or_with_a_missing_lengths_file_is_named(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "jobs.yaml").write_text(
+        "adapters:\n"
+        "  - {name: a, sample_tokens: [5], global_batch_size: 1}\n"
+        "  - {name: b, lengths_file: nope.jsonl, global_batch_size: 1}\n"
+        "options: {capacity: 64}\n"
+    )
+    resolved = str((tmp_path / "data" / "nope.jsonl").resolve())
+    with pytest.raises(SchedError) as info:
+        load_jobs(tmp_path / "data" / "jobs.yaml")
+    assert "adapters[1] ('b'): lengths_file 'nope.jsonl' does not exist" in str(info.value)
+    assert f"(looked for {resolved!r}; a lengths_file is relative to the jobs file's folder)" in str(info.value)
+    (tmp_path / "data" / "nope.jsonl").write_text("5\n0\n")
+    with pytest.raises(SchedError, match=r"adapters\[1\] \('b'\): .*nope.jsonl:2: 0 is not a positive whole"):
+        load_jobs(tmp_path / "data" / "jobs.yaml")

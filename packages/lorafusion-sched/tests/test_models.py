@@ -258,3 +258,27 @@ def test_plan_stats_refuse_ratios_that_no_plan_has(value: float) -> None:
     document["stats"]["fill_ratio"] = value
     with pytest.raises(ValidationError, match="fill_ratio"):
         Plan.model_validate(document)
+
+
+@pytest.mark.parametrize(
+    ("name", "needle"),
+    [
+        ("   ", r"name = '   ': give a name with at least one character that is not whitespace"),
+        ("a ", r"name = 'a ': remove the whitespace at its start or end \('a'\)"),
+        ("\tchat", r"remove the whitespace at its start or end \('chat'\)"),
+        ("a\nb", r"name = 'a\\nb': remove the control character '\\n' \(U\+000A\); a name is shown on one line"),
+        ("x\x00", r"remove the control character '\\x00' \(U\+0000\)"),
+        ("a\u2028b", r"remove the control character '\\u2028' \(U\+2028\)"),
+    ],
+)
+def test_adapter_names_print_as_themselves_on_one_line(name: str, needle: str) -> None:
+    """A newline broke the CLI's tables, and 'a ' passed for 'a'."""
+    with pytest.raises(ValidationError, match=needle):
+        AdapterJob(name=name, sample_tokens=(5,), global_batch_size=1)
+    with pytest.raises(ValidationError, match=needle):
+        AdapterInfo(name=name, global_batch_size=1, num_samples=1, num_global_batches=1, sample_tokens=(5,))
+
+
+@pytest.mark.parametrize("name", ["a", "chat v2", "x[/b]", "ünïcode-名前", "a+b"])
+def test_ordinary_adapter_names_are_kept(name: str) -> None:
+    assert AdapterJob(name=name, sample_tokens=(5,), global_batch_size=1).name == name

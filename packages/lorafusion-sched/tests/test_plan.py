@@ -102,6 +102,7 @@ def test_eight_adapters(fast_options: PlanOptions) -> None:
 
 
 @pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.filterwarnings("ignore::lorafusion_sched.SchedWarning")  # two adapters cannot fill d x (S - 1) slots
 def test_data_parallel_lemma_holds_across_replicas(fast_options: PlanOptions, replicas: int) -> None:
     jobs = synthetic_jobs("het", 96, num_adapters=2, global_batch_size=8, seed=3)
     p = plan(jobs, fast_options.model_copy(update={"capacity": 4096, "data_parallel": replicas}))
@@ -276,3 +277,57 @@ def test_a_milp_plan_longer_than_the_greedy_plan_keeps_the_greedy_sequence() -> 
     assert with_milp.stats.milp_runs > 0
     assert with_milp.stats.milp_wins == 0, "the plan uses no MILP packing"
     assert verify(with_milp) == []
+
+
+def test_workers_above_the_cpus_are_capped_with_one_warning(
+    fast_options: PlanOptions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """64 workers on 2 CPUs planned 10x slower than 2 (fresh interpreters competing for the CPUs)."""
+    from lorafusion_sched import SchedWarning, planner
+
+    started: list[int] = []
+
+    def record(work: object, settings: object, neighbourhood: object, workers: int, on_result: object) -> None:
+        started.append(workers)  # no process started: every task keeps its greedy packing
+
+    monkeypatch.setattr(planner, "default_workers", lambda: 2)
+    monkeypatch.setattr(planner, "solve_in_workers", record)
+    jobs = synthetic_jobs("het", 320, num_adapters=4, global_batch_size=8, seed=0)
+    options = fast_options.model_copy(update={"capacity": 4096, "workers": 64})
+    with pytest.warns(SchedWarning, match="workers = 64 is more than the 2 CPUs") as caught:
+        p = plan(jobs, options)
+    assert len([w for w in caught if "CPUs" in str(w.message)]) == 1
+    assert "set workers to at most 2, or leave it unset" in str(caught[0].message)
+    assert started == [2], "the pool got as many processes as CPUs"
+    assert p.stats.workers == 2
+
+
+def test_a_lone_adapter_tail_warns_naming_it_and_what_helps(fast_options: PlanOptions) -> None:
+    from lorafusion_sched import SchedWarning
+
+    jobs = [make_job("big", [300] * 40, gbs=2), make_job("small", [300] * 4, gbs=2)]
+    with pytest.warns(SchedWarning) as caught:
+        p = plan(jobs, fast_options)
+    assert p.stats.num_noops / p.stats.num_microbatches > 0.2
+    message = str(caught[0].message)
+    assert message.startswith(f"{p.stats.num_noops} of {p.stats.num_microbatches} microbatches")
+    assert "after the other adapters have finished and 'big' runs alone" in message
+    assert "pipeline_stages = 4 positions after the last microbatch of its previous one" in message
+    assert "give 'big' a larger global_batch_size" in message
+
+
+def test_a_plan_with_few_noops_does_not_warn(fast_options: PlanOptions) -> None:
+    """The docs' ten-line example has 5 no-ops in 9 microbatches: a small plan always ends with a few."""
+    jobs = [make_job("a", [300] * 4, gbs=2), make_job("b", [300] * 4, gbs=2)]
+    p = plan(jobs, fast_options)  # filterwarnings = error: a warning would fail the test
+    assert 0 < p.stats.num_noops < 16
+
+
+def test_segments_are_in_job_order_and_their_samples_ascend(fast_options: PlanOptions) -> None:
+    """The documented row order: segments by the jobs' order, each segment's samples by index."""
+    jobs = synthetic_jobs("het", 400, num_adapters=4, global_batch_size=16, seed=7)
+    p = plan(jobs, fast_options.model_copy(update={"capacity": 4096}))
+    order = {job.name: i for i, job in enumerate(jobs)}
+    for mb in p.microbatches:
+        assert [order[s.adapter] for s in mb.segments] == sorted(order[s.adapter] for s in mb.segments)
+        assert all(list(s.samples) == sorted(s.samples) for s in mb.segments)

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from lorafusion_sched import CostModel, PlanOptions, SchedError, plan, simulate
+from lorafusion_sched import AdapterJob, CostModel, Plan, PlanOptions, SchedError, plan, simulate, verify
 from lorafusion_sched.simulate import Event, _Item, run_sequences, timeline
 from lorafusion_sched.workloads import synthetic_jobs
 
@@ -86,3 +86,34 @@ def test_single_stage_has_no_negative_bubble() -> None:
     for run in simulate(p).runs:
         assert all(ratio >= 0.0 for ratio in run.bubble_ratio_per_stage), run
         assert run.bubble_ratio >= 0.0
+
+
+def _noops_dropped() -> Plan:
+    """A plan whose no-ops a runtime dropped: it simulates faster than the valid plan, and trains on stale weights."""
+    job = AdapterJob(name="solo", sample_tokens=(300,) * 12, global_batch_size=3)
+    p = plan([job], PlanOptions(capacity=1024, pipeline_stages=4, use_milp=False))
+    assert p.stats.num_noops > 0
+    return p.model_copy(update={"microbatches": tuple(mb for mb in p.microbatches if not mb.noop)})
+
+
+def test_an_invalid_plan_is_refused_not_simulated() -> None:
+    bad = _noops_dropped()
+    count = len(verify(bad))
+    with pytest.raises(
+        SchedError, match=rf"the plan has {count} violation\(s\), so it is not simulated: \[bubble_lemma\]"
+    ):
+        simulate(bad)
+    with pytest.raises(SchedError, match=r"Run `lorafusion-sched verify` on the plan file .* and plan again"):
+        simulate(bad, baselines=False)
+    with pytest.raises(SchedError, match="not simulated"):
+        timeline(bad)
+
+
+def test_an_unknown_run_lists_the_runs() -> None:
+    jobs = synthetic_jobs("xsum", 32, num_adapters=1, global_batch_size=8)
+    p = plan(jobs, PlanOptions(capacity=4096, pipeline_stages=2, use_milp=False))
+    with pytest.raises(KeyError) as info:
+        simulate(p).run("nope")
+    assert str(info.value) == "run 'nope' is not in this result; choose one of ['lorafusion', 'megatron', 'mlora']"
+    with pytest.raises(SchedError, match=r"choose one of \['lorafusion'\]; simulate\(\.\.\., baselines=True\) adds"):
+        simulate(p, baselines=False).run("megatron")

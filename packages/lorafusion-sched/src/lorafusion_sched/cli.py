@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -18,9 +20,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from lorafusion_sched.__about__ import __version__
-from lorafusion_sched.errors import SchedError
+from lorafusion_sched.errors import SchedError, SchedWarning
 from lorafusion_sched.io import check_writable, describe_validation_error, load_jobs, load_plan, save_plan
-from lorafusion_sched.models import AdapterJob, CostModel, Plan, PlanOptions, RuntimeSettings, SimulationResult
+from lorafusion_sched.models import (
+    AdapterJob,
+    CostModel,
+    Plan,
+    PlanOptions,
+    RuntimeSettings,
+    SimulationResult,
+    Violation,
+)
 from lorafusion_sched.planner import plan as make_plan
 from lorafusion_sched.simulate import simulate
 from lorafusion_sched.verify import verify
@@ -29,22 +39,63 @@ from lorafusion_sched.workloads import WORKLOADS, synthetic_jobs
 __all__ = ["main"]
 
 
-def _plan_with_progress(jobs: list[AdapterJob], options: PlanOptions, console: Console, quiet: bool) -> Plan:
-    if quiet:
-        return make_plan(jobs, options)
-    columns = (
-        TextColumn("[bold]packing global batches"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task("pack", total=None)
+_VIOLATIONS_SHOWN = 50
+"""The most violations ``verify`` and ``simulate`` print one per line."""
 
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
 
-        return make_plan(jobs, options, progress=update)
+def _plan_with_progress(
+    jobs: list[AdapterJob], options: PlanOptions, console: Console, quiet: bool
+) -> tuple[Plan, list[str]]:
+    """The plan, and the warnings that planning raised (printed by the caller after the summary, not mid-bar)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SchedWarning)
+        if quiet:
+            plan = make_plan(jobs, options)
+        else:
+            columns = (
+                TextColumn("[bold]packing global batches"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+            )
+            with Progress(*columns, console=console, transient=True) as bar:
+                task = bar.add_task("pack", total=None)
+
+                def update(done: int, total: int) -> None:
+                    bar.update(task, completed=done, total=total)
+
+                plan = make_plan(jobs, options, progress=update)
+    return plan, [str(w.message) for w in caught]
+
+
+def _print_warnings(messages: list[str]) -> None:
+    """Each warning as one ``warning:`` line on standard error, unwrapped."""
+    errors = Console(stderr=True, soft_wrap=True)
+    for message in messages:
+        errors.print(f"[bold yellow]warning:[/bold yellow] {escape(message)}", highlight=False)
+
+
+def _print_violations(violations: Sequence[Violation], where: str, console: Console) -> None:
+    """One line per violation, then the count; past :data:`_VIOLATIONS_SHOWN`, the first few of each kind.
+
+    ``verify`` lists violations by kind of check, so the first 50 alone can all be of one kind (a
+    reordered plan: 50 ``replica`` lines, its ``bubble_lemma`` ones unseen); each kind gets its share
+    of the lines instead, and a count per kind ends the list.
+    """
+    kinds = Counter(v.kind for v in violations)
+    per_kind = max(1, _VIOLATIONS_SHOWN // len(kinds)) if len(violations) > _VIOLATIONS_SHOWN else len(violations)
+    taken: Counter[str] = Counter()
+    shown = 0
+    for v in violations:
+        if taken[v.kind] < per_kind:
+            taken[v.kind] += 1
+            shown += 1
+            # one line each, unwrapped (a path stays whole), for grep
+            console.print(f"[red]violation[/red] {escape(str(v))}", highlight=False, soft_wrap=True)
+    if shown < len(violations):
+        console.print(f"... and {len(violations) - shown} more (at most {per_kind} of each kind shown)")
+        console.print("by kind: " + ", ".join(f"{kind} {count}" for kind, count in kinds.most_common()))
+    console.print(f"[red]{len(violations)} violation(s)[/red] in {escape(where)}", soft_wrap=True)
 
 
 def _plan_table(plan: Plan) -> Table:
@@ -55,7 +106,8 @@ def _plan_table(plan: Plan) -> Table:
     samples = sum(min(len(a.sample_tokens), a.num_global_batches * a.global_batch_size) for a in plan.adapters)
     table.add_row("adapters / samples", f"{len(plan.adapters)} / {samples:,}")
     table.add_row("groups (first phase)", escape("  ".join("+".join(g) for g in s.groups)))  # names are not markup
-    table.add_row("microbatches", f"{s.num_microbatches - s.num_noops:,} + {s.num_noops} no-ops")
+    share = f" ({s.num_noops / s.num_microbatches:.0%})" if s.num_noops else ""
+    table.add_row("microbatches", f"{s.num_microbatches - s.num_noops:,} + {s.num_noops:,} no-ops{share}")
     over = (s.num_microbatches - s.num_noops) / s.lower_bound - 1 if s.lower_bound else 0.0
     table.add_row("lower bound", f"{s.lower_bound:,} ({over:+.1%})")
     table.add_row("fill (padded / real tokens)", f"{s.fill_ratio:.1%} / {s.token_ratio:.1%}")
@@ -158,12 +210,13 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     jobs, options = load_jobs(args.jobs)
     options = _override(options, args)
     try:
-        plan = _plan_with_progress(jobs, options, console, args.quiet)
+        plan, warned = _plan_with_progress(jobs, options, console, args.quiet)
     except SchedError as err:
         raise SchedError(f"{args.jobs}: {err}") from None
     save_plan(plan, args.output)
     if not args.quiet:
         console.print(_plan_table(plan))
+    _print_warnings(warned)
     console.print(f"wrote [bold]{escape(str(args.output))}[/bold] ({plan.stats.num_microbatches:,} microbatches)")
     return 0
 
@@ -185,11 +238,7 @@ def _cmd_verify(args: argparse.Namespace, console: Console) -> int:
             f"[green]ok[/green]: {where} verifies clean ({len(plan.microbatches):,} microbatches{fits})", soft_wrap=True
         )
         return 0
-    for v in violations[:50]:  # one line each, unwrapped (a path stays whole), for grep
-        console.print(f"[red]violation[/red] {escape(str(v))}", highlight=False, soft_wrap=True)
-    if len(violations) > 50:
-        console.print(f"... and {len(violations) - 50} more")
-    console.print(f"[red]{len(violations)} violation(s)[/red] in {escape(str(args.plan))}", soft_wrap=True)
+    _print_violations(violations, str(args.plan), console)
     return 1
 
 
@@ -204,6 +253,11 @@ def _cmd_simulate(args: argparse.Namespace, console: Console) -> int:
     _check_outputs(None, args.png)
     cost = _cost_model(args)
     plan = load_plan(args.plan)
+    violations = verify(plan)
+    if violations:  # simulate() would refuse it too; here the violations are listed as verify does
+        _print_violations(violations, str(args.plan), console)
+        console.print("not simulated: a plan with violations must not run; plan again", soft_wrap=True)
+        return 1
     result = simulate(plan, cost, baselines=not args.no_baselines)
     console.print(_simulation_table(result))
     if args.png:
@@ -242,12 +296,14 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
         mean = sum(job.sample_tokens) / len(job.sample_tokens)
         jobs_table.add_row(job.name, f"{len(job.sample_tokens):,}", f"{mean:,.0f}", f"{max(job.sample_tokens):,}")
     console.print(jobs_table)
-    plan = _plan_with_progress(jobs, options, console, quiet=False)
+    plan, warned = _plan_with_progress(jobs, options, console, quiet=False)
     console.print(_plan_table(plan))
+    _print_warnings(warned)
     violations = verify(plan)
-    console.print(
-        "[green]verify: no violations[/green]" if not violations else f"[red]verify: {len(violations)} violations"
-    )
+    if violations:  # plan() never returns one; a bug, reported as verify would
+        _print_violations(violations, "the demo's plan", console)
+        return 1
+    console.print("[green]verify: no violations[/green]")
     result = simulate(plan, cost)
     console.print(_simulation_table(result))
     ours, megatron, mlora = (result.run(n) for n in ("lorafusion", "megatron", "mlora"))
@@ -262,7 +318,7 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
         console.print(f"wrote [bold]{escape(str(args.output))}[/bold]")
     if args.png:
         _draw(plan, args.png, cost, console)
-    return 0 if not violations else 1
+    return 0
 
 
 def _add_cost_args(parser: argparse.ArgumentParser) -> None:
@@ -275,7 +331,9 @@ def _add_cost_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_solver_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=_positive_int, default=None, help="processes for MILP solves (default: CPUs)")
+    parser.add_argument(
+        "--workers", type=_positive_int, default=None, help="processes for MILP solves (default, and at most: the CPUs)"
+    )
     limit = parser.add_mutually_exclusive_group()
     limit.add_argument("--time-limit", type=_positive_seconds, default=None, metavar="S", help="seconds per MILP solve")
     limit.add_argument(

@@ -1,5 +1,8 @@
 """Files: real sample lengths (JSON, JSONL, CSV), jobs files (JSON or YAML) and plan JSON.
 
+A ``.json`` jobs file is read as JSON, any other as YAML in which only ``true`` and ``false`` are
+booleans (:mod:`lorafusion_sched.jobs_syntax`); both refuse a key given twice in one mapping.
+
 A jobs file::
 
     {
@@ -10,8 +13,8 @@ A jobs file::
         "options": {"capacity": 4096, "pipeline_stages": 4, "padding_multiple": 64},
     }
 
-An adapter gives either ``sample_tokens`` or ``lengths_file`` (relative to the jobs file), not both;
-``lengths_field`` picks the field or column when the file has several.
+An adapter gives either ``sample_tokens`` or ``lengths_file`` (relative to the jobs file), exactly
+one of them; ``lengths_field`` picks the field or column when the file has several.
 """
 
 from __future__ import annotations
@@ -20,17 +23,16 @@ import csv
 import json
 import math
 import os
-import re
 import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 from lorafusion_sched.errors import SchedError
+from lorafusion_sched.jobs_syntax import parse_jobs_text
 from lorafusion_sched.models import AdapterJob, Plan, PlanOptions
 
 __all__ = [
@@ -201,7 +203,7 @@ def describe_validation_error(err: ValidationError, where: str = "") -> str:
         message = str(e["msg"])
         ours = message.removeprefix("Value error, ")
         if ours != message:
-            place = f"{where}{loc}" if loc else where.rstrip(". ")
+            place = f"{where}{loc}" if loc else where.rstrip(": .")
             parts.append(f"{place}: {ours}" if place else ours)
             continue
         if e["type"] == "missing":
@@ -215,26 +217,27 @@ def describe_validation_error(err: ValidationError, where: str = "") -> str:
         shown = repr(value) if not isinstance(value, dict | list | tuple) else type(value).__name__
         if len(shown) > _SHOWN_CHARACTERS:
             shown = shown[: _SHOWN_CHARACTERS - 3] + "..."
-        parts.append(f"{where}{loc or '(top level)'} = {shown}: {message}")
+        parts.append(f"{where}{loc or '(top level)'} = {shown}: {message}{_hint(e['type'], value)}")
     return "; ".join(parts)
+
+
+_YAML_11_BOOLEANS = frozenset({"yes", "no", "on", "off", "y", "n"})
+"""Words that YAML 1.1 (and so PyYAML) reads as booleans; a jobs file reads them as text."""
+
+
+def _hint(kind: str, value: object) -> str:
+    """What to write instead, for the refusals a jobs file's author meets most (appended to the message)."""
+    if kind == "bool_type":
+        text = value.lower() if isinstance(value, str) else None
+        yaml_11 = " (yes, no, on and off are text in a jobs file, as in JSON)" if text in _YAML_11_BOOLEANS else ""
+        return f"; write true or false{yaml_11}"
+    if kind == "string_type" and (value is None or isinstance(value, bool | int | float)):
+        return f'; in a jobs file, put it in quotes ("{json.dumps(value)}")'
+    return ""
 
 
 _SHOWN_CHARACTERS = 80
 """The most characters of a refused value that an error message shows."""
-
-
-class _JobsLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, also reading ``1e3`` and ``1.5e3`` as numbers, as JSON and YAML 1.2 do.
-
-    PyYAML follows YAML 1.1, whose floats need a dot and a signed exponent (``1.0e+3``): ``1e3``
-    would be a string, and a jobs file written as JSON would then be refused where a lengths file
-    takes the same number.
-    """
-
-
-_JobsLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
-)
 
 
 _ADAPTER_KEYS = frozenset({*AdapterJob.model_fields, "lengths_file", "lengths_field"})
@@ -245,14 +248,12 @@ def load_jobs(path: str | Path) -> tuple[list[AdapterJob], PlanOptions]:
     """Jobs and options from a JSON or YAML jobs file (see the module docstring).
 
     Raises:
-        SchedError: With the field and value at fault.
+        SchedError: With the field and value at fault, the line of a key given twice, or the
+            adapter whose lengths file is missing or bad.
     """
     path = Path(path)
     _require_file(path, "jobs file")
-    try:
-        raw = yaml.load(_read_text(path), Loader=_JobsLoader)  # a SafeLoader; YAML is a superset of JSON
-    except yaml.YAMLError as err:
-        raise SchedError(f"{path}: cannot parse ({err})") from None
+    raw = parse_jobs_text(_read_text(path), path)
     if not isinstance(raw, dict) or "adapters" not in raw:
         raise SchedError(f"{path}: expected a mapping with 'adapters' (a list) and 'options' (a mapping)")
     unknown = sorted(str(key) for key in set(raw) - {"adapters", "options"})
@@ -272,11 +273,19 @@ def load_jobs(path: str | Path) -> tuple[list[AdapterJob], PlanOptions]:
         if not isinstance(entry, dict):
             raise SchedError(f"{path}: adapters[{i}] must be a mapping")
         entry = dict(entry)
+        name = entry.get("name")
+        where = f"{path}: adapters[{i}]" + (f" ({name!r})" if isinstance(name, str) else "")
         if "lengths_file" in entry:
             if "sample_tokens" in entry:
-                raise SchedError(f"{path}: adapters[{i}] has both sample_tokens and lengths_file; keep one")
-            lengths_file = path.parent / str(entry.pop("lengths_file"))
-            entry["sample_tokens"] = read_lengths(lengths_file, entry.pop("lengths_field", None))
+                raise SchedError(f"{where} has both sample_tokens and lengths_file; keep one")
+            entry["sample_tokens"] = _adapter_lengths(
+                path, entry.pop("lengths_file"), entry.pop("lengths_field", None), where
+            )
+        elif "sample_tokens" not in entry:
+            raise SchedError(
+                f"{where}: give sample_tokens (the samples' token counts) or lengths_file (a file of them, relative "
+                f"to the jobs file)"
+            )
         try:
             jobs.append(AdapterJob.model_validate(entry))
         except ValidationError as err:
@@ -286,6 +295,25 @@ def load_jobs(path: str | Path) -> tuple[list[AdapterJob], PlanOptions]:
     except ValidationError as err:
         raise SchedError(describe_validation_error(err, f"{path}: options.")) from None
     return jobs, options
+
+
+def _adapter_lengths(jobs_file: Path, lengths_file: object, field: object, where: str) -> list[int]:
+    """An adapter's lengths from its ``lengths_file``, relative to the jobs file's folder.
+
+    Raises:
+        SchedError: Naming the adapter (``where``) and, for a missing file, the path it was looked for at.
+    """
+    given = str(lengths_file)
+    resolved = jobs_file.parent / given
+    if not resolved.exists():
+        raise SchedError(
+            f"{where}: lengths_file {given!r} does not exist (looked for {str(resolved.resolve())!r}; a lengths_file "
+            f"is relative to the jobs file's folder)"
+        )
+    try:
+        return read_lengths(resolved, None if field is None else str(field))
+    except SchedError as err:
+        raise SchedError(f"{where}: {err}") from None
 
 
 def check_writable(path: str | Path) -> Path:

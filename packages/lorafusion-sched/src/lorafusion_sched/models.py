@@ -10,10 +10,12 @@ whole numbers (:data:`WholeNumber`), numbers (``StrictFloat``: ints and floats) 
 from __future__ import annotations
 
 import operator
+import unicodedata
 from collections.abc import Iterable
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -24,6 +26,10 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
+
+from lorafusion_sched.__about__ import __version__
+from lorafusion_sched.errors import UnknownNameError
 
 __all__ = [
     "MAX_PIPELINE_STAGES",
@@ -120,6 +126,32 @@ WholeNumbers = Annotated[tuple[int, ...], BeforeValidator(_check_whole_numbers)]
 PositiveWholeNumbers = Annotated[tuple[Annotated[int, Field(ge=1)], ...], BeforeValidator(_check_whole_numbers)]
 """:data:`WholeNumbers`, each at least 1."""
 
+_LINE_BREAKING = frozenset({"Cc", "Zl", "Zp"})
+"""Unicode categories refused in adapter names: control characters and line or paragraph separators."""
+
+
+def _check_adapter_name(value: str) -> str:
+    """An ``after`` validator: a name that prints as itself on one line of a table or message.
+
+    Refused: a name of only whitespace, whitespace around it (``"a "`` would pass for ``"a"`` in a
+    table), and control characters or line separators (a newline breaks the CLI's tables).
+    """
+    if not value.strip():
+        raise ValueError(f"name = {value!r}: give a name with at least one character that is not whitespace")
+    if value != value.strip():
+        raise ValueError(f"name = {value!r}: remove the whitespace at its start or end ({value.strip()!r})")
+    bad = next((c for c in value if unicodedata.category(c) in _LINE_BREAKING), None)
+    if bad is not None:
+        raise ValueError(
+            f"name = {value!r}: remove the control character {bad!r} (U+{ord(bad):04X}); a name is shown on one "
+            f"line in tables and messages"
+        )
+    return value
+
+
+AdapterName = Annotated[str, Field(min_length=1), AfterValidator(_check_adapter_name)]
+"""An adapter's name: not empty, no whitespace at either end, no control characters."""
+
 
 class AdapterJob(BaseModel):
     """One LoRA fine-tuning job: its samples' token lengths and its global batch size.
@@ -130,7 +162,10 @@ class AdapterJob(BaseModel):
 
     model_config = _FROZEN
 
-    name: str = Field(min_length=1, description="Unique adapter name; the plan refers to the job by it.")
+    name: AdapterName = Field(
+        description="Unique adapter name; the plan refers to the job by it. No whitespace at either end, no "
+        "control characters."
+    )
     sample_tokens: WholeNumbers = Field(description="Token count of every sample, in training order.")
     global_batch_size: WholeNumber = Field(description="Samples per optimizer step of this adapter.")
 
@@ -270,7 +305,7 @@ class AdapterInfo(BaseModel):
 
     model_config = _FROZEN
 
-    name: str
+    name: AdapterName
     global_batch_size: WholeNumber = Field(ge=1)
     num_samples: WholeNumber = Field(ge=1, description="Samples in the job (before drop_last).")
     num_global_batches: WholeNumber = Field(ge=0, description="Global batches the plan schedules.")
@@ -313,12 +348,43 @@ class PlanStats(BaseModel):
     )
 
 
+def _check_schema_version(value: object) -> object:
+    """A ``before`` validator: a whole number, and the one version this package reads.
+
+    The message starts as pydantic's own for a literal (``Input should be 1``), which callers may
+    match, and goes on to say which version this package reads and what to do.
+    """
+    version = _whole_number(value, "schema_version")
+    if version == SCHEMA_VERSION:
+        return version
+    remedy = (
+        f"a plan of schema {version} was written by a newer lorafusion-sched: upgrade this one, or plan again with it"
+        if version > SCHEMA_VERSION
+        else f"no lorafusion-sched writes schema {version}: plan again"
+    )
+    raise PydanticCustomError(
+        "schema_version",
+        "Input should be {expected}, the plan schema lorafusion-sched {package} reads; {remedy}",
+        {"expected": SCHEMA_VERSION, "package": __version__, "remedy": remedy},
+    )
+
+
+def _require_schema_version(schema: dict[str, Any]) -> None:
+    """A plan file must state its ``schema_version`` (see :meth:`Plan._version_stated_in_json`)."""
+    schema["required"] = ["schema_version", *schema.get("required", [])]
+
+
 class Plan(BaseModel):
     """The versioned plan document that the runtime executes (Contract 1)."""
 
-    model_config = _FROZEN
+    # The docstring above is the JSON schema's description. A plan read from JSON text
+    # (model_validate_json, io.load_plan) must state its schema_version; one built in Python may
+    # leave it to its default.
+    model_config = ConfigDict(frozen=True, extra="forbid", json_schema_extra=_require_schema_version)
 
-    schema_version: Annotated[Literal[1], BeforeValidator(_check_whole_number)] = 1
+    schema_version: Annotated[Literal[1], BeforeValidator(_check_schema_version)] = Field(
+        default=1, description="Version of the plan schema; bumped on any incompatible change."
+    )
     capacity: WholeNumber = Field(ge=1)
     pipeline_stages: WholeNumber = Field(ge=1)
     padding_multiple: WholeNumber = Field(ge=1)
@@ -326,6 +392,21 @@ class Plan(BaseModel):
     adapters: tuple[AdapterInfo, ...]
     stats: PlanStats
     microbatches: tuple[Microbatch, ...]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _version_stated_in_json(cls, data: Any, info: ValidationInfo) -> Any:
+        """A plan read from JSON text without ``schema_version`` is refused: only the file says what it follows.
+
+        A plan built in Python (``Plan(...)``, ``Plan.model_validate(dict)``) may leave it to its default.
+        """
+        if info.mode == "json" and isinstance(data, dict) and "schema_version" not in data:
+            raise ValueError(
+                f"schema_version is missing: a plan file states the schema it follows, and lorafusion-sched "
+                f'{__version__} reads schema {SCHEMA_VERSION}; add "schema_version": {SCHEMA_VERSION} if the file '
+                f"follows it, or plan again"
+            )
+        return data
 
 
 class RuntimeSettings(BaseModel):
@@ -453,8 +534,14 @@ class SimulationResult(BaseModel):
     runs: tuple[RunStats, ...] = Field(description="The plan first ('lorafusion'), then the baselines.")
 
     def run(self, name: str) -> RunStats:
-        """The run called ``name`` (``lorafusion``, ``megatron`` or ``mlora``)."""
+        """The run called ``name`` (``lorafusion``, ``megatron`` or ``mlora``).
+
+        Raises:
+            UnknownNameError: (a ``KeyError``) naming the runs this result has.
+        """
         for r in self.runs:
             if r.name == name:
                 return r
-        raise KeyError(name)
+        names = [r.name for r in self.runs]
+        hint = "" if len(names) > 1 else "; simulate(..., baselines=True) adds 'megatron' and 'mlora'"
+        raise UnknownNameError(f"run {name!r} is not in this result; choose one of {names}{hint}")

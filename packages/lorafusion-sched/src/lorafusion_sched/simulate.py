@@ -17,8 +17,11 @@ Runs:
   bubble lemma needs.
 
 Baseline microbatches are padded like the plan's segments (one segment, rounded up to ``P``).
-With ``d`` replicas each replica runs its share of each pipeline independently (the slowest one
-sets the time), which ignores the all-reduce.
+With ``d`` replicas each replica runs its share of each pipeline independently (microbatch ``i``
+on replica ``i % d``; the slowest one sets the time, and tokens/s counts all replicas' tokens), which
+ignores the all-reduce.
+
+A plan is verified before it is simulated, and refused if it has violations.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from lorafusion_sched.errors import SchedError
 from lorafusion_sched.models import CostModel, Plan, RunStats, SimulationResult, require_model
 from lorafusion_sched.packing.problem import round_up
 from lorafusion_sched.sequence import Slot, insert_noops
+from lorafusion_sched.verify import verify
 
 __all__ = ["Event", "baseline_microbatch_samples", "run_sequences", "simulate", "timeline"]
 
@@ -201,6 +205,26 @@ def _stats(name: str, pipelines: list[list[list[_Item]]], plan: Plan, cost: Cost
     )
 
 
+_VIOLATIONS_SHOWN = 3
+"""Violations an invalid plan's error message quotes."""
+
+
+def _require_valid(plan: Plan) -> None:
+    """Refuse a plan that ``verify`` finds violations in: its simulation would measure a schedule no runtime may run.
+
+    A plan whose no-ops were dropped, for one, simulates faster than the valid plan, and its
+    samples would see stale weights in training.
+    """
+    violations = verify(plan)
+    if violations:
+        shown = "; ".join(str(v) for v in violations[:_VIOLATIONS_SHOWN])
+        more = f"; and {len(violations) - _VIOLATIONS_SHOWN} more" if len(violations) > _VIOLATIONS_SHOWN else ""
+        raise SchedError(
+            f"the plan has {len(violations)} violation(s), so it is not simulated: {shown}{more}. Run "
+            f"`lorafusion-sched verify` on the plan file (or verify(plan)) to see them all, and plan again"
+        )
+
+
 def _check_cost(plan: Plan, cost: CostModel) -> None:
     require_model(plan, Plan, "plan")
     require_model(cost, CostModel, "cost_model")
@@ -209,6 +233,7 @@ def _check_cost(plan: Plan, cost: CostModel) -> None:
             f"cost_model.stage_factors has {len(cost.stage_factors)} entries: give one per pipeline stage "
             f"({plan.pipeline_stages})"
         )
+    _require_valid(plan)
 
 
 def simulate(
@@ -220,8 +245,12 @@ def simulate(
 ) -> SimulationResult:
     """Simulate the plan's pipeline and, optionally, the Megatron-style and mLoRA-style baselines.
 
+    The plan is verified first (:func:`lorafusion_sched.verify`, without runtime settings): a plan
+    with violations is refused, never simulated. The baselines are built from the plan's adapters
+    (their samples and global batches), not from its microbatches, so they need no plan of their own.
+
     Args:
-        plan: The plan (its adapters carry the sample lengths the baselines need).
+        plan: A valid plan (its adapters carry the sample lengths the baselines need).
         cost_model: Seconds per microbatch; default :class:`CostModel`.
         baselines: Also simulate ``megatron`` and ``mlora``.
         microbatch_samples: Samples per baseline microbatch by adapter name; default
@@ -231,8 +260,9 @@ def simulate(
         Makespan, per-stage bubble ratio and tokens/s of every run, the plan's first.
 
     Raises:
-        SchedError: If the cost model's stage factors do not match the pipeline, or
-            ``microbatch_samples`` names an adapter the plan lacks or a count below 1.
+        SchedError: If the plan has violations (the message counts them and quotes the first few),
+            the cost model's stage factors do not match the pipeline, or ``microbatch_samples``
+            names an adapter the plan lacks or a count below 1.
         TypeError: ``plan`` is not a :class:`Plan` or ``cost_model`` not a :class:`CostModel`.
     """
     cost = CostModel() if cost_model is None else cost_model
@@ -258,7 +288,7 @@ def _check_microbatch_samples(plan: Plan, per_mb: dict[str, int]) -> None:
 
 
 def timeline(plan: Plan, run: str = "lorafusion", cost_model: CostModel | None = None) -> list[Event]:
-    """The events of replica 0 of one run (for plotting)."""
+    """The events of replica 0 of one run (for plotting); like :func:`simulate`, it refuses an invalid plan."""
     cost = CostModel() if cost_model is None else cost_model
     _check_cost(plan, cost)
     per_mb = baseline_microbatch_samples(plan)
