@@ -413,6 +413,50 @@ def test_bad_inputs_raise_one_error_type(change, message):
         )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("shapes", "message"),
+    [
+        ({"x": (3, 15)}, r"x has 15 features where weight has 16: x must be \[\.\.\., 16\]"),
+        ({"lora_a": (4, 15)}, r"lora_a has 15 columns where x and weight have 16: lora_a must be \[r, 16\]"),
+        ({"lora_a": (16, 4), "lora_b": (8, 16)}, r"lora_a has 4 columns .* lora_a must be \[r, 16\]"),
+        ({"weight": (8, 15)}, r"weight has 15 in_features where x and lora_a have 16: weight must be \[N, 16\]"),
+    ],
+    ids=["x", "lora_a", "lora_a-transposed", "weight"],
+)
+def test_an_in_features_mismatch_names_the_odd_tensor(shapes, message):
+    """Regression: a wrong ``x`` was reported as "lora_a must be [r, K]", pointing at the wrong tensor."""
+    args = {"x": (3, 16), "weight": (8, 16), "lora_a": (4, 16), "lora_b": (8, 4)} | shapes
+    tensors = {name: torch.zeros(shape) for name, shape in args.items()}
+    with pytest.raises(LoRAFusionKernelsError, match=message):
+        fused_lora_linear(tensors["x"], tensors["weight"], tensors["lora_a"], tensors["lora_b"], scaling=1.0)
+
+
+def test_a_dtype_mismatch_says_how_to_fix_it():
+    with pytest.raises(
+        LoRAFusionKernelsError,
+        match=r"weight dtype torch.float16 must match x dtype torch.float32: cast x \(or the weight\) .*torch.autocast",
+    ):
+        fused_lora_linear(
+            torch.zeros(3, 16), torch.zeros(8, 16, dtype=torch.float16), torch.zeros(4, 16), torch.zeros(8, 4),
+            scaling=1.0,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["scaling", "dropout_p"])
+def test_a_scaling_or_p_tensor_that_requires_grad_is_refused(name):
+    """Regression: ``scaling=torch.tensor(2.0, requires_grad=True)`` was read with ``.item()``: the
+    output did not require grad and the "learnable" scale silently got no gradient."""
+    inputs = make_lora_inputs(5, 16, 8, 4, dtype=torch.float32)
+    args = (inputs.x, inputs.weight, inputs.lora_a, inputs.lora_b)
+    kw = {"scaling": 2.0, "dropout_p": 0.25, "seed": 3}
+    trainable = torch.tensor(kw[name], requires_grad=True)
+    with pytest.raises(LoRAFusionKernelsError, match=rf"{name} is a runtime constant; it gets no gradient"):
+        fused_lora_linear(*args, **{**kw, name: trainable})
+    torch.testing.assert_close(
+        fused_lora_linear(*args, **{**kw, name: trainable.detach()}), fused_lora_linear(*args, **kw)
+    )
+
+
 def test_numpy_scalars_and_0d_tensors_are_numbers():
     inputs = make_lora_inputs(5, 16, 8, 4, dtype=torch.float32)
     args = (inputs.x, inputs.weight, inputs.lora_a, inputs.lora_b)
@@ -426,6 +470,47 @@ def test_the_module_refuses_bad_hyperparameters_when_built(kwargs):
     """Regression: ``dropout_p=1.5`` was accepted and failed only at the first training-mode forward."""
     with pytest.raises(LoRAFusionKernelsError):
         FusedLoRALinear(8, 8, 4, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        ((8, 8, 8.0), {}, "r must be an integer, got float 8.0"),
+        ((8, 8, "8"), {}, "r must be an integer, got str '8'"),
+        ((8, 8, True), {}, "r must be an integer, got bool True"),
+        ((8, 8, 0), {}, "r must be at least 1, got 0"),
+        ((8, 8, 129), {}, r"LoRA rank must be in \[1, 128\], got 129"),
+        ((0, 8, 4), {}, "in_features must be at least 1, got 0"),
+        ((8, -1, 4), {}, "out_features must be at least 1, got -1"),
+        ((8.0, 8, 4), {}, "in_features must be an integer, got float 8.0"),
+        ((8, 8, 4), {"dtype": torch.int64}, r"dtype must be a floating-point torch.dtype .* got torch.int64"),
+        ((8, 8, 4), {"dtype": "float16"}, r"dtype must be a floating-point torch.dtype .* got 'float16'"),
+    ],
+    ids=["r-float", "r-str", "r-bool", "r-0", "r-129", "in-0", "out-negative", "in-float", "int-dtype", "str-dtype"],
+)
+def test_the_module_refuses_bad_shapes_and_dtypes_when_built(args, kwargs, message):
+    """Regression: ``r=8.0`` raised ``TypeError`` from ``torch.empty``, ``in_features=0`` a
+    ``ZeroDivisionError`` in ``reset_parameters`` and an integer dtype torch's "only floating point
+    tensors can require gradients"."""
+    with pytest.raises(LoRAFusionKernelsError, match=message):
+        FusedLoRALinear(*args, **kwargs)
+
+
+def test_numpy_integer_widths_and_rank_are_taken():
+    layer = FusedLoRALinear(np.int64(8), np.int32(6), np.int64(4))
+    assert (layer.in_features, layer.out_features, layer.r) == (8, 6, 4)
+    assert layer.lora_a.shape == (4, 8)
+
+
+@pytest.mark.parametrize(
+    "module",
+    [torch.nn.Conv1d(8, 8, 1), torch.nn.Embedding(10, 8), torch.nn.Identity()],
+    ids=["conv1d", "embedding", "identity"],
+)
+def test_from_linear_refuses_other_modules(module):
+    """Regression: ``from_linear(nn.Conv1d(...))`` raised ``AttributeError: ... no attribute 'in_features'``."""
+    with pytest.raises(LoRAFusionKernelsError, match=rf"from_linear wraps an nn.Linear, got {type(module).__name__}"):
+        FusedLoRALinear.from_linear(module, 4)
 
 
 def test_module_starts_as_the_frozen_layer_and_trains():

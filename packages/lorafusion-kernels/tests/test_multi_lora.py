@@ -8,7 +8,9 @@ interpreter off for the call. GPU cases (bf16, real shapes) are marked ``gpu``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -17,10 +19,11 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import lorafusion_kernels.lora as lora_module
 import lorafusion_kernels.multi_lora as multi_lora_module
-from lorafusion_kernels.errors import LoRAFusionKernelsError
+from lorafusion_kernels.errors import LoRAFusionKernelsError, LoRAFusionKernelsWarning
 from lorafusion_kernels.metadata import MultiLoRABatch
 from lorafusion_kernels.multi_lora import fused_multi_lora_linear
 from lorafusion_kernels.multi_lora_autograd import batch_of_segments
+from lorafusion_kernels.multi_lora_context import multi_lora_batch
 from lorafusion_kernels.multi_lora_params import AdapterParams, device_params
 from lorafusion_kernels.reference import multi_lora_linear_reference
 from lorafusion_kernels.testing import assert_close_to_reference, rel_rms
@@ -742,6 +745,126 @@ def test_bad_adapter_lists_name_the_argument(change: dict, message: str) -> None
             args["x"], args["weight"], args["lora_a"], args["lora_b"], segment_lengths=[2, 3],
             segment_adapters=[0, 1], scaling=1.0, dropout_p=args["dropout_p"],
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("lengths", "adapters", "message"),
+    [
+        ((7, 1, 19, 0, 11, 5), (a for a in MIXED.adapters), None),
+        (43, 0, "segment_lengths must be a list of integers or a 1-D integer tensor, got int 43"),
+        ((20, 23), "01", "segment_adapters must be a list of integers or a 1-D integer tensor, got str '01'"),
+        ((20, 23), (0, 1.0), r"segment_adapters must hold integers, got 1.0"),
+    ],
+    ids=["generator", "int", "str", "float"],
+)
+def test_segment_lists_are_read_once_and_named(lengths: object, adapters: object, message: str | None) -> None:
+    """Regression: ``segment_adapters`` was read before it was checked. A generator was used up there
+    (the error then blamed a length mismatch), an int or a string raised Python's own ``TypeError``."""
+    inputs = make_inputs(MIXED, torch.float32)
+    args = (inputs["x"], inputs["weight"], inputs["lora_a"], inputs["lora_b"])
+    call = functools.partial(
+        fused_multi_lora_linear, *args, segment_lengths=lengths, segment_adapters=adapters, scaling=MIXED.scaling
+    )
+    if message is None:
+        with torch.no_grad():
+            expected = fused_multi_lora_linear(
+                *args, segment_lengths=MIXED.lengths, segment_adapters=MIXED.adapters, scaling=MIXED.scaling
+            )
+            torch.testing.assert_close(call(), expected, rtol=0, atol=0)
+        return
+    with pytest.raises(LoRAFusionKernelsError, match=message):
+        call()
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [(MIXED.lengths, MIXED.adapters), [MIXED.lengths, MIXED.adapters], MIXED.lengths],
+    ids=["tuple", "list", "lengths-only"],
+)
+def test_a_batch_that_is_no_multi_lora_batch_is_named(batch: object) -> None:
+    """Regression: ``batch=(lengths, adapters)`` raised ``AttributeError: 'tuple' object has no attribute 'to'``."""
+    inputs = make_inputs(MIXED, torch.float32)
+    args = (inputs["x"], inputs["weight"], inputs["lora_a"], inputs["lora_b"])
+    with pytest.raises(LoRAFusionKernelsError, match=r"batch must be a MultiLoRABatch, got .*from_segments"):
+        fused_multi_lora_linear(*args, scaling=1.0, batch=batch)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["scaling", "dropout_p"])
+@pytest.mark.parametrize("shape", [(), (4,)], ids=["one", "per-adapter"])
+def test_a_trainable_scaling_or_p_tensor_is_refused(name: str, shape: tuple[int, ...]) -> None:
+    """Regression: a per-adapter scaling tensor that requires grad was read as constants without a
+    word, so a "learnable" scale got no gradient."""
+    inputs = make_inputs(MIXED, torch.float32)
+    args = (inputs["x"], inputs["weight"], inputs["lora_a"], inputs["lora_b"])
+    value = torch.full(shape, 0.5 if name == "scaling" else 0.1, requires_grad=True)
+    call = functools.partial(
+        fused_multi_lora_linear, *args, segment_lengths=MIXED.lengths, segment_adapters=MIXED.adapters, seed=1
+    )
+    others = {"scaling": 1.0, "dropout_p": 0.0}
+    with pytest.raises(LoRAFusionKernelsError, match=rf"{name} is a runtime constant; it gets no gradient"):
+        call(**{**others, name: value})
+    if not shape:  # one 0-d tensor per adapter
+        with pytest.raises(LoRAFusionKernelsError, match=rf"{name} is a runtime constant"):
+            call(**{**others, name: [value] * 4})
+    with torch.no_grad():
+        call(**{**others, name: value.detach()})
+
+
+def test_a_dtype_mismatch_says_how_to_fix_it() -> None:
+    inputs = make_inputs(MIXED, torch.float32)
+    with pytest.raises(LoRAFusionKernelsError, match=r"must match x dtype torch.float32: cast x .* torch.autocast"):
+        fused_multi_lora_linear(
+            inputs["x"], inputs["weight"].half(), inputs["lora_a"], inputs["lora_b"], scaling=1.0,
+            segment_lengths=MIXED.lengths, segment_adapters=MIXED.adapters,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("names", "message"),
+    [
+        ({"a", "b", "c"}, r"adapter_names must be a list or tuple .* got a set, whose iteration order"),
+        ({"b": 1, "a": 0, "c": 2}, r"adapter_names must be a list or tuple .* got a dict, whose iteration order"),
+        (frozenset({"a", "b", "c"}), r"got a frozenset"),
+        (["a", 1, "c"], r"adapter_names\[1\] must be a PEFT adapter name \(a str\), got int 1"),
+        (["a", None, "c"], r"adapter_names\[1\] must be a PEFT adapter name \(a str\), got NoneType"),
+        ("abc", r"adapter_names must list one PEFT adapter name per adapter index \(3 needed\), got 'abc'"),
+        (["a", "b"], r"\(3 needed\), got \['a', 'b'\]"),
+    ],
+    ids=["set", "dict", "frozenset", "int-entry", "none-entry", "str", "too-few"],
+)
+def test_multi_lora_batch_refuses_names_it_would_misroute(names: object, message: str) -> None:
+    """Regression: a set's or a dict's iteration order became the index-to-name mapping (a set's
+    depends on the string hash), so segments went to other adapters without a word."""
+    batch = MultiLoRABatch.from_segments([5, 5, 5], [0, 1, 2])
+    with pytest.raises(LoRAFusionKernelsError, match=message), multi_lora_batch(batch, names):  # type: ignore[arg-type]
+        pytest.fail("the block must not run")
+
+
+def test_multi_lora_batch_takes_names_of_any_sequence_once() -> None:
+    batch = MultiLoRABatch.from_segments([5, 5], [0, 1])
+    for names in (["a", "b"], ("a", "b"), (n for n in "ab")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", LoRAFusionKernelsWarning)  # no patched module runs in the block
+            with multi_lora_batch(batch, names) as entered:
+                assert entered is batch
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((["a", "b"], "batch"), r"multi_lora_batch takes the batch first: multi_lora_batch\(batch, adapter_names\)"),
+        ((((5, 5), (0, 1)), ["a", "b"]), r"batch must be a MultiLoRABatch, got tuple: build it with .*from_segments"),
+        ((None, ["a", "b"]), r"batch must be a MultiLoRABatch, got NoneType"),
+    ],
+    ids=["swapped", "tuple", "none"],
+)
+def test_multi_lora_batch_names_a_wrong_batch_argument(args: tuple[object, object], message: str) -> None:
+    """Regression: swapped arguments raised ``TypeError: 'MultiLoRABatch' object is not iterable`` and
+    a tuple of lists ``AttributeError: ... no attribute 'num_adapters'``."""
+    batch = MultiLoRABatch.from_segments([5, 5], [0, 1])
+    first, second = (batch if a == "batch" else a for a in args)
+    with pytest.raises(LoRAFusionKernelsError, match=message), multi_lora_batch(first, second):  # type: ignore[arg-type]
+        pytest.fail("the block must not run")
 
 
 def test_numpy_values_per_adapter_are_numbers() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
+import pickle
 
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lorafusion_kernels.errors import LoRAFusionKernelsError
+from lorafusion_kernels.errors import LoRAFusionKernelsError, ReadOnlyAttributeError
 from lorafusion_kernels.metadata import MultiLoRABatch
 
 
@@ -138,11 +140,56 @@ def test_numpy_and_tensor_integers_accepted() -> None:
         ([True], [0], {}, "must hold integers"),
         (None, [0], {}, "segment_lengths must be a list of integers or a 1-D integer tensor, got NoneType"),
         ([3], 0, {}, "segment_adapters must be a list of integers or a 1-D integer tensor, got int"),
+        ([1, 2], [0, 1], {"num_adapters": 2.5}, r"num_adapters must be an integer .* got float 2.5"),
+        ([1, 2], [0, 1], {"num_adapters": "3"}, r"num_adapters must be an integer .* got str '3'"),
+        ([1, 2], [0, 1], {"num_adapters": True}, r"num_adapters must be an integer .* got bool True"),
     ],
 )
 def test_invalid_segments_raise(lengths: list, adapters: list, kwargs: dict, message: str) -> None:
     with pytest.raises(LoRAFusionKernelsError, match=message):
         MultiLoRABatch.from_segments(lengths, adapters, **kwargs)
+
+
+def test_num_adapters_may_be_a_numpy_integer() -> None:
+    batch = MultiLoRABatch.from_segments([1, 2], [0, 1], num_adapters=np.int64(3))
+    assert batch.num_adapters == 3
+    assert type(batch.num_adapters) is int
+
+
+FIELDS = ["segment_lengths", "segment_adapters", "num_adapters", "total_tokens", "adapter_tokens", "device", "segments"]
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_a_built_batch_is_read_only(field: str) -> None:
+    """Regression: ``batch.segment_lengths = ...`` was accepted, and the tables derived from the old
+    segments (device tables, cached tiles) stayed, so the kernels read rows never written."""
+    batch = MultiLoRABatch.from_segments([10, 20, 7], [0, 2, 1])
+    batch.row_tiles(16)
+    before = getattr(batch, field)
+    with pytest.raises(ReadOnlyAttributeError, match=rf"MultiLoRABatch\.{field} is read-only.*from_segments"):
+        setattr(batch, field, before)
+    with pytest.raises(AttributeError, match="read-only"):  # Python's own contract for read-only attributes
+        delattr(batch, field)
+    with pytest.raises(LoRAFusionKernelsError):
+        setattr(batch, field, before)
+    assert getattr(batch, field) is before
+
+
+def test_copies_and_pickles_rebuild_the_batch() -> None:
+    """Copies and pickles still work (by default they would set each slot): the same batch, with its own tables."""
+    batch = MultiLoRABatch.from_segments([10, 0, 20, 7], [0, 1, 2, 0], num_adapters=4)
+    tiles = batch.segment_tiles(16).tiles.tolist()
+    for other in (copy.copy(batch), copy.deepcopy(batch), pickle.loads(pickle.dumps(batch))):
+        assert other is not batch
+        assert type(other) is MultiLoRABatch
+        for field in FIELDS:
+            if field == "segments":
+                assert torch.equal(other.segments, batch.segments)
+            else:
+                assert getattr(other, field) == getattr(batch, field), field
+        assert other.segment_tiles(16).tiles.tolist() == tiles
+        with pytest.raises(ReadOnlyAttributeError):
+            other.segment_lengths = (1, 2, 3, 4)
 
 
 @pytest.mark.gpu

@@ -461,32 +461,46 @@ def test_an_adapter_that_cannot_train_is_named_once(
     assert "adapter 'beta'" in frozen[0]
 
 
-def test_a_name_no_layer_holds_is_named_once(patched_model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A misspelt adapter name would leave its tokens on the frozen model (and its adapter untrained)."""
-    from lorafusion_kernels import multi_lora_context
-    from lorafusion_kernels.errors import OnceWarnings
-
-    monkeypatch.setattr(multi_lora_context, "_WARNED_UNHELD", OnceWarnings())
+def test_a_name_no_layer_holds_raises_at_the_end_of_every_block(patched_model: torch.nn.Module) -> None:
+    """Regression: a misspelt adapter name left its tokens on the frozen model (and its adapter
+    untrained) with one warning per process, so every later step of a training loop was silent.
+    PEFT's own ``adapter_names=`` raises for an unknown adapter; so does the block, each time."""
     batch, names = row_batch()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", LoRAFusionKernelsWarning)
-        with multi_lora_batch(batch, names):  # the right names and "__base__": no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LoRAFusionKernelsWarning)
+        with multi_lora_batch(batch, names):  # the right names and "__base__": neither error nor warning
             patched_model(input_ids=input_ids())
-        for _ in range(2):
-            with multi_lora_batch(batch, [n.replace("gamma", "gama") for n in names]):
-                patched_model(input_ids=input_ids())
-    unheld = [str(w.message) for w in caught if "no LoRA layer that ran holds" in str(w.message)]
-    assert len(unheld) == 1
-    assert "adapter 'gama' (index 2) has 7 tokens" in unheld[0]
-    assert "['alpha', 'beta', 'gamma']" in unheld[0]
+    misspelt = [n.replace("gamma", "gama") for n in names]
+    for _ in range(2):
+        unheld = pytest.raises(LoRAFusionKernelsError, match=r"adapter 'gama' \(index 2\) has 7 tokens")
+        with unheld as caught, multi_lora_batch(batch, misspelt):
+            patched_model(input_ids=input_ids())
+        assert "they hold ['alpha', 'beta', 'gamma']" in str(caught.value)
+        assert "fix adapter_names" in str(caught.value)
+
+
+def test_an_error_inside_the_block_is_not_replaced(patched_model: torch.nn.Module) -> None:
+    """Only a normal exit checks the names: an exception raised in the block reaches the caller as it is."""
+    batch, names = row_batch()
+
+    def failing_step() -> None:
+        with multi_lora_batch(batch, ["nobody", *names[1:]]):
+            patched_model(input_ids=input_ids())
+            raise RuntimeError("the user's own error")
+
+    with pytest.raises(RuntimeError, match="the user's own error"):
+        failing_step()
 
 
 def test_a_block_on_an_unpatched_model_is_warned_about(monkeypatch: pytest.MonkeyPatch) -> None:
-    """PEFT's own layers ignore the block: every token got the active adapter, silently."""
+    """PEFT's own layers ignore the block: every token got the active adapter, silently.
+
+    A warning, not an error: a pipeline stage that holds no LoRA layer runs such blocks on purpose.
+    """
     from lorafusion_kernels import multi_lora_context
     from lorafusion_kernels.errors import OnceWarnings
 
-    monkeypatch.setattr(multi_lora_context, "_WARNED_UNHELD", OnceWarnings())
+    monkeypatch.setattr(multi_lora_context, "_WARNED_UNREACHED", OnceWarnings())
     model = tiny_peft_model()
     unpatched = pytest.warns(LoRAFusionKernelsWarning, match="no patched module ran inside multi_lora_batch")
     with unpatched, multi_lora_batch(*row_batch()):

@@ -339,6 +339,37 @@ def test_bad_sibling_calls_are_refused(change: dict[str, object], message: str) 
         )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"out_features": 49}, r"out_features must list each member's width .* got int 49"),
+        ({"out_features": (29.5, 7, 12.5)}, r"out_features must hold each member's width as an integer, got 29.5"),
+        ({"out_features": (29, 7.0, 13)}, r"as an integer, got 7.0"),
+        ({"out_features": {29, 7, 13}}, r"out_features must list each member's width .* got set"),
+        ({"stacked_a": True}, r"lora_a\[0\] is a tensor \[48, 37\], not a list: give adapter 0 a list"),
+        ({"flat": True}, r"lora_a\[0\] is a tensor \[8, 37\], not a list"),
+    ],
+    ids=["one-int", "float-widths", "whole-float", "set", "stacked-a", "flat-lists"],
+)
+def test_sibling_layouts_are_named(change: dict[str, object], message: str) -> None:
+    """Regression: ``out_features=49`` raised ``TypeError: 'int' object is not iterable``, float widths
+    were truncated (and the error showed the truncated list), an adapter's members stacked into one
+    ``A`` were counted as "48 A matrices", and flat per-member lists gave an error about ``scaling``."""
+    case = NO_DROPOUT
+    s = Siblings.make(case, MEMBERS, torch.float32)
+    lora_a: list = s.lora_a
+    lora_b: list = s.lora_b
+    if change.get("stacked_a"):
+        lora_a = [torch.cat(per_member) for per_member in s.lora_a]
+    if change.get("flat"):
+        lora_a, lora_b = s.lora_a[1], s.lora_b[1]  # adapter 1's three members, as if they were adapters
+    with pytest.raises(LoRAFusionKernelsError, match=message):
+        fused_multi_lora_siblings(
+            s.x, s.weight, lora_a, lora_b, out_features=change.get("out_features", MEMBERS),
+            segment_lengths=case.lengths, segment_adapters=case.adapters, scaling=case.scaling,
+        )  # fmt: skip
+
+
 @INTERPRET
 @pytest.mark.usefixtures("interpreter")
 def test_stacked_rank_over_128_is_refused() -> None:

@@ -181,6 +181,32 @@ def test_unsupported_cases_fall_back_with_one_warning(monkeypatch):
         model(input_ids=ids)
 
 
+@pytest.mark.parametrize("function", ["patch_peft_model", "unpatch_peft_model"])
+def test_a_non_module_is_refused_with_a_type_error(function):
+    """Regression: ``patch_peft_model(LoraConfig(...))`` raised ``AttributeError: ... no attribute 'modules'``."""
+    with pytest.raises(TypeError, match=rf"{function} takes the model \(an nn.Module\), got LoraConfig: pass the"):
+        getattr(lorafusion_kernels, function)(peft.LoraConfig(r=8, target_modules=TARGETS))
+
+
+@pytest.mark.parametrize("model", ["plain-module", "base-before-get_peft_model"])
+def test_a_model_without_lora_layers_is_warned_about(model):
+    """Regression: patching a model without PEFT LoRA layers (a plain module, or the base model before
+    ``get_peft_model`` wrapped it) returned 0 silently, and the user trained unfused without knowing."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4)) if model == "plain-module" else tiny_model_base()
+    no_layers = pytest.warns(
+        LoRAFusionKernelsWarning,
+        match=r"found no PEFT LoRA layer in this \w+, so nothing will run fused: call it on the model that "
+        r"peft.get_peft_model returned",
+    )
+    with no_layers:
+        assert lorafusion_kernels.patch_peft_model(module) == 0
+    if model == "base-before-get_peft_model":
+        peft_model = peft.get_peft_model(module, peft.LoraConfig(r=8, target_modules=TARGETS))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", LoRAFusionKernelsWarning)
+            assert lorafusion_kernels.patch_peft_model(peft_model) == 4
+
+
 def test_cpu_without_interpreter_falls_back(monkeypatch):
     monkeypatch.setattr(integration, "runs_triton", lambda t, dtype=None: False)
     model = tiny_model()

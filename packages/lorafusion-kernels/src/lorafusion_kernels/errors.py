@@ -11,6 +11,7 @@ __all__ = [
     "LoRAFusionKernelsError",
     "LoRAFusionKernelsWarning",
     "OnceWarnings",
+    "ReadOnlyAttributeError",
     "module_path",
     "user_stacklevel",
 ]
@@ -26,6 +27,14 @@ def module_path(module: Any) -> str:
 
 class LoRAFusionKernelsError(ValueError):
     """A mistake the caller can fix: a bad shape, rank, dtype, dropout probability or config file."""
+
+
+class ReadOnlyAttributeError(LoRAFusionKernelsError, AttributeError):
+    """An assignment to a read-only attribute (a field of a built ``MultiLoRABatch``).
+
+    Both the package's error and Python's ``AttributeError``, which a frozen dataclass raises for the
+    same mistake, so either ``except`` catches it.
+    """
 
 
 class LoRAFusionKernelsWarning(UserWarning):

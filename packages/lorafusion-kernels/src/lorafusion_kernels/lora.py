@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import os
 from typing import Any, cast
 
@@ -353,16 +354,12 @@ def _check_inputs(
         raise LoRAFusionKernelsError("x must be [..., K] (at least 1-D), got a 0-d tensor")
     check_activation_dtype(x)
     if weight.dtype != x.dtype:
-        raise LoRAFusionKernelsError(f"weight dtype {weight.dtype} must match x dtype {x.dtype}")
+        raise dtype_mismatch(x, weight)
     if weight.dim() != 2 or lora_a.dim() != 2 or lora_b.dim() != 2:
         raise LoRAFusionKernelsError("weight, lora_a and lora_b must be 2-D: [N, K], [r, K], [N, r]")
     n, k = weight.shape
     r = lora_a.shape[0]
-    if x.shape[-1] != k or lora_a.shape[1] != k:
-        raise LoRAFusionKernelsError(
-            f"in_features mismatch: x [..., {x.shape[-1]}], weight [{n}, {k}], lora_a {list(lora_a.shape)}; "
-            f"lora_a must be [r, {k}] (PEFT's lora_A.weight layout)"
-        )
+    _check_in_features(x, weight, lora_a)
     if tuple(lora_b.shape) != (n, r):
         raise LoRAFusionKernelsError(f"lora_b must be [{n}, {r}] (out_features, rank), got {list(lora_b.shape)}")
     if not 1 <= r <= MAX_RANK:
@@ -384,6 +381,35 @@ def _check_inputs(
     check_finite(scaling, "scaling")
 
 
+def _check_in_features(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor) -> None:
+    """Refuse ``x``, ``weight`` and ``lora_a`` that disagree on ``K``, naming the one that differs.
+
+    Raises:
+        LoRAFusionKernelsError: Naming the odd tensor out and the three shapes.
+    """
+    n, k = weight.shape
+    x_k, a_k = x.shape[-1], lora_a.shape[1]
+    if x_k == k and a_k == k:
+        return
+    shapes = f"x [..., {x_k}], weight [{n}, {k}], lora_a {list(lora_a.shape)}"
+    if x_k == a_k:
+        fix = f"weight has {k} in_features where x and lora_a have {x_k}: weight must be [N, {x_k}] ([out, in])"
+    elif x_k != k:
+        fix = f"x has {x_k} features where weight has {k}: x must be [..., {k}]"
+    else:
+        fix = f"lora_a has {a_k} columns where x and weight have {k}: lora_a must be [r, {k}] (PEFT's lora_A.weight)"
+    raise LoRAFusionKernelsError(f"in_features mismatch ({shapes}): {fix}")
+
+
+def dtype_mismatch(x: torch.Tensor, weight: torch.Tensor) -> LoRAFusionKernelsError:
+    """The error for a base weight whose dtype is not ``x``'s, saying how to make them agree."""
+    return LoRAFusionKernelsError(
+        f"weight dtype {weight.dtype} must match x dtype {x.dtype}: cast x (or the weight) to one dtype, "
+        "or call the layer (FusedLoRALinear, a patched PEFT model) under torch.autocast, which casts both "
+        "as nn.Linear does"
+    )
+
+
 def check_activation_dtype(x: torch.Tensor) -> None:
     """Refuse an input dtype the ops do not take (the same rule for FusedLoRA and FusedMultiLoRA).
 
@@ -399,17 +425,34 @@ def check_activation_dtype(x: torch.Tensor) -> None:
 def check_finite(value: object, name: str) -> None:
     """Refuse a scalar argument (a scaling, a dropout probability) that is not a finite number.
 
-    Python and NumPy numbers and 0-d real tensors are numbers; callers pass ``float(value)`` on.
+    Python and NumPy numbers and 0-d real tensors are numbers; callers pass ``float(value)`` on. A
+    tensor that requires grad is refused (:func:`check_not_trainable`): it would get no gradient.
 
     Raises:
-        LoRAFusionKernelsError: Naming the argument and the value (None, a string, NaN, inf, a bool).
+        LoRAFusionKernelsError: Naming the argument and the value (None, a string, NaN, inf, a bool,
+            a tensor that requires grad).
     """
+    if isinstance(value, torch.Tensor):
+        check_not_trainable(value, name)
     if torch.compiler.is_compiling():
         return  # a float input may be symbolic there, and math.isfinite on it would break the graph
     if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_complex:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise LoRAFusionKernelsError(f"{name} must be a finite number, got {value!r}")
+
+
+def check_not_trainable(value: torch.Tensor, name: str) -> None:
+    """Refuse a scaling or dropout-probability tensor that requires grad: its value is read once, as a constant.
+
+    Raises:
+        LoRAFusionKernelsError: Naming the argument, and what to pass instead.
+    """
+    if value.requires_grad:
+        raise LoRAFusionKernelsError(
+            f"{name} is a runtime constant; it gets no gradient, but the tensor given requires grad: "
+            f"pass a number or {name}.detach() (a learnable scale belongs in lora_b, which does get a gradient)"
+        )
 
 
 def check_deterministic(value: object) -> None:
@@ -495,6 +538,35 @@ def fused_lora_linear(
     return cast(torch.Tensor, y).reshape(*lead, weight.shape[0])
 
 
+def _positive_int(value: object, name: str) -> int:
+    """``value`` as an int ``>= 1`` (a NumPy integer too; never a float, a string or a bool).
+
+    Raises:
+        LoRAFusionKernelsError: Naming the argument and the value.
+    """
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise LoRAFusionKernelsError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+    if number < 1:
+        raise LoRAFusionKernelsError(f"{name} must be at least 1, got {number}")
+    return number
+
+
+def _check_layer_dtype(dtype: object) -> None:
+    """Refuse a layer ``dtype`` that is not a floating-point ``torch.dtype`` (None: torch's default).
+
+    Raises:
+        LoRAFusionKernelsError: Naming the dtype.
+    """
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise LoRAFusionKernelsError(
+            f"dtype must be a floating-point torch.dtype (torch.bfloat16, torch.float16, torch.float32), got {dtype!r}"
+        )
+
+
 class FusedLoRALinear(nn.Module):
     """A frozen linear layer with a trainable LoRA adapter, computed by :func:`fused_lora_linear`.
 
@@ -503,15 +575,19 @@ class FusedLoRALinear(nn.Module):
     (Kaiming-uniform) and B with zeros, so a fresh layer equals the frozen one.
 
     Args:
-        in_features: ``K``.
-        out_features: ``N``.
-        r: LoRA rank, in ``[1, 128]``.
+        in_features: ``K``, at least 1.
+        out_features: ``N``, at least 1.
+        r: LoRA rank, an integer in ``[1, 128]``.
         lora_alpha: LoRA alpha (default ``r``: scaling 1).
         dropout_p: Dropout on the LoRA branch (applied in training mode only).
         bias: Whether the frozen base layer has a bias.
         use_rslora: Scale by ``lora_alpha / sqrt(r)``.
         device: Where to allocate.
-        dtype: Dtype of the base weight (the adapter is created in the same dtype).
+        dtype: Dtype of the base weight, a floating-point one (the adapter is created in the same dtype).
+
+    Raises:
+        LoRAFusionKernelsError: A width or rank that is not a positive integer, a rank above 128,
+            a dtype that is not floating point, or a bad ``lora_alpha`` or ``dropout_p``.
     """
 
     def __init__(
@@ -528,8 +604,12 @@ class FusedLoRALinear(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if not 1 <= r <= MAX_RANK:
+        in_features = _positive_int(in_features, "in_features")
+        out_features = _positive_int(out_features, "out_features")
+        r = _positive_int(r, "r")
+        if r > MAX_RANK:
             raise LoRAFusionKernelsError(f"LoRA rank must be in [1, {MAX_RANK}], got {r}")
+        _check_layer_dtype(dtype)
         check_finite(dropout_p, "dropout_p")
         keep_threshold(dropout_p)  # refused here, not at the first training-mode forward
         if lora_alpha is not None:
@@ -566,7 +646,16 @@ class FusedLoRALinear(nn.Module):
         dropout_p: float = 0.0,
         use_rslora: bool = False,
     ) -> FusedLoRALinear:
-        """Wrap an existing ``nn.Linear`` (its weight and bias are shared, frozen) with a fresh adapter."""
+        """Wrap an existing ``nn.Linear`` (its weight and bias are shared, frozen) with a fresh adapter.
+
+        Raises:
+            LoRAFusionKernelsError: ``linear`` is not an ``nn.Linear``, or a bad rank or hyperparameter.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise LoRAFusionKernelsError(
+                f"from_linear wraps an nn.Linear, got {type(linear).__name__}: for other layers build "
+                "FusedLoRALinear(in_features, out_features, r) and copy the weight ([out, in]) into it"
+            )
         layer = cls(
             linear.in_features,
             linear.out_features,

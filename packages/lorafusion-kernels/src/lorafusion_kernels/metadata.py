@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lorafusion_kernels.errors import LoRAFusionKernelsError
+from lorafusion_kernels.errors import LoRAFusionKernelsError, ReadOnlyAttributeError
 
 __all__ = ["MultiLoRABatch", "RowTiles", "SegmentRuns", "SegmentTiles"]
 
@@ -111,6 +111,19 @@ def _as_int_list(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
     return out
 
 
+def _as_num_adapters(value: object) -> int:
+    """``num_adapters`` as an int: an integer (a NumPy integer too), never a float, a string or a bool."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise LoRAFusionKernelsError(
+            f"num_adapters must be an integer (or None for max(segment_adapters) + 1), "
+            f"got {type(value).__name__} {value!r}"
+        ) from None
+
+
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Copy a small host table to ``device`` without blocking the host (pinned staging on CUDA)."""
     if device.type == "cuda":
@@ -125,16 +138,36 @@ class MultiLoRABatch:
     :func:`lorafusion_kernels.fused_multi_lora_linear` or through
     :func:`lorafusion_kernels.multi_lora_batch`). Empty segments are accepted and ignored.
 
+    A batch is read-only: its routing tables (and the per-tile tables cached as kernels ask for
+    them) are derived from the segments when it is built, so assigning a field raises
+    :class:`~lorafusion_kernels.errors.ReadOnlyAttributeError` (a :class:`LoRAFusionKernelsError`
+    and an ``AttributeError``); build a new batch with :meth:`from_segments` instead. Copies and
+    pickles rebuild the batch from its segments.
+
     Attributes:
         segment_lengths: Host tuple, tokens per segment as given (empty segments included).
         segment_adapters: Host tuple, adapter index per segment as given.
         num_adapters: Number of adapters the op's weight lists must hold at least (itself at least
             ``max(segment_adapters) + 1``; lists may hold more, which own no tokens).
         total_tokens: ``T = sum(segment_lengths)``.
+        adapter_tokens: Host tuple, tokens of each adapter ``0 .. num_adapters - 1``.
         device: Where the routing tables live (the device of ``x``).
         segments: int32 ``[S, 3]`` on ``device``: ``(start, length, adapter)`` of the ``S``
             non-empty segments, in token order.
     """
+
+    segment_lengths: tuple[int, ...]
+    segment_adapters: tuple[int, ...]
+    num_adapters: int
+    device: torch.device
+    total_tokens: int
+    adapter_tokens: tuple[int, ...]
+    segments: torch.Tensor
+    _starts: tuple[int, ...]
+    _row_tiles: dict[int, RowTiles]
+    _seg_tiles: dict[int, SegmentTiles]
+    _runs: dict[int, SegmentRuns]
+    _copies: dict[torch.device, MultiLoRABatch]
 
     __slots__ = (
         "_copies",
@@ -158,28 +191,45 @@ class MultiLoRABatch:
         num_adapters: int,
         device: torch.device,
     ) -> None:
-        self.segment_lengths = segment_lengths
-        self.segment_adapters = segment_adapters
-        self.num_adapters = num_adapters
-        self.device = device
         starts = [0, *itertools.accumulate(segment_lengths)]
-        self.total_tokens = starts[-1]
-        self._starts = tuple(starts[:-1])
+        segment_starts = tuple(starts[:-1])
         tokens = [0] * num_adapters
         for length, adapter in zip(segment_lengths, segment_adapters, strict=True):
             tokens[adapter] += length
-        self.adapter_tokens: tuple[int, ...] = tuple(tokens)
         rows = [
             (start, length, adapter)
-            for start, length, adapter in zip(self._starts, segment_lengths, segment_adapters, strict=True)
+            for start, length, adapter in zip(segment_starts, segment_lengths, segment_adapters, strict=True)
             if length > 0
         ]
         host = torch.tensor(rows, dtype=torch.int32).reshape(len(rows), 3)
-        self.segments = _to_device(host, device)
-        self._row_tiles: dict[int, RowTiles] = {}
-        self._seg_tiles: dict[int, SegmentTiles] = {}
-        self._runs: dict[int, SegmentRuns] = {}
-        self._copies: dict[torch.device, MultiLoRABatch] = {}
+        # Set once, here only: __setattr__ refuses every later assignment (the fields are read-only).
+        fields: dict[str, object] = {
+            "segment_lengths": segment_lengths,
+            "segment_adapters": segment_adapters,
+            "num_adapters": num_adapters,
+            "device": device,
+            "total_tokens": starts[-1],
+            "_starts": segment_starts,
+            "adapter_tokens": tuple(tokens),
+            "segments": _to_device(host, device),
+            "_row_tiles": {},
+            "_seg_tiles": {},
+            "_runs": {},
+            "_copies": {},
+        }
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise _read_only(name)
+
+    def __delattr__(self, name: str) -> None:
+        raise _read_only(name)
+
+    def __reduce__(self) -> tuple[type[MultiLoRABatch], tuple[tuple[int, ...], tuple[int, ...], int, torch.device]]:
+        # Rebuilt from its segments (copy, deepcopy, pickle): the default would set each slot, which
+        # __setattr__ refuses; the tables and caches are derived data.
+        return type(self), (self.segment_lengths, self.segment_adapters, self.num_adapters, self.device)
 
     @classmethod
     def from_segments(
@@ -205,8 +255,8 @@ class MultiLoRABatch:
             The batch metadata, with its segment table already on ``device``.
 
         Raises:
-            LoRAFusionKernelsError: Mismatched lengths, negative lengths, an adapter index out of range, or no
-                segments at all.
+            LoRAFusionKernelsError: Mismatched lengths, negative lengths, an adapter index out of range,
+                a ``num_adapters`` that is not an integer, or no segments at all.
         """
         lengths = _as_int_list(segment_lengths, "segment_lengths")
         adapters = _as_int_list(segment_adapters, "segment_adapters")
@@ -222,9 +272,8 @@ class MultiLoRABatch:
         if any(a < 0 for a in adapters):
             raise LoRAFusionKernelsError(f"adapter indices must be >= 0, got {adapters}")
         needed = max(adapters) + 1
-        if num_adapters is None:
-            num_adapters = needed
-        elif num_adapters < needed:
+        num_adapters = needed if num_adapters is None else _as_num_adapters(num_adapters)
+        if num_adapters < needed:
             raise LoRAFusionKernelsError(
                 f"segment_adapters refers to adapter {needed - 1} but num_adapters={num_adapters}; "
                 f"pass num_adapters >= {needed}"
@@ -367,3 +416,12 @@ class MultiLoRABatch:
             f"MultiLoRABatch(total_tokens={self.total_tokens}, num_segments={self.num_segments}, "
             f"num_adapters={self.num_adapters}, device={self.device})"
         )
+
+
+def _read_only(name: str) -> ReadOnlyAttributeError:
+    """The error for an assignment to (or deletion of) attribute ``name`` of a built batch."""
+    return ReadOnlyAttributeError(
+        f"MultiLoRABatch.{name} is read-only: the batch's device tables were derived from its segments when "
+        "it was built, and would not follow a change; build a new batch with "
+        "MultiLoRABatch.from_segments(segment_lengths, segment_adapters, num_adapters=..., device=...)"
+    )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,9 +93,11 @@ def multi_lora_batch(batch: MultiLoRABatch, adapter_names: Sequence[str]) -> Ite
     ``adapter_names[batch.segment_adapters[j]]`` with that layer's own ``lora_A``/``lora_B``
     weights, ``scaling`` and ``lora_dropout`` p (p applies only while the layer is in training mode).
     The name ``"__base__"``, or an adapter that a layer does not have, means "frozen layer only" for
-    those tokens (as in PEFT's ``adapter_names=``); a name with tokens that no layer run inside the
-    block holds (misspelt?) is warned about once, when the block exits, and so is a block in which
-    no patched module ran (an unpatched model). Works in training and eval
+    those tokens (as in PEFT's ``adapter_names=``). When the block exits normally, a name with
+    tokens that no LoRA layer run inside the block holds, while LoRA layers did run (a misspelt
+    name), raises :class:`LoRAFusionKernelsError`, as PEFT's ``adapter_names=`` raises for an
+    unknown adapter; a block in which no patched module ran at all (an unpatched model, or a
+    pipeline stage without LoRA layers) is warned about once per process. Works in training and eval
     mode, on CPU (plain torch) and CUDA fp16/bf16 (Triton). Autograd saves what the backward needs:
     the context is needed only while the forward runs, so ``loss.backward()`` may run after the block.
     PEFT's ``modules_to_save`` and trainable-token wrappers around ``nn.Linear`` and ``nn.Embedding``
@@ -119,41 +121,88 @@ def multi_lora_batch(batch: MultiLoRABatch, adapter_names: Sequence[str]) -> Ite
 
     Args:
         batch: The microbatch's segments, built once with :meth:`MultiLoRABatch.from_segments`.
-        adapter_names: PEFT adapter name of each adapter index (at least ``batch.num_adapters`` names).
+        adapter_names: PEFT adapter name of each adapter index, in index order (a list or tuple of
+            at least ``batch.num_adapters`` strings; not a set or a dict, whose order is not the indices').
 
     Yields:
         ``batch``.
 
     Raises:
-        LoRAFusionKernelsError: Fewer names than the batch's adapters.
+        LoRAFusionKernelsError: ``batch`` is not a :class:`MultiLoRABatch` (or the arguments are
+            swapped); ``adapter_names`` is a string, a set or a mapping, holds a non-string, or has
+            fewer names than the batch's adapters; at a normal exit of the block, an adapter with
+            tokens that no LoRA layer run inside the block holds, while other LoRA layers ran.
     """
-    names = tuple(adapter_names)
-    if isinstance(adapter_names, str) or len(names) < batch.num_adapters:
-        raise LoRAFusionKernelsError(
-            f"adapter_names must list one PEFT adapter name per adapter index "
-            f"({batch.num_adapters} needed), got {adapter_names!r}"
-        )
+    names = _check_arguments(batch, adapter_names)
     routing = _Routing(batch, names, {batch.device: batch})
     token = _ACTIVE.set(routing)
     try:
         yield batch
     finally:
         _ACTIVE.reset(token)
-    _warn_unheld_names(routing)
+    _check_routed(routing)
 
 
-_WARNED_UNHELD = OnceWarnings()
+def _check_arguments(batch: object, adapter_names: object) -> tuple[str, ...]:
+    """``adapter_names`` as a tuple of strings, after checking both arguments of :func:`multi_lora_batch`.
+
+    Raises:
+        LoRAFusionKernelsError: Saying what to pass instead.
+    """
+    if isinstance(adapter_names, MultiLoRABatch):
+        raise LoRAFusionKernelsError(
+            "multi_lora_batch takes the batch first: multi_lora_batch(batch, adapter_names), "
+            f"got adapter_names={type(adapter_names).__name__} and batch={type(batch).__name__}"
+        )
+    if not isinstance(batch, MultiLoRABatch):
+        raise LoRAFusionKernelsError(
+            f"batch must be a MultiLoRABatch, got {type(batch).__name__}: build it with "
+            "MultiLoRABatch.from_segments(segment_lengths, segment_adapters, num_adapters=..., device=...)"
+        )
+    if isinstance(adapter_names, Mapping | Set):
+        raise LoRAFusionKernelsError(
+            f"adapter_names must be a list or tuple of PEFT adapter names in adapter-index order, got a "
+            f"{type(adapter_names).__name__}, whose iteration order is not the indices' and would route "
+            "segments to the wrong adapters: pass [name of adapter 0, name of adapter 1, ...]"
+        )
+    if isinstance(adapter_names, str | bytes) or not isinstance(adapter_names, Iterable):
+        raise LoRAFusionKernelsError(
+            f"adapter_names must list one PEFT adapter name per adapter index ({batch.num_adapters} needed), "
+            f"got {adapter_names!r}"
+        )
+    names = tuple(adapter_names)  # once: a generator would be empty the second time
+    for i, name in enumerate(names):
+        if not isinstance(name, str):
+            raise LoRAFusionKernelsError(
+                f"adapter_names[{i}] must be a PEFT adapter name (a str), got {type(name).__name__} {name!r}; "
+                f"use {BASE_ADAPTER!r} for tokens that take the frozen model only"
+            )
+    if len(names) < batch.num_adapters:
+        raise LoRAFusionKernelsError(
+            f"adapter_names must list one PEFT adapter name per adapter index "
+            f"({batch.num_adapters} needed), got {list(names)!r}"
+        )
+    return names
 
 
-def _warn_unheld_names(routing: _Routing) -> None:
-    """Once per name: an adapter with tokens that no LoRA layer of the block held (a misspelt name?).
+_WARNED_UNREACHED = OnceWarnings()
 
-    A block in which no patched module (model, LoRA layer, PEFT wrapper) ran at all is warned about
-    too: PEFT's own layers of an unpatched model ignore the block and give every token the active
-    adapter.
+
+def _check_routed(routing: _Routing) -> None:
+    """At a normal exit of the block: every adapter with tokens was held by a LoRA layer that ran.
+
+    A name no LoRA layer held, while some did run, is a mistake (a misspelt name: its tokens got the
+    frozen model, and its adapter no gradient) and raises, as PEFT's ``adapter_names=`` does for an
+    unknown adapter. A block in which no patched module (model, LoRA layer, PEFT wrapper) ran at all
+    is only warned about, once per process: PEFT's own layers of an unpatched model ignore the
+    block and give every token the active adapter, but a pipeline stage that holds no LoRA layer
+    runs such blocks on purpose, every microbatch.
+
+    Raises:
+        LoRAFusionKernelsError: Naming the adapter, its index and the names the layers hold.
     """
     if not routing.reached:
-        _WARNED_UNHELD.warn(
+        _WARNED_UNREACHED.warn(
             "lorafusion: no patched module ran inside multi_lora_batch, so nothing was routed by "
             "adapter: call lorafusion_kernels.patch_peft_model(model) first (an unpatched PEFT model gives "
             "every token its active adapter), and run the model's forward inside the block"
@@ -164,11 +213,11 @@ def _warn_unheld_names(routing: _Routing) -> None:
     for a in batch.active_adapters:
         name = routing.adapter_names[a]
         if name != BASE_ADAPTER and name not in routing.held:
-            _WARNED_UNHELD.warn(
-                f"lorafusion: adapter {name!r} (index {a}) has {batch.adapter_tokens[a]} tokens in a "
-                f"multi_lora_batch, but no LoRA layer that ran holds an adapter of that name (they hold "
-                f"{sorted(routing.held)}), so its tokens got the frozen model only; check adapter_names "
-                f"(name {BASE_ADAPTER!r} to mean the frozen model on purpose)",
+            raise LoRAFusionKernelsError(
+                f"adapter {name!r} (index {a}) has {batch.adapter_tokens[a]} tokens in a multi_lora_batch, "
+                f"but no LoRA layer that ran holds an adapter of that name (they hold {sorted(routing.held)}), "
+                f"so its tokens got the frozen model only: fix adapter_names (name {BASE_ADAPTER!r} to mean "
+                "the frozen model on purpose)"
             )
 
 

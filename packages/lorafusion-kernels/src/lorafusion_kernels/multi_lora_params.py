@@ -17,8 +17,8 @@ import torch
 from lorafusion_kernels._kernels._common import rank_block
 from lorafusion_kernels.dropout import draw_seed, keep_threshold, seed_tensor
 from lorafusion_kernels.errors import LoRAFusionKernelsError
-from lorafusion_kernels.lora import check_activation_dtype, check_finite
-from lorafusion_kernels.metadata import MultiLoRABatch
+from lorafusion_kernels.lora import check_activation_dtype, check_finite, check_not_trainable, dtype_mismatch
+from lorafusion_kernels.metadata import MultiLoRABatch, _as_int_list
 
 __all__ = [
     "AdapterParams",
@@ -150,6 +150,8 @@ def adapter_list(tensors: Sequence[torch.Tensor], name: str) -> Sequence[torch.T
 
 def per_adapter(value: float | Sequence[float], n: int, name: str) -> tuple[float, ...]:
     """``value`` (one number for all, or a sequence in adapter order) as ``n`` finite floats; else a clear error."""
+    if isinstance(value, torch.Tensor):
+        check_not_trainable(value, name)  # before .tolist(), which would detach it without a word
     # A tensor, or a NumPy array or scalar (hasattr is not traced by torch.compile, which never gets one).
     if isinstance(value, torch.Tensor) or (not torch.compiler.is_compiling() and hasattr(value, "tolist")):
         value = value.tolist()
@@ -197,7 +199,7 @@ def check_call(
         )
     check_activation_dtype(x)
     if weight.dtype != x.dtype:
-        raise LoRAFusionKernelsError(f"weight dtype {weight.dtype} must match x dtype {x.dtype}")
+        raise dtype_mismatch(x, weight)
     if weight.dim() != 2:
         raise LoRAFusionKernelsError(f"weight must be [N, K], got {list(weight.shape)}")
     tensors = [x, weight, *lora, *([bias] if bias is not None else [])]
@@ -237,22 +239,41 @@ def call_batch(
     if batch is None:
         if segment_lengths is None or segment_adapters is None:
             raise LoRAFusionKernelsError("give either batch= or both segment_lengths= and segment_adapters=")
-        indices = segment_adapters.tolist() if isinstance(segment_adapters, torch.Tensor) else list(segment_adapters)
-        if num_adapters == 0:
-            raise LoRAFusionKernelsError("lora_a and lora_b are empty: give one A and one B per adapter")
-        if indices and max(indices) >= num_adapters:
-            raise LoRAFusionKernelsError(
-                f"segment_adapters = {indices} refers to adapter {max(indices, default=0)}, but lora_a and lora_b "
-                f"hold {num_adapters} adapters (indices 0 to {num_adapters - 1}): give one A and one B per adapter"
-            )
-        batch = MultiLoRABatch.from_segments(
-            segment_lengths, segment_adapters, num_adapters=num_adapters, device=x.device
-        )
+        batch = _batch_of_lists(x, num_adapters, segment_lengths, segment_adapters)
     elif segment_lengths is not None or segment_adapters is not None:
         raise LoRAFusionKernelsError("give either batch= or segment_lengths= and segment_adapters=, not both")
+    elif not isinstance(batch, MultiLoRABatch):
+        raise LoRAFusionKernelsError(
+            f"batch must be a MultiLoRABatch, got {type(batch).__name__}: build it with "
+            "MultiLoRABatch.from_segments(segment_lengths, segment_adapters), or pass segment_lengths= and "
+            "segment_adapters= instead of batch="
+        )
     else:
         batch = batch.to(x.device)
     return batch, per_adapter(scaling, num_adapters, "scaling"), per_adapter(dropout_p, num_adapters, "dropout_p")
+
+
+def _batch_of_lists(
+    x: torch.Tensor,
+    num_adapters: int,
+    segment_lengths: Sequence[int] | torch.Tensor,
+    segment_adapters: Sequence[int] | torch.Tensor,
+) -> MultiLoRABatch:
+    """The batch of a call given segment lists, on ``x``'s device, for its ``num_adapters`` adapters.
+
+    The lists are read once, by the helper that names a bad one (a generator would be empty the
+    second time; an int or a string is no list of integers).
+    """
+    lengths = _as_int_list(segment_lengths, "segment_lengths")
+    indices = _as_int_list(segment_adapters, "segment_adapters")
+    if num_adapters == 0:
+        raise LoRAFusionKernelsError("lora_a and lora_b are empty: give one A and one B per adapter")
+    if indices and max(indices) >= num_adapters:
+        raise LoRAFusionKernelsError(
+            f"segment_adapters = {indices} refers to adapter {max(indices)}, but lora_a and lora_b "
+            f"hold {num_adapters} adapters (indices 0 to {num_adapters - 1}): give one A and one B per adapter"
+        )
+    return MultiLoRABatch.from_segments(lengths, indices, num_adapters=num_adapters, device=x.device)
 
 
 def eager_seed(seed: int | None, params: AdapterParams, device: torch.device) -> torch.Tensor:

@@ -20,7 +20,8 @@ masks are correlated. With ``p = 0`` a sibling call equals the members' separate
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Any
 
 import torch
@@ -96,7 +97,9 @@ def fused_multi_lora_siblings(
         LoRAFusionKernelsError: Inconsistent shapes, token count, per-adapter lists or ranks, p
             outside ``[0, 1)`` or a bad seed.
     """
-    members = tuple(int(n) for n in out_features)
+    members = _member_widths(out_features)
+    _check_nesting(lora_a, "lora_a", len(members))
+    _check_nesting(lora_b, "lora_b", len(members))
     batch, scales, ps = call_batch(x, len(lora_a), segment_lengths, segment_adapters, batch, scaling, dropout_p)
     check_deterministic(deterministic)
     if seed is not None:
@@ -123,6 +126,59 @@ def fused_multi_lora_siblings(
     return tuple(torch.split(y.reshape(*lead, weight.shape[0]), list(members), dim=-1))
 
 
+def _member_widths(out_features: Sequence[int]) -> tuple[int, ...]:
+    """``out_features`` as a tuple of positive ints, one per member; a lone int or a float is refused, never truncated.
+
+    Raises:
+        LoRAFusionKernelsError: Naming the value and what to pass.
+    """
+    if isinstance(out_features, torch.Tensor):
+        out_features = out_features.tolist()
+    if isinstance(out_features, str | bytes | Mapping | Set) or not isinstance(out_features, Iterable):
+        raise LoRAFusionKernelsError(
+            f"out_features must list each member's width in the rows' order of weight (e.g. [q, k, v] widths), "
+            f"got {type(out_features).__name__} {out_features!r}; one layer alone is fused_multi_lora_linear"
+        )
+    widths = list(out_features)
+    for n in widths:
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise LoRAFusionKernelsError(
+                f"out_features must hold each member's width as an integer, got {n!r} in {widths!r}"
+            )
+    if not widths or any(n <= 0 for n in widths):
+        raise LoRAFusionKernelsError(f"out_features must list each member's positive width, got {widths}")
+    return tuple(int(n) for n in widths)
+
+
+def _check_nesting(lora: Sequence[Sequence[torch.Tensor]], name: str, members: int) -> None:
+    """Refuse ``lora_a``/``lora_b`` that are not one list per adapter holding one tensor per member.
+
+    A flat list (one tensor per member, or per adapter) or an adapter's members stacked into one
+    tensor would otherwise be read as other adapters or other members.
+
+    Raises:
+        LoRAFusionKernelsError: Naming the entry and the layout to pass.
+    """
+    layout = f"{name} must be a list with, per adapter, a list of its {members} members' tensors ([[q, k, v], ...])"
+    if not isinstance(lora, list | tuple):
+        got = "one tensor" if isinstance(lora, torch.Tensor) else type(lora).__name__
+        raise LoRAFusionKernelsError(f"{layout}, got {got}")
+    for i, per_member in enumerate(lora):
+        if not isinstance(per_member, list | tuple):
+            got = (
+                f"a tensor {list(per_member.shape)}"
+                if isinstance(per_member, torch.Tensor)
+                else type(per_member).__name__
+            )
+            raise LoRAFusionKernelsError(
+                f"{layout}; {name}[{i}] is {got}, not a list: give adapter {i} a list of one tensor per member "
+                "(not one tensor, nor its members stacked into one)"
+            )
+        for g, t in enumerate(per_member):
+            if not isinstance(t, torch.Tensor):
+                raise LoRAFusionKernelsError(f"{name}[{i}][{g}] must be a tensor, got {type(t).__name__}")
+
+
 def _check_siblings(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -134,8 +190,6 @@ def _check_siblings(
     dropout_p: tuple[float, ...],
 ) -> tuple[int, ...]:
     """Validates a sibling call and returns each adapter's rank."""
-    if not members or any(n <= 0 for n in members):
-        raise LoRAFusionKernelsError(f"out_features must list each member's positive width, got {list(members)}")
     if len(lora_a) != len(lora_b):
         raise LoRAFusionKernelsError(f"got {len(lora_a)} lora_a entries but {len(lora_b)} lora_b entries")
     lora = [t for per in (*lora_a, *lora_b) for t in per]

@@ -194,6 +194,19 @@ def _lora_linear_class() -> type[nn.Module]:
     return Linear
 
 
+def _check_module(model: object, function: str) -> None:
+    """Refuse a ``model`` that is not an ``nn.Module`` (a ``LoraConfig``, a state dict) with a ``TypeError``.
+
+    Raises:
+        TypeError: Naming what was given and what to pass.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{function} takes the model (an nn.Module), got {type(model).__name__}: pass the model that "
+            "peft.get_peft_model returned"
+        )
+
+
 def patch_peft_model(model: nn.Module) -> int:
     """Route every PEFT ``lora.Linear`` in ``model`` through the fused op; returns how many were patched.
 
@@ -202,19 +215,27 @@ def patch_peft_model(model: nn.Module) -> int:
     its base layer by hooks) are left alone, not counted, with one warning per reason. Patching
     twice is harmless. LoRA layers created later (``add_adapter`` or ``load_adapter`` on new target
     modules) are not patched: call this again (until then, mixed-adapter calls of ``model`` raise an
-    error naming them).
+    error naming them). A model without any PEFT LoRA layer (a plain model, or the base model before
+    ``peft.get_peft_model`` wrapped it) is warned about: nothing of it runs fused.
 
     Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
         ImportError: if ``peft`` is not installed.
     """
+    _check_module(model, "patch_peft_model")
     from peft.tuners.lora.layer import LoraLayer
 
     linear_cls = _lora_linear_class()
     _WARNED.clear()
     patched = 0
-    for module in model.modules():
-        if not isinstance(module, LoraLayer):
-            continue
+    lora_layers = [module for module in model.modules() if isinstance(module, LoraLayer)]
+    if not lora_layers:
+        _WARNED.warn(
+            f"lorafusion: patch_peft_model found no PEFT LoRA layer in this {type(model).__name__}, so nothing "
+            "will run fused: call it on the model that peft.get_peft_model returned (after get_peft_model, "
+            "not on the base model before it)"
+        )
+    for module in lora_layers:
         if type(module) is not linear_cls:
             _warn_once(f"{type(module).__name__} layers (only lora.Linear is fused)")
             continue
@@ -242,7 +263,12 @@ def patch_peft_model(model: nn.Module) -> int:
 
 
 def unpatch_peft_model(model: nn.Module) -> int:
-    """Undo :func:`patch_peft_model`; returns how many layers were restored."""
+    """Undo :func:`patch_peft_model`; returns how many layers were restored.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+    """
+    _check_module(model, "unpatch_peft_model")
     restored = 0
     uninstall_peft_mixed_batches(model)
     unfuse_sibling_layers(model)
