@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -153,6 +154,68 @@ def test_plan_prints_statistics_and_writes_json(
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["schema_version"] == 1
     assert plan["capacity"] == 256
+
+
+def test_plan_output_never_replaces_a_file_of_the_run(
+    tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``plan -o`` wrote over whatever it was given: the config, a job's dataset, a run's files."""
+    data_file = tmp_path / "data.jsonl"
+    data_file.write_text('{"text": "hello world"}\n' * 8)
+    jobs = [{"name": "own", "dataset": {"path": str(data_file)}, "global_batch_size": 2}]
+    path = _write(tmp_path / "run.yaml", config_dict(jobs=jobs))
+    keep = {p: p.read_bytes() for p in (path, data_file)}
+    run = tmp_path / "run"
+    run.mkdir()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    for output, says in (
+        (path, "is the config file"),
+        (data_file, "is jobs.0.dataset.path"),
+        (run / "plan.json", "lies inside the run's output_dir"),
+        (notes, "exists and is not a plan JSON"),
+        (tmp_path, "it is a folder"),
+        (tmp_path / "missing" / "plan.json", "does not exist"),
+    ):
+        assert main(["plan", str(path), "-o", str(output)]) == 2, output
+        assert says in " ".join(capsys.readouterr().err.split())
+    assert {p: p.read_bytes() for p in keep} == keep
+    assert notes.read_text() == "mine"
+    assert not (run / "plan.json").exists()
+    assert main(["plan", str(path), "-o", str(tmp_path / "plan.json")]) == 0
+    assert main(["plan", str(path), "-o", str(tmp_path / "plan.json")]) == 0, "a plan file is replaced"
+
+
+@pytest.mark.parametrize(
+    ("capacities", "says"),
+    [
+        (["0"], "argument --capacities: 0 is less than 1"),
+        (["-64"], "argument --capacities: -64 is less than 1"),
+        (["100"], "--capacities 100 is not a multiple of scheduler.padding_multiple = 16: use 96 or 112"),
+        (["999999999"], "--capacities 999999999: give token counts from 1 to 1,048,576"),
+    ],
+)
+def test_profile_capacities_are_checked_before_any_process_starts(
+    tmp_path: Path, config_dict, monkeypatch, capsys: pytest.CaptureFixture[str], capacities, says
+) -> None:
+    """They failed in the rank processes after the model loaded (0, 100), or ran until killed."""
+    import lorafusion_megatron.pipeline.launch as launch
+
+    monkeypatch.setattr(launch, "launch_profile", lambda *a, **k: pytest.fail("no process may start"))
+    path = _write(tmp_path / "run.yaml", config_dict())
+    with contextlib.suppress(SystemExit):  # argparse's refusals exit with status 2
+        assert main(["profile", str(path), "--capacities", *capacities]) == 2
+    assert says in " ".join(capsys.readouterr().err.split())
+
+
+def test_profile_capacities_are_measured_once_each_in_order(tmp_path: Path, config_dict, monkeypatch) -> None:
+    import lorafusion_megatron.pipeline.launch as launch
+
+    seen = []
+    monkeypatch.setattr(launch, "launch_profile", lambda config, parallel, **options: seen.append(options))
+    path = _write(tmp_path / "run.yaml", config_dict())
+    assert main(["profile", str(path), "--capacities", "64", "32", "64"]) == 0
+    assert seen == [{"candidates": (32, 64)}]
 
 
 def test_plan_with_auto_capacity_uses_the_profile_or_says_it_has_none(
@@ -530,10 +593,15 @@ def test_an_unexpected_error_exits_with_its_own_status(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(trainer, "prepare_data", crash)
-    assert main(["train", str(_write(tmp_path / "run.yaml", config_dict()))]) == 3
-    err = capsys.readouterr().err
+    path = _write(tmp_path / "run.yaml", config_dict())
+    assert main(["train", str(path)]) == 3
+    err = " ".join(capsys.readouterr().err.split())
     assert "No space left on device" in err
-    assert "crashed" in err
+    assert "crashed (status 3). Checkpoints are written whole or not at all: `train ... --resume`" in err
+    assert main(["plan", str(path)]) == 3
+    err = " ".join(capsys.readouterr().err.split())
+    assert "crashed (status 3). Outputs are written whole or not at all" in err
+    assert "--resume" not in err, "plan has no checkpoint to resume from"
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from lorafusion_megatron.config import (
     JobConfig,
@@ -322,6 +323,28 @@ def test_overrides_name_a_job_by_index_or_name_and_say_what_is_wrong(tmp_path: P
 def test_missing_config_file(tmp_path: Path) -> None:
     with pytest.raises(TrainerError, match="cannot read config"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_a_config_that_is_not_utf8_says_so(tmp_path: Path) -> None:
+    """A Latin-1 byte crashed with a UnicodeDecodeError traceback (status 3)."""
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"output_dir: runs/caf\xe9\n")
+    with pytest.raises(TrainerError, match=r"run.yaml is not UTF-8 text \(byte 20 is 0xe9\); save it as UTF-8"):
+        load_config(path)
+
+
+def test_a_union_key_gets_one_line_naming_its_alternatives(tmp_path: Path, config_dict) -> None:
+    """pydantic's branch names (``capacity.constrained-int``, ``capacity.literal['auto']``) were two lines."""
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config_dict()))
+    with pytest.raises(TrainerError) as caught:
+        load_config(path, {"scheduler.capacity": 0, "jobs.0.target_modules": 5})
+    message = str(caught.value)
+    assert "with --set scheduler.capacity, jobs.0.target_modules has 2 problem(s)" in message
+    assert "scheduler.capacity: Input should be greater than 0, or be 'auto' (got 0)" in message
+    assert "jobs.0.target_modules: Input should be a valid list, or be 'all-linear' (got 5)" in message
+    assert "literal" not in message
+    assert "constrained" not in message
 
 
 def test_fingerprint_ignores_logging_and_outputs_only(config_dict) -> None:

@@ -54,7 +54,8 @@ def test_first_record_reads_only_up_to_it_and_none_when_empty(tmp_path: Path) ->
     [
         ("missing.jsonl", None, "does not exist"),
         ("bad.jsonl", '{"prompt": 1}\nnot json\n', r"bad.jsonl:2 is not a JSON object: Expecting value \(column 1\)"),
-        ("list.jsonl", "[1, 2]\n", "record 0 is int"),
+        ("list.jsonl", "[1, 2]\n", r"list.jsonl record 0 \(counted from 0\) is int"),
+        ("lines.jsonl", '{"prompt": "a"}\n\n5\n', "lines.jsonl:3 is int, not an object"),
         ("data.csv", "a,b\n", "unknown kind '.csv'"),
         ("empty-folder", "", "not a folder written by datasets' save_to_disk"),
         ("latin1.jsonl", b'{"prompt": "caf\xe9"}\n', "latin1.jsonl is not UTF-8 text"),
@@ -70,7 +71,7 @@ def test_bad_dataset_files(tmp_path: Path, name: str, content: str | bytes | Non
         path.write_text(content)
     with pytest.raises(TrainerError, match=message):
         read_records(path)
-    if name != "bad.jsonl":  # its first record is fine
+    if name not in ("bad.jsonl", "lines.jsonl"):  # their first record is fine
         with pytest.raises(TrainerError, match=message):
             first_record(path)
 
@@ -115,6 +116,16 @@ def test_records_without_the_fields_are_refused() -> None:
     with pytest.raises(TrainerError, match=expected):
         tokenize_records(
             [{"q": "x"}],
+            byte_level_tokenizer(),
+            prompt_field="prompt",
+            response_field="response",
+            text_field="text",
+            messages_field="messages",
+            source="t",
+        )
+    with pytest.raises(TrainerError, match=r"record 1: has no `response` \(it has \['prompt'\]\)"):
+        tokenize_records(
+            [{"prompt": "a", "response": "b"}, {"prompt": "a"}],
             byte_level_tokenizer(),
             prompt_field="prompt",
             response_field="response",

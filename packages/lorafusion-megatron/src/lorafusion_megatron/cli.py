@@ -90,6 +90,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from lorafusion_megatron.atomic_files import write_text_atomically
+    from lorafusion_megatron.plan_output import check_plan_output
     from lorafusion_megatron.planning import make_plan
     from lorafusion_megatron.profiler.run import with_profiled_choices
     from lorafusion_megatron.trainer import prepare_data
@@ -97,6 +98,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from lorafusion_sched.models import CostModel
 
     config = _load(args)
+    if args.output is not None:
+        check_plan_output(args.output, config, args.config)
     parallel = parallel_from_args(args, config.parallel)
     config = with_profiled_choices(config)
     if config.scheduler.capacity == "auto":
@@ -272,7 +275,12 @@ def _parser() -> argparse.ArgumentParser:
         "validate", "check a config and what it points to (no GPU; no torch unless runtime.device is cuda)"
     ).set_defaults(handler=_cmd_validate)
     plan = with_config("plan", "dry run: plan the microbatches and print the plan's statistics")
-    plan.add_argument("-o", "--output", type=Path, help="also write the plan JSON here")
+    plan.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        help="also write the plan JSON here (replaces a plan file; never the config, a dataset or a run folder)",
+    )
     add_parallel_arguments(plan)
     plan.set_defaults(handler=_cmd_plan)
     train = with_config("train", "train every job of the config together")
@@ -287,7 +295,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     profile.add_argument(
         "--capacities",
-        type=int,
+        type=at_least_one,
         nargs="+",
         help="capacities to measure (default 1024..32768 on GPUs, 128..1024 on the CPU)",
     )
@@ -344,9 +352,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 128 + stopped_by
     except Exception:  # a bug (or the host's): its own status, as 1 means "interrupted, checkpoint written"
         _console.print_exception()
+        trains = args.handler in (_cmd_train, _cmd_demo)
         _console.print(
-            "[bold red]crashed[/] (status 3). Checkpoints are written whole or not at all: after a crash in "
-            "`train`, `train ... --resume` continues from the newest one once the cause is fixed",
+            "[bold red]crashed[/] (status 3). Checkpoints are written whole or not at all: "
+            "`train ... --resume` continues from the newest one (if any) once the cause is fixed"
+            if trains
+            else "[bold red]crashed[/] (status 3). Outputs are written whole or not at all, so none was left "
+            "half-written",
             highlight=False,
             soft_wrap=True,
         )

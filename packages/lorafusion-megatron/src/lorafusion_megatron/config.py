@@ -595,6 +595,29 @@ _OTHER_TRAINERS_NAMES = {
 """Keys that other trainers' configs use for a key of ours (a spelling match would mislead: ``lr`` ~ ``r``)."""
 
 
+def _field_location(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """``loc`` without the union branches pydantic appends to it (``capacity.literal['auto']`` -> ``capacity``).
+
+    A string after the walk has left the config's models (a leaf field) names a branch of the
+    field's type, not a key; list indices stay.
+    """
+    current: Any = TrainerConfig
+    kept: list[int | str] = []
+    for part in loc:
+        if isinstance(part, int):
+            kept.append(part)
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            continue  # a branch of a leaf field's union type
+        kept.append(part)
+        field = current.model_fields.get(part)
+        args = getattr(field.annotation, "__args__", ()) if field is not None else ()
+        annotation = field.annotation if field is not None else None
+        nested = [a for a in (annotation, *args) if isinstance(a, type) and issubclass(a, BaseModel)]
+        current = nested[0] if nested else None
+    return tuple(kept)
+
+
 def _format_error(error: Any) -> str:
     loc = tuple(error["loc"])
     if error["type"] == "extra_forbidden":
@@ -609,6 +632,24 @@ def _format_error(error: Any) -> str:
     if isinstance(error["input"], dict | list):  # a section's own check: its message names the keys
         return f"{_location(loc)}: {message}"
     return f"{_location(loc)}: {message} (got {error['input']!r})"
+
+
+def _error_lines(errors: list[Any]) -> list[str]:
+    """One line per problem: the errors of a union field's branches merged into one ("... or ...")."""
+    merged: dict[tuple[int | str, ...], list[Any]] = {}
+    for error in errors:
+        location = _field_location(tuple(error["loc"])) if error["type"] != "extra_forbidden" else tuple(error["loc"])
+        merged.setdefault(location, []).append({**error, "loc": location})
+    lines = []
+    for branches in merged.values():
+        if len(branches) == 1:
+            lines.append(_format_error(branches[0]))
+            continue
+        messages = list(dict.fromkeys(str(e["msg"]).removeprefix("Value error, ") for e in branches))
+        alternatives = [messages[0], *(m.removeprefix("Input should ") for m in messages[1:])]
+        first = branches[0]
+        lines.append(f"{_location(first['loc'])}: {', or '.join(alternatives)} (got {first['input']!r})")
+    return lines
 
 
 def parse_config(data: Any, *, source: str = "config") -> TrainerConfig:
@@ -631,8 +672,9 @@ def parse_config(data: Any, *, source: str = "config") -> TrainerConfig:
     try:
         return TrainerConfig.model_validate(data)
     except ValidationError as exc:
-        lines = "\n".join(f"  - {_format_error(e)}" for e in exc.errors())
-        raise TrainerError(f"{source} has {exc.error_count()} problem(s):\n{lines}") from None
+        lines = _error_lines(exc.errors())
+        listed = "\n".join(f"  - {line}" for line in lines)
+        raise TrainerError(f"{source} has {len(lines)} problem(s):\n{listed}") from None
 
 
 def _resolve_relative(config: TrainerConfig, base: Path) -> TrainerConfig:
@@ -692,6 +734,10 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Tr
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise TrainerError(f"cannot read config {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise TrainerError(
+            f"config {path} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x}); save it as UTF-8"
+        ) from None
     try:
         data = yaml.load(text, Loader=UniqueKeyLoader)  # a SafeLoader subclass
     except TrainerError as exc:
@@ -700,4 +746,5 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Tr
         raise TrainerError(f"{path} is not valid YAML: {exc}") from None
     for dotted, value in (overrides or {}).items():
         set_dotted(data, dotted, value, source=str(path))
-    return _resolve_relative(parse_config(data, source=str(path)), path.parent)
+    source = f"{path} with --set {', '.join(overrides)}" if overrides else str(path)
+    return _resolve_relative(parse_config(data, source=source), path.parent)

@@ -32,7 +32,7 @@ def _read_jsonl(path: Path, *, first_only: bool = False) -> list[dict[str, Any]]
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise TrainerError(f"{path}:{number} is not a JSON object: {exc.msg} (column {exc.colno})") from None
-            records.append(_as_record(row, path, number))
+            records.append(_as_record(row, f"{path}:{number}"))
             if first_only:
                 break
     return records
@@ -56,12 +56,13 @@ def _read_json_array(path: Path, text: str) -> list[dict[str, Any]]:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise TrainerError(f"{path} is not valid JSON: {exc}") from None
-    return [_as_record(row, path, i) for i, row in enumerate(data)]
+    return [_as_record(row, f"{path} record {i} (counted from 0)") for i, row in enumerate(data)]
 
 
-def _as_record(row: Any, path: Path, where: int) -> dict[str, Any]:
+def _as_record(row: Any, where: str) -> dict[str, Any]:
+    """``row`` if it is a JSON object; ``where`` names it (``path:line`` in a JSON-lines file)."""
     if not isinstance(row, dict):
-        raise TrainerError(f"{path} record {where} is {type(row).__name__}, not an object with named fields")
+        raise TrainerError(f"{where} is {type(row).__name__}, not an object with named fields")
     return row
 
 

@@ -145,7 +145,8 @@ def tokenize_records(
         for i, record in enumerate(records):
             value = record.get(field)
             if not isinstance(value, str):
-                raise TrainerError(f"dataset {source} record {i}: `{field}` is {value!r}, expected text")
+                found = f"`{field}` is {value!r}" if field in record else f"has no `{field}` (it has {sorted(record)})"
+                raise TrainerError(f"dataset {source} record {i}: {found}, expected text")
             column.append(value)
         columns.append(column)
     eos = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]

@@ -147,8 +147,11 @@ def profile(
 ) -> int:
     """``lorafusion-megatron profile [--capacities N ...]``: measure, fit the cost model, choose the capacity."""
     from lorafusion_megatron.pipeline.launch import launch_profile
+    from lorafusion_megatron.profiler.run import checked_candidates
 
-    options: dict[str, Any] = {} if not candidates else {"candidates": tuple(candidates)}
+    options: dict[str, Any] = {}
+    if candidates:
+        options["candidates"] = checked_candidates(candidates, config.scheduler.padding_multiple)
     report = launch_profile(config, parallel, **options)
     if report is not None:
         console.print((Path(config.output_dir) / PROFILE_TABLE).read_text(encoding="utf-8"), markup=False)

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 __all__ = [
     "CPU_CANDIDATES",
     "DEFAULT_CANDIDATES",
+    "MAX_CANDIDATE",
+    "checked_candidates",
     "default_candidates",
     "profile_due",
     "profile_rank",
@@ -46,6 +48,29 @@ DEFAULT_CANDIDATES = (1024, 2048, 4096, 8192, 16384, 32768)
 
 CPU_CANDIDATES = (128, 256, 512, 1024)
 """Capacities tried on the CPU unless told otherwise: a GPU's range would take minutes per stage there."""
+
+MAX_CANDIDATE = 1 << 20
+"""The largest capacity ``--capacities`` takes: 32 times the GPU default's largest, far past any GPU's
+memory for a real model (a larger one was allocated until the host killed the process)."""
+
+
+def checked_candidates(candidates: list[int], padding_multiple: int) -> tuple[int, ...]:
+    """``--capacities``, checked before any process starts: sorted, each once.
+
+    Raises:
+        TrainerError: a capacity below 1, above :data:`MAX_CANDIDATE`, or not a multiple of
+            ``padding_multiple`` (the message names the nearest multiples).
+    """
+    for capacity in candidates:
+        if not 1 <= capacity <= MAX_CANDIDATE:
+            raise TrainerError(f"--capacities {capacity}: give token counts from 1 to {MAX_CANDIDATE:,}")
+        if capacity % padding_multiple:
+            lower = capacity - capacity % padding_multiple
+            raise TrainerError(
+                f"--capacities {capacity} is not a multiple of scheduler.padding_multiple = {padding_multiple}: "
+                f"use {lower or padding_multiple} or {lower + padding_multiple}"
+            )
+    return tuple(sorted(set(candidates)))
 
 
 def _report(output_dir: str | Path) -> dict[str, Any] | None:
