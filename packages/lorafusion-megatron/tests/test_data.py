@@ -111,38 +111,29 @@ def test_text_records_train_on_everything_after_the_first_token() -> None:
     assert sample.targets.tolist() == [*sample.input_ids.tolist()[1:], IGNORE_INDEX]
 
 
-def test_records_without_the_fields_are_refused() -> None:
-    expected = r"records need `messages`, `prompt` and `response`, or `text`; the first has \['q'\]"
+def _tokenize_default_fields(records: list[dict[str, object]]) -> object:
+    return tokenize_records(
+        records,
+        byte_level_tokenizer(),
+        prompt_field="prompt",
+        response_field="response",
+        text_field="text",
+        messages_field="messages",
+        source="t",
+    )
+
+
+@pytest.mark.parametrize(
+    ("records", "expected"),
+    [
+        ([{"q": "x"}], r"records need `messages`, `prompt` and `response`, or `text`; the first has \['q'\]"),
+        ([{"prompt": "a", "response": "b"}, {"prompt": "a"}], r"record 1: has no `response` \(it has \['prompt'\]\)"),
+        ([{"prompt": "a", "response": "b"}, {"prompt": "a", "response": None}], "record 1: `response` is None"),
+    ],
+)
+def test_records_without_the_fields_are_refused(records, expected) -> None:
     with pytest.raises(TrainerError, match=expected):
-        tokenize_records(
-            [{"q": "x"}],
-            byte_level_tokenizer(),
-            prompt_field="prompt",
-            response_field="response",
-            text_field="text",
-            messages_field="messages",
-            source="t",
-        )
-    with pytest.raises(TrainerError, match=r"record 1: has no `response` \(it has \['prompt'\]\)"):
-        tokenize_records(
-            [{"prompt": "a", "response": "b"}, {"prompt": "a"}],
-            byte_level_tokenizer(),
-            prompt_field="prompt",
-            response_field="response",
-            text_field="text",
-            messages_field="messages",
-            source="t",
-        )
-    with pytest.raises(TrainerError, match="record 1: `response` is None"):
-        tokenize_records(
-            [{"prompt": "a", "response": "b"}, {"prompt": "a", "response": None}],
-            byte_level_tokenizer(),
-            prompt_field="prompt",
-            response_field="response",
-            text_field="text",
-            messages_field="messages",
-            source="t",
-        )
+        _tokenize_default_fields(records)
 
 
 def _sample(prompt: int, response: int) -> Sample:
