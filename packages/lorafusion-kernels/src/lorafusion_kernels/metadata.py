@@ -36,7 +36,7 @@ import torch
 
 from lorafusion_kernels.errors import LoRAFusionKernelsError, ReadOnlyAttributeError
 
-__all__ = ["MultiLoRABatch", "RowTiles", "SegmentRuns", "SegmentTiles"]
+__all__ = ["MultiLoRABatch", "RowTiles", "SegmentRuns", "SegmentTiles", "as_int_list"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,7 +88,13 @@ class SegmentRuns:
     runs: torch.Tensor
 
 
-def _as_int_list(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
+def as_int_list(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
+    """``values`` (a list or iterable of integers, or a 1-D integer tensor) read once into a list.
+
+    Raises:
+        LoRAFusionKernelsError: Naming ``name``: not a list (an int, a string), a tensor of another
+            shape or dtype, or an entry that is no integer (a float, a bool).
+    """
     if isinstance(values, torch.Tensor):
         if values.dim() != 1:
             raise LoRAFusionKernelsError(f"{name} must be one-dimensional, got shape {tuple(values.shape)}")
@@ -258,8 +264,8 @@ class MultiLoRABatch:
             LoRAFusionKernelsError: Mismatched lengths, negative lengths, an adapter index out of range,
                 a ``num_adapters`` that is not an integer, or no segments at all.
         """
-        lengths = _as_int_list(segment_lengths, "segment_lengths")
-        adapters = _as_int_list(segment_adapters, "segment_adapters")
+        lengths = as_int_list(segment_lengths, "segment_lengths")
+        adapters = as_int_list(segment_adapters, "segment_adapters")
         if len(lengths) != len(adapters):
             raise LoRAFusionKernelsError(
                 f"segment_lengths has {len(lengths)} entries but segment_adapters has {len(adapters)}; "

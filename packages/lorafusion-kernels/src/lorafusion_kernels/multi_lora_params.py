@@ -18,7 +18,7 @@ from lorafusion_kernels._kernels._common import rank_block
 from lorafusion_kernels.dropout import draw_seed, keep_threshold, seed_tensor
 from lorafusion_kernels.errors import LoRAFusionKernelsError
 from lorafusion_kernels.lora import check_activation_dtype, check_finite, check_not_trainable, dtype_mismatch
-from lorafusion_kernels.metadata import MultiLoRABatch, _as_int_list
+from lorafusion_kernels.metadata import MultiLoRABatch, as_int_list
 
 __all__ = [
     "AdapterParams",
@@ -264,8 +264,8 @@ def _batch_of_lists(
     The lists are read once, by the helper that names a bad one (a generator would be empty the
     second time; an int or a string is no list of integers).
     """
-    lengths = _as_int_list(segment_lengths, "segment_lengths")
-    indices = _as_int_list(segment_adapters, "segment_adapters")
+    lengths = as_int_list(segment_lengths, "segment_lengths")
+    indices = as_int_list(segment_adapters, "segment_adapters")
     if num_adapters == 0:
         raise LoRAFusionKernelsError("lora_a and lora_b are empty: give one A and one B per adapter")
     if indices and max(indices) >= num_adapters:
