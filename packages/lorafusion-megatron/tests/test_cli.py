@@ -443,8 +443,8 @@ def test_overwrite_names_the_checkpoints_it_keeps(
     assert main(["train", str(config)]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "summary.json holds results of an earlier run" in err
-    assert "its checkpoints in" in err
-    assert "are kept by --overwrite too (delete them)" in err
+    assert f"and {tmp_path / 'run' / 'checkpoints'} its checkpoints, which --overwrite never deletes" in err
+    assert f"delete {tmp_path / 'run' / 'checkpoints'}, then pass --overwrite" in err
 
 
 def test_an_interrupted_train_prints_the_users_own_command_to_continue(

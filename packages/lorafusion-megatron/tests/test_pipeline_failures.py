@@ -183,3 +183,44 @@ def test_a_hanging_rank_is_stopped_and_named_before_its_neighbour_times_out(
     stalled = rf"RankStalledError: rank 1 \(stage 1, replica 0\) spent 5[45] s on {re.escape(doing)} "
     assert re.search(stalled, message), message
     assert ", in hang\n    time.sleep(3600)" in message, message
+
+
+def test_many_other_ranks_are_counted_not_listed() -> None:
+    """64 CPU ranks killed by the kernel gave one line of about 6 kB naming all 63 others."""
+    exits = [RankExit(5, -signal.SIGKILL)]
+    failures = {rank: _failure(rank, 2.0, _CLOSED) for rank in (7, 9)}
+    killed = [rank for rank in range(64) if rank not in (5, 7, 9)]
+    message = first_failure(exits, failures, killed, grace_seconds=5)
+    assert message.startswith("pipeline rank 5 was killed by SIGKILL (the kernel's out-of-memory killer")
+    others = message.partition("\nthe other ranks stopped after it (")[2]
+    assert others == (
+        f"rank 7: {_CLOSED}; rank 9: {_CLOSED}; rank 0: killed, still running 5 s later; "
+        "and 60 other ranks: 60 killed, still running 5 s later)"
+    )
+    assert len(message) < 1000
+
+
+def test_more_cpu_ranks_than_cores_are_warned_about_before_they_start(
+    tiny_base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """64 gloo ranks started on a 2-core host without a word, then the kernel killed them for memory."""
+    import importlib
+
+    from lorafusion_megatron.pipeline import launch as launch_module
+
+    class NotStartedError(Exception):
+        pass
+
+    def not_started(*args: object, **kwargs: object) -> None:
+        raise NotStartedError
+
+    monkeypatch.setattr(launch_module, "cpu_cores", lambda: 1)
+    # The module, not the function torch.multiprocessing exports under the same name.
+    monkeypatch.setattr(importlib.import_module("torch.multiprocessing.spawn"), "spawn", not_started)
+    config = parse_config(two_job_config(tiny_base, tmp_path / "run", capacity=64))
+    with caplog.at_level("WARNING", logger="lorafusion_megatron"), pytest.raises(NotStartedError):
+        launch_module.launch(config, ParallelConfig(pipeline_stages=2), backend="gloo")
+    said = " ".join(caplog.text.split())
+    assert "2 processes (2 stages x 1 replicas) on 1 CPU core(s): the ranks share the cores" in said
+    assert "to train, use at most 1 processes (--pipeline-stages x --data-parallel)" in said
+    assert not (tmp_path / "run").exists(), "a launch that failed before writing left no run folder"

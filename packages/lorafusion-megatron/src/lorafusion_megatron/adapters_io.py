@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 from lorafusion_megatron.atomic_dirs import replace_dir, replaced_name
 from lorafusion_megatron.errors import TrainerError
-from lorafusion_megatron.run_layout import EVAL_HISTORY, SUMMARY
+from lorafusion_megatron.run_layout import EVAL_HISTORY, PIPELINE_SUMMARY, SUMMARY
+from lorafusion_megatron.write_errors import clear_write_errors
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -89,9 +90,10 @@ def check_fresh_run(config: TrainerConfig, *, resume: bool, overwrite: bool) -> 
 
     Always: a job folder that is a file, or holds files but no PEFT adapter (a dataset, other work),
     which the run would replace whole at its end. A fresh run, unless ``overwrite``: an earlier run's results, its
-    ``summary.json``, ``eval_history.json`` and the jobs' adapter folders. A fresh run never
-    replaces checkpoints (:func:`lorafusion_megatron.checkpoint.checkpoint_to_resume` refuses them,
-    ``--overwrite`` or not), so this names them too: one message says all that is in the way.
+    ``summary.json`` (``pipeline_summary.json``), ``eval_history.json`` and the jobs' adapter folders.
+    A fresh run never replaces checkpoints (:func:`lorafusion_megatron.checkpoint.checkpoint_to_resume`
+    refuses them, ``--overwrite`` or not), so where there are some this says both steps at once
+    (delete them, then ``--overwrite``): ``--overwrite`` alone would only meet the next refusal.
 
     Raises:
         TrainerError: Naming the first result found and what to do.
@@ -103,17 +105,23 @@ def check_fresh_run(config: TrainerConfig, *, resume: bool, overwrite: bool) -> 
     found = [p for p in (Path(config.output_dir) / n for n in _RESULTS) if p.is_file()]
     # A job folder a crash left aside in the middle of its replace counts (the run restores it first).
     found += [f for f in map(config.job_output_dir, config.jobs) if holds_files(f) or replaced_name(f).is_dir()]
-    if found:
-        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        kept = config.checkpoint_dir
-        also = f"; its checkpoints in {kept} are kept by --overwrite too (delete them)" if holds_files(kept) else ""
+    if not found:
+        return
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    kept = config.checkpoint_dir
+    if holds_files(kept):
         raise TrainerError(
-            f"{found[0]}{more} holds results of an earlier run: choose another output_dir, delete them, "
-            f"or pass --overwrite to replace them{also}"
+            f"{found[0]}{more} holds results of an earlier run, and {kept} its checkpoints, which --overwrite never "
+            f"deletes: to train afresh in this folder, delete {kept}, then pass --overwrite to replace the results; "
+            "to continue the earlier run (if it did not finish), pass --resume; or choose another output_dir"
         )
+    raise TrainerError(
+        f"{found[0]}{more} holds results of an earlier run: choose another output_dir, delete them, "
+        "or pass --overwrite to replace them"
+    )
 
 
-_RESULTS = (SUMMARY, EVAL_HISTORY)
+_RESULTS = (SUMMARY, PIPELINE_SUMMARY, EVAL_HISTORY)
 """A finished run's files in its output folder that a fresh run with ``--overwrite`` replaces."""
 
 
@@ -135,7 +143,17 @@ def save_adapter(model: PeftModel, adapter: str, directory: Path) -> None:
         model: The multi-adapter PEFT model.
         adapter: The adapter (job) name.
         directory: Destination folder; its parent is created.
+
+    Raises:
+        CannotWriteError: A full disk or a read-only file system (a ``TrainerError`` naming
+            ``directory``); an older folder there is kept as it was, and no staging folder is left.
+        TrainerError: ``directory`` holds files but no adapter (:func:`replace_adapter`).
     """
+    with clear_write_errors(directory):
+        _save_adapter(model, adapter, directory)
+
+
+def _save_adapter(model: PeftModel, adapter: str, directory: Path) -> None:
     directory.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory.parent, prefix=f".{directory.name}.tmp-") as tmp:
         # Embeddings are frozen: no need for PEFT's "auto" check, which asks the Hub about the base.

@@ -37,6 +37,7 @@ from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.planning import plan_from_json
 from lorafusion_megatron.run_layout import PROFILE_REPORT
 from lorafusion_megatron.state import RunState
+from lorafusion_megatron.write_errors import CannotWriteError, clear_write_errors
 
 if TYPE_CHECKING:
     import torch
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LoadedCheckpoint",
     "RunFingerprint",
+    "check_resume_config",
     "checkpoint_run_id",
     "checkpoint_to_resume",
     "config_match",
@@ -289,6 +291,32 @@ def read_checkpoint_meta(path: Path, *, fingerprint: RunFingerprint) -> dict[str
     return meta
 
 
+def check_resume_config(path: Path, config: TrainerConfig) -> None:
+    """Refuse a single-process resume from checkpoint ``path`` that the config alone decides against.
+
+    Called before the data is tokenised and the base model built (minutes for a large model): a
+    changed config, other base weights under the same path, or a pipeline run's checkpoint are
+    refused at once. The data's hash needs the tokenised data, so :func:`load_checkpoint` checks
+    that later (and the config again).
+
+    Raises:
+        TrainerError: As :func:`read_checkpoint_meta`, or the checkpoint is a pipeline run's.
+    """
+    meta = read_checkpoint_meta(path, fingerprint=run_fingerprint(config, None))
+    _refuse_pipeline_checkpoint(path, meta)
+
+
+def _refuse_pipeline_checkpoint(path: Path, meta: Mapping[str, Any]) -> None:
+    """The single-process trainer cannot resume a pipeline run's checkpoint (its tensors are per rank)."""
+    from lorafusion_megatron.pipeline.checkpoint import PIPELINE_FORMAT
+
+    if meta.get("format") == PIPELINE_FORMAT:
+        raise TrainerError(
+            f"checkpoint {path} was written by a pipeline run with parallel settings {meta.get('parallel')}: "
+            "resume it with the same --pipeline-stages, --data-parallel and schedule"
+        )
+
+
 def _check_base_weights(path: Path, meta: Mapping[str, Any], fingerprint: RunFingerprint) -> None:
     """Refuse a checkpoint trained on other base weights than this run's (where both record them)."""
     from lorafusion_megatron.pipeline.checkpoint import PIPELINE_FORMAT
@@ -435,38 +463,89 @@ def save_checkpoint(
 
     Returns:
         The checkpoint folder.
+
+    Raises:
+        CannotWriteError: A full disk or a read-only file system (a ``TrainerError``): nothing of this
+            checkpoint is left, and the message says whether an older one is there to resume from.
+    """
+    target = directory / f"checkpoint-{state.total_optimizer_steps}"
+    try:
+        _write_checkpoint(
+            directory,
+            target,
+            state=state,
+            plan_json=plan_json,
+            fingerprint=fingerprint,
+            run_id=run_id,
+            model=model,
+            adapter_parameters=adapter_parameters,
+            optimizers=optimizers,
+        )
+    except CannotWriteError as failed:  # also one of its adapters' (named by its staging folder: say the checkpoint)
+        raise CannotWriteError(target, failed.reason, _after_failed_checkpoint(directory)) from failed
+    if keep is not None:
+        prune_checkpoints(directory, keep)
+    return target
+
+
+def _after_failed_checkpoint(directory: Path) -> str:
+    """What a run whose checkpoint could not be written can do: resume from an older one, or start again."""
+    older = latest_checkpoint(directory)
+    if older is None:
+        return (
+            " (nothing of it is left); no earlier checkpoint exists to resume from: free space (or choose a "
+            "writable output_dir), then train again"
+        )
+    return (
+        f" (nothing of it is left); the newest complete checkpoint, {older.name}, is intact: free space, "
+        "then --resume continues from it"
+    )
+
+
+def _write_checkpoint(
+    directory: Path,
+    target: Path,
+    *,
+    state: RunState,
+    plan_json: str,
+    fingerprint: RunFingerprint,
+    run_id: str,
+    model: PeftModel,
+    adapter_parameters: Mapping[str, Mapping[str, torch.nn.Parameter]],
+    optimizers: Mapping[str, AdapterOptimizer],
+) -> None:
+    """:func:`save_checkpoint`'s writes: staged beside ``target``, then swapped into place.
+
+    A failed write raises ``CannotWriteError`` (the staging folder is deleted on the way out).
     """
     import torch
     from safetensors.torch import save_file
 
-    directory.mkdir(parents=True, exist_ok=True)
-    target = directory / f"checkpoint-{state.total_optimizer_steps}"
-    staging = Path(tempfile.mkdtemp(dir=directory, prefix=f".{target.name}.tmp-"))
-    try:
-        tensors: dict[str, torch.Tensor] = {}
-        for params in adapter_parameters.values():
-            for name, param in params.items():
-                tensors[f"param:{name}"] = param.detach().cpu().contiguous()
-                if param.grad is not None:
-                    tensors[f"grad:{name}"] = param.grad.detach().cpu().contiguous()
-        save_file(tensors, staging / "lora.safetensors")
-        torch.save({name: opt.state_dict() for name, opt in optimizers.items()}, staging / "optimizer.pt")
-        rng = {"torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
-        torch.save(rng, staging / "rng.pt")
-        (staging / "plan.json").write_text(plan_json, encoding="utf-8")
-        for adapter in adapter_parameters:
-            save_adapter(model, adapter, staging / "adapters" / adapter)
-        meta = {"format": _FORMAT, **fingerprint.to_meta(), "state": state.to_json(), "run_id": run_id}
-        (staging / "trainer_state.json").write_text(json.dumps(meta, indent=2, sort_keys=True), encoding="utf-8")
-        replace_dir(staging, target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
-    if keep is not None:
-        prune_checkpoints(directory, keep)
-    return target
+    with clear_write_errors(target):
+        directory.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=directory, prefix=f".{target.name}.tmp-"))
+        try:
+            tensors: dict[str, torch.Tensor] = {}
+            for params in adapter_parameters.values():
+                for name, param in params.items():
+                    tensors[f"param:{name}"] = param.detach().cpu().contiguous()
+                    if param.grad is not None:
+                        tensors[f"grad:{name}"] = param.grad.detach().cpu().contiguous()
+            save_file(tensors, staging / "lora.safetensors")
+            torch.save({name: opt.state_dict() for name, opt in optimizers.items()}, staging / "optimizer.pt")
+            rng = {"torch": torch.get_rng_state()}
+            if torch.cuda.is_available():
+                rng["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+            torch.save(rng, staging / "rng.pt")
+            (staging / "plan.json").write_text(plan_json, encoding="utf-8")
+            for adapter in adapter_parameters:
+                save_adapter(model, adapter, staging / "adapters" / adapter)
+            meta = {"format": _FORMAT, **fingerprint.to_meta(), "state": state.to_json(), "run_id": run_id}
+            (staging / "trainer_state.json").write_text(json.dumps(meta, indent=2, sort_keys=True), encoding="utf-8")
+            replace_dir(staging, target)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
 
 
 def load_checkpoint(
@@ -484,14 +563,8 @@ def load_checkpoint(
     import torch
     from safetensors.torch import load_file
 
-    from lorafusion_megatron.pipeline.checkpoint import PIPELINE_FORMAT
-
     meta = read_checkpoint_meta(path, fingerprint=fingerprint)
-    if meta.get("format") == PIPELINE_FORMAT:
-        raise TrainerError(
-            f"checkpoint {path} was written by a pipeline run with parallel settings {meta.get('parallel')}: "
-            "resume it with the same --pipeline-stages, --data-parallel and schedule"
-        )
+    _refuse_pipeline_checkpoint(path, meta)
     tensors = read_checkpoint_file(path, "lora.safetensors", load_file)
     states = read_checkpoint_file(path, "optimizer.pt", load_torch_file)
     rng = read_checkpoint_file(path, "rng.pt", load_torch_file)

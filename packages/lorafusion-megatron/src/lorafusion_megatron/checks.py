@@ -9,14 +9,16 @@ Training runs the same checks again, more thoroughly, once the model is loaded.
 from __future__ import annotations
 
 import json
-import os
+import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from lorafusion_megatron.config import DatasetConfig, TrainerConfig
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.presets import LORA_TARGETS, PRESETS
 
-__all__ = ["check_config", "model_type"]
+__all__ = ["capacity_past_context", "check_config", "model_type"]
 
 _DATASET_SUFFIXES = {".jsonl", ".json", ".parquet"}
 
@@ -65,10 +67,48 @@ def _partition_problem(config: TrainerConfig, stages: int) -> str | None:
 
 
 def _writable_ancestor(path: Path) -> bool:
+    """Whether ``path`` can be created (or written): a file can be made in its nearest existing folder.
+
+    Tried, not judged by ``os.access``: permission bits say nothing of a read-only mount or of
+    ``/proc``, and nothing at all to root, so ``validate`` passed folders that ``train`` refused.
+    The probe file is deleted at once.
+    """
     for candidate in (path, *path.parents):
         if candidate.exists():
-            return candidate.is_dir() and os.access(candidate, os.W_OK | os.X_OK)
+            if not candidate.is_dir():
+                return False
+            try:
+                with tempfile.NamedTemporaryFile(dir=candidate, prefix=".lorafusion-write-test-"):
+                    pass
+            except OSError:
+                return False
+            return True
     return False
+
+
+def capacity_past_context(config: TrainerConfig, model: Mapping[str, Any] | None = None) -> str | None:
+    """Why ``scheduler.capacity`` lets samples run past the base model's context, if it does.
+
+    Each packed sample's positions start at 0, so only a sample longer than the model's
+    ``max_position_embeddings`` is affected; but ``capacity`` is what lets one that long through
+    (it truncates or drops longer ones), and such a sample trains at positions the model was
+    never trained on, without an error. A warning, not a refusal: models whose rotary scaling
+    extends the context (``rope_scaling``) may be meant to train past it.
+
+    Args:
+        config: The run (its resolved capacity: ``auto`` is the profiled or default one).
+        model: The base model's config (default: read as ``validate`` does; ``None`` if it cannot be).
+    """
+    model = _model_config(config) if model is None else model
+    context = None if model is None else model.get("max_position_embeddings")
+    capacity = config.scheduler.resolved_capacity
+    if not isinstance(context, int) or capacity <= context:
+        return None
+    return (
+        f"scheduler.capacity ({capacity} tokens) exceeds the base model's context (max_position_embeddings: "
+        f"{context}): a sample longer than {context} tokens trains at positions the model never saw, with no "
+        f"error; set scheduler.capacity to {context} or less to have scheduler.long_samples cut or drop such samples"
+    )
 
 
 def _dataset_problem(

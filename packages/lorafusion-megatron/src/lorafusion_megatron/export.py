@@ -3,11 +3,20 @@
 The trainer keeps PEFT's own module layout (separate ``q_proj``/``k_proj``/``v_proj`` adapters, no
 fused-QKV parameterisation), so its adapters already load with ``PeftModel.from_pretrained`` and
 need no renaming; merging gives a plain transformers checkpoint for tools that know no LoRA.
+
+``--overwrite`` replaces an earlier export (or another folder of files), never a training run's
+folder (one holding the run lock file, ``checkpoints/``, ``plan.json``, a summary or
+``eval_history.json``, also further down) nor a trained adapter (``adapter_config.json``): a merged
+model is no substitute for either, and checkpoints may be a run's only copy of its training state.
+While the merged model is written, ``export`` holds the locks a run would take on the folder
+(:func:`~lorafusion_megatron.run_lock.export_locks`): no run starts into it meanwhile, and a run
+that holds them refuses the export.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -17,6 +26,9 @@ from lorafusion_megatron.atomic_dirs import replace_dir, restore_interrupted_rep
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.model import quiet_peft_deprecations
 from lorafusion_megatron.presets import PRESETS
+from lorafusion_megatron.run_layout import CHECKPOINTS, EVAL_HISTORY, LOCK_FILE, PIPELINE_SUMMARY, PLAN, SUMMARY
+from lorafusion_megatron.run_lock import export_locks
+from lorafusion_megatron.write_errors import clear_write_errors
 
 __all__ = ["merge_adapter"]
 
@@ -47,6 +59,45 @@ def _read_adapter_config(adapter: Path) -> dict[str, object]:
     return config
 
 
+_RUN_MARKERS = (CHECKPOINTS, SUMMARY, PIPELINE_SUMMARY, PLAN, EVAL_HISTORY, LOCK_FILE)
+"""What only a training run's folder holds: ``export`` never replaces a folder that holds one of them."""
+
+
+def _refuse_run_or_adapter(output: Path, *, own_lock: bool = False) -> None:
+    """Refuse an ``output`` that is or holds a training run's folder or a trained adapter, ``--overwrite`` or not.
+
+    Args:
+        output: The ``--output`` folder.
+        own_lock: The run lock file directly in ``output`` is this export's own (it holds the lock).
+
+    Raises:
+        TrainerError: Naming what was found, where, and what to do.
+    """
+    if not output.is_dir():
+        return
+    for parent, folders, files in os.walk(output):
+        here = Path(parent)
+        names = set(folders) | set(files)
+        if own_lock and here == output:
+            names.discard(LOCK_FILE)
+        marker = next((name for name in _RUN_MARKERS if name in names), None)
+        if marker is not None:
+            where = "is a training run's folder" if here == output else f"holds a training run's folder, {here}"
+            raise TrainerError(
+                f"--output {output} {where} (it holds {marker}); the merged model would replace it, and the "
+                "run's checkpoints, plan and summary with it: export never replaces a run's folder, --overwrite "
+                "or not; choose another --output (or delete that folder yourself first, if you mean to)"
+            )
+        if "adapter_config.json" in files:
+            where = "is a trained adapter's folder" if here == output else f"holds a trained adapter, {here}"
+            raise TrainerError(
+                f"--output {output} {where} (adapter_config.json), which the merged model would replace: export "
+                "never replaces an adapter, --overwrite or not (--overwrite replaces an earlier merged model); "
+                "choose another --output"
+            )
+        folders.sort()
+
+
 def merge_adapter(
     adapter: Path, output: Path, *, base: str | None = None, dtype: str = "float32", overwrite: bool = False
 ) -> Path:
@@ -57,26 +108,28 @@ def merge_adapter(
         output: Folder for the merged model (and the base's tokenizer files, if any).
         base: Base model folder; default: the adapter's ``base_model_name_or_path``.
         dtype: Dtype to load and save the merged weights in.
-        overwrite: Replace a non-empty ``output`` (the new model is written beside it, then renamed
-            into place, so ``output`` is never half-written).
+        overwrite: Replace a non-empty ``output``, such as an earlier merged model (the new model is
+            written beside it, then renamed into place, so ``output`` is never half-written); never
+            a training run's folder or a trained adapter.
 
     Returns:
         ``output``.
 
     Raises:
         TrainerError: The adapter or base folder is missing or damaged, the base is a random-weight
-            preset or of other shapes than the adapter, or ``output`` is a file, (without
-            ``overwrite``) a non-empty folder, or is or holds the adapter or the base.
+            preset or of other shapes than the adapter, ``output`` is a file, (without ``overwrite``)
+            a non-empty folder, is or holds the adapter or the base, a training run's folder or a
+            trained adapter, or is locked by a run; or ``output`` cannot be written (a full disk, a
+            read-only file system: ``CannotWriteError``, nothing half-written left).
     """
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    restore_interrupted_replace(output)  # an earlier export cut between its renames: its model is back
+    with clear_write_errors(output):
+        restore_interrupted_replace(output)  # an earlier export cut between its renames: its model is back
     if output.exists() and not output.is_dir():
         raise TrainerError(f"--output {output} is a file: name a folder for the merged model")
-    if holds_files(output) and not overwrite:
-        raise TrainerError(f"--output {output} is not empty: choose another folder, or pass --overwrite to replace it")
     adapter_config = _read_adapter_config(adapter)
     stored_base = adapter_config.get("base_model_name_or_path")
     base = base or (stored_base if isinstance(stored_base, str) else None)
@@ -93,6 +146,9 @@ def merge_adapter(
                 f"--output {output} is or holds {what} ({folder}), which writing the merged model there would "
                 "delete: choose another folder"
             )
+    _refuse_run_or_adapter(output)  # before the advice to pass --overwrite, which would not help
+    if holds_files(output) and not overwrite:
+        raise TrainerError(f"--output {output} is not empty: choose another folder, or pass --overwrite to replace it")
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype))
     try:
         with quiet_peft_deprecations():
@@ -104,12 +160,16 @@ def merge_adapter(
         raise TrainerError(
             f"adapter {adapter} does not fit base model {base_path} ({detail[:200]}): pass the --base it was trained on"
         ) from None
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.tmp-") as tmp:
-        staging = Path(tmp) / "model"
-        merged.save_pretrained(staging)
-        for name in _TOKENIZER_FILES:
-            if (base_path / name).is_file():
-                shutil.copy2(base_path / name, staging / name)
-        replace_dir(staging, output)
+    with clear_write_errors(output), export_locks(output):
+        # Again under the locks: a run may have started into the folder, or written it, since the checks.
+        _refuse_run_or_adapter(output, own_lock=True)
+        if not overwrite and any(entry.name != LOCK_FILE for entry in output.iterdir()):
+            raise TrainerError(f"--output {output} is not empty: choose another folder, or pass --overwrite")
+        with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.tmp-") as tmp:
+            staging = Path(tmp) / "model"
+            merged.save_pretrained(staging)
+            for name in _TOKENIZER_FILES:
+                if (base_path / name).is_file():
+                    shutil.copy2(base_path / name, staging / name)
+            replace_dir(staging, output)
     return output

@@ -10,6 +10,11 @@ newest checkpoint, if there is one, carries the same id: a run started afresh th
 (``train --overwrite`` once the checkpoints were deleted) carries another, and is resumed. A summary
 written by an earlier version holds no id; its run is resumed from its newest checkpoint, as that
 version did.
+
+A run that starts afresh (``train --overwrite`` into a finished run's folder) deletes both summaries
+first (:func:`forget_finished_run`), before it replaces any adapter: a crash or a full disk among its
+final adapter writes then leaves a folder that ``--resume`` does not call complete (its adapters
+would be a mix of the two runs'), and the message of such a failure says what to do.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from lorafusion_megatron.state import JobProgress, RunState
 if TYPE_CHECKING:
     from lorafusion_megatron.config import TrainerConfig
 
-__all__ = ["FinishedRun", "finished_run", "new_run_id"]
+__all__ = ["FinishedRun", "finished_run", "forget_finished_run", "new_run_id"]
 
 _log = logging.getLogger(__name__)
 
@@ -50,6 +55,18 @@ _REMEDY = "nothing to resume; to train this config, train without --resume into 
 def new_run_id() -> str:
     """The id of a run that starts afresh (32 hex digits)."""
     return uuid.uuid4().hex
+
+
+def forget_finished_run(output_dir: Path) -> None:
+    """Delete the summaries that say a run in ``output_dir`` finished; a run starting afresh there calls it first.
+
+    Either summary makes ``--resume`` take the run for complete when no newer checkpoint says
+    otherwise (with ``save_steps: null`` there is none), so a fresh run that failed among its final
+    adapter writes, with the earlier run's summary still there, was reported complete over a mix of
+    both runs' adapters. The new run writes its own summary after all its adapters.
+    """
+    for name in (SUMMARY, PIPELINE_SUMMARY):
+        (output_dir / name).unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ These are warnings, not the errors of :mod:`lorafusion_megatron.checks`: ``valid
 run on a login node, which often has no GPU and may hold other packages than the node that trains.
 ``train`` refuses ``device: cuda`` without a GPU at its start
 (:func:`lorafusion_megatron.model.resolve_device`) and trains without TensorBoard scalars when the
-package is missing, as it always has.
+package is missing, as it always has. ``validate`` also warns here of a ``scheduler.capacity`` past
+the base model's context, which is a config's matter, not the host's.
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ def cuda_missing(config: TrainerConfig) -> str | None:
 
 
 def host_warnings(config: TrainerConfig) -> list[str]:
-    """Everything this host lacks for ``config`` (``validate`` prints them; none stops it)."""
-    found = (cuda_missing(config), tensorboard_missing(config.logging.tensorboard_dir))
+    """What this host lacks for ``config``, and a capacity past the model's context (``validate`` prints them).
+
+    None of them stops ``validate``. The capacity warning is not the host's: it is here because
+    these are the warnings ``validate`` prints (``train`` warns of it too:
+    :func:`~lorafusion_megatron.checks.capacity_past_context`).
+    """
+    from lorafusion_megatron.checks import capacity_past_context
+
+    found = (cuda_missing(config), tensorboard_missing(config.logging.tensorboard_dir), capacity_past_context(config))
     return [warning for warning in found if warning is not None]

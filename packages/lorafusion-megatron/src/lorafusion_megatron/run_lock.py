@@ -12,6 +12,12 @@ stays; it holds the last holder's process id, for the message.
 On a file system that does not lock files (Lustre mounted without ``flock``, NFS without a lock
 daemon: ``flock`` fails with ``ENOSYS``, ``ENOLCK`` or ``EOPNOTSUPP``) the run goes on without the
 lock, after a warning: refusing would leave such a cluster no way to train.
+
+A run refused or failed before it wrote anything (a bad dataset line, ``--resume`` without a
+checkpoint, a job folder in use) deletes the folders it created for itself on the way out, while it
+still holds its locks (:func:`new_run_folders`, ``run_locks(tidy=...)``): they would hold nothing
+but the lock file and an empty ``adapters/``. ``export`` takes the locks a run could take on its
+``--output`` while it replaces that folder (:func:`export_locks`), so no run starts into it meanwhile.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import errno
 import fcntl
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,7 +37,7 @@ from lorafusion_megatron.run_layout import LOCK_FILE
 if TYPE_CHECKING:
     from lorafusion_megatron.config import TrainerConfig
 
-__all__ = ["run_lock", "run_locks"]
+__all__ = ["export_locks", "new_run_folders", "remove_unused_folders", "run_lock", "run_locks"]
 
 _log = logging.getLogger(__name__)
 
@@ -39,8 +45,49 @@ _log = logging.getLogger(__name__)
 _LOCKS_UNSUPPORTED = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP})
 
 
+def _absent_folders(path: Path) -> list[Path]:
+    """``path`` and its ancestors that do not exist (what creating ``path`` creates)."""
+    absent = []
+    for folder in (path, *path.parents):
+        if folder.exists() or folder.is_symlink():
+            break
+        absent.append(folder)
+    return absent
+
+
+def new_run_folders(config: TrainerConfig) -> list[Path]:
+    """The folders a run of ``config`` would create for itself, deepest first: those that do not exist yet.
+
+    Its ``output_dir``, each job's folder's parent (``adapters/``; the lock file of a job folder
+    outside the run folder goes there too), TensorBoard's folder, and their missing ancestors.
+    """
+    paths = [Path(config.output_dir), *(config.job_output_dir(job).parent for job in config.jobs)]
+    if config.logging.tensorboard_dir is not None:
+        paths.append(Path(config.logging.tensorboard_dir))
+    absent = {folder.absolute() for path in paths for folder in _absent_folders(path.absolute())}
+    return sorted(absent, key=lambda folder: (-len(folder.parts), str(folder)))
+
+
+def remove_unused_folders(folders: Sequence[Path]) -> None:
+    """Delete each of ``folders`` (new ones: :func:`new_run_folders`) that holds nothing but run lock files.
+
+    Deepest first, so a run folder whose empty ``adapters/`` went first goes too; a folder holding
+    anything else (a plan, a checkpoint, another process's files) is left as it is. Never raises.
+    """
+    for folder in sorted(folders, key=lambda folder: -len(folder.parts)):
+        try:
+            entries = list(folder.iterdir())
+            if not all(entry.name.endswith(LOCK_FILE) and entry.is_file() for entry in entries):
+                continue
+            for entry in entries:
+                entry.unlink(missing_ok=True)
+            folder.rmdir()
+        except OSError:  # gone, or not ours to delete after all: nothing to tidy
+            continue
+
+
 @contextmanager
-def run_locks(config: TrainerConfig) -> Iterator[None]:
+def run_locks(config: TrainerConfig, *, tidy: Sequence[Path] = ()) -> Iterator[None]:
     """Hold the run lock of ``config.output_dir`` and the locks of its jobs' folders inside the block.
 
     A job folder outside the run folder is locked by a file beside it, named after its real path
@@ -53,29 +100,93 @@ def run_locks(config: TrainerConfig) -> Iterator[None]:
     job folders' locks next, the other runs' last (so that of two runs starting at once into one
     folder, one always finds the other's lock).
 
+    Args:
+        config: The run.
+        tidy: Folders this run created (:func:`new_run_folders`, listed before any was): when the
+            block raises, each that holds nothing but lock files is deleted, under the locks.
+
     Raises:
-        TrainerError: Another process holds one of them (naming the folder and its process id).
+        TrainerError: Another process holds one of them (naming the folder, its process id and the
+            key to change).
     """
     run_dir = Path(config.output_dir).resolve()
-    folders = {config.job_output_dir(job).resolve(): job.name for job in config.jobs}
+    folders = {config.job_output_dir(job).resolve(): (index, job.name) for index, job in enumerate(config.jobs)}
     with ExitStack() as held:
-        held.enter_context(run_lock(Path(config.output_dir)))
-        for folder in sorted(folders):
-            what = f"{folder}, job {folders[folder]}'s output folder,"
-            create = not folder.is_relative_to(run_dir)
-            held.enter_context(_locked(folder.parent, f".{folder.name}{LOCK_FILE}", what, create=create))
-        # Only now, with those held, look for the run folders around them: a run starting meanwhile
-        # into such a folder either left its lock file to be found here, or finds this run's.
-        others: dict[Path, str] = {}
-        for folder in sorted(f for f in folders if not f.is_relative_to(run_dir)):
-            other_run = next((parent for parent in folder.parents if (parent / LOCK_FILE).is_file()), None)
-            if other_run is not None:
-                others.setdefault(
-                    other_run, f"{other_run}, the run folder holding job {folders[folder]}'s output folder,"
+        try:
+            held.enter_context(run_lock(Path(config.output_dir)))
+        except TrainerError:  # another run's folder: nothing here is this run's to tidy
+            raise
+        except BaseException:
+            remove_unused_folders(tidy)
+            raise
+        try:
+            for folder in sorted(folders):
+                index, name = folders[folder]
+                what = f"{folder}, job {name}'s output folder,"
+                remedy = f"wait for it to end, or give job {name} another folder (jobs.{index}.output_dir)"
+                create = not folder.is_relative_to(run_dir)
+                held.enter_context(
+                    _locked(folder.parent, f".{folder.name}{LOCK_FILE}", what, create=create, remedy=remedy)
                 )
-        for other_run in sorted(others):
-            held.enter_context(_locked(other_run, LOCK_FILE, others[other_run]))
-        yield
+            # Only now, with those held, look for the run folders around them: a run starting meanwhile
+            # into such a folder either left its lock file to be found here, or finds this run's.
+            others: dict[Path, tuple[str, str]] = {}
+            for folder in sorted(f for f in folders if not f.is_relative_to(run_dir)):
+                other_run = next((parent for parent in folder.parents if (parent / LOCK_FILE).is_file()), None)
+                if other_run is not None:
+                    index, name = folders[folder]
+                    others.setdefault(
+                        other_run,
+                        (
+                            f"{other_run}, the run folder holding job {name}'s output folder,",
+                            f"wait for it to end, or give job {name} a folder outside it (jobs.{index}.output_dir)",
+                        ),
+                    )
+            for other_run in sorted(others):
+                what, remedy = others[other_run]
+                held.enter_context(_locked(other_run, LOCK_FILE, what, remedy=remedy))
+            yield
+        except BaseException:
+            remove_unused_folders(tidy)  # under the locks: no run starting now can have written there
+            raise
+
+
+@contextmanager
+def export_locks(output: Path) -> Iterator[None]:
+    """Hold, inside the block, every lock a run could take on ``output``, which ``export`` replaces whole.
+
+    A run into ``output`` as its ``output_dir`` takes the run lock in it, and a run whose job writes
+    its adapter there the lock file beside it; a run folder around ``output`` is locked by its run.
+    The run lock is taken (its file created, with ``output`` if needed); the others only where their
+    files exist (a run that never started holds none). When ``output`` is replaced, the old folder
+    and the lock file in it go; when the block raises before that, the lock file goes, and so does
+    ``output`` if this created it and it holds nothing else.
+
+    Raises:
+        TrainerError: A run holds one of them (naming it and its process id).
+    """
+    created = _absent_folders(output.absolute())
+    remedy = "wait for it to end, or choose another --output"
+    with ExitStack() as held:
+        try:
+            held.enter_context(_locked(output, LOCK_FILE, f"--output {output}", remedy=remedy))
+        except TrainerError:  # a run's lock file, not this export's
+            raise
+        except BaseException:
+            remove_unused_folders(created)
+            raise
+        try:
+            what = f"--output {output}, a job's output folder,"
+            held.enter_context(_locked(output.parent, f".{output.name}{LOCK_FILE}", what, create=False, remedy=remedy))
+            for parent in output.resolve().parents:
+                if (parent / LOCK_FILE).is_file():
+                    what = f"{parent}, the run folder holding --output {output},"
+                    held.enter_context(_locked(parent, LOCK_FILE, what, create=False, remedy=remedy))
+            yield
+        except BaseException:
+            (output / LOCK_FILE).unlink(missing_ok=True)  # still held: a run meanwhile was refused by it
+            remove_unused_folders(created)
+            raise
 
 
 @contextmanager
@@ -92,8 +203,15 @@ def run_lock(output_dir: Path) -> Iterator[None]:
 
 
 @contextmanager
-def _locked(folder: Path, name: str, what: str, *, create: bool = True) -> Iterator[None]:
-    """Hold an ``flock`` on ``folder / name``; ``what`` names the locked thing.
+def _locked(
+    folder: Path,
+    name: str,
+    what: str,
+    *,
+    create: bool = True,
+    remedy: str = "wait for it to end, or choose another output_dir",
+) -> Iterator[None]:
+    """Hold an ``flock`` on ``folder / name``; ``what`` names the locked thing, ``remedy`` what to do when it is held.
 
     ``create``: make the folder and the file if needed; else a missing file is no lock to take.
     """
@@ -112,9 +230,7 @@ def _locked(folder: Path, name: str, what: str, *, create: bool = True) -> Itera
             locked = True
         except BlockingIOError:
             holder = os.pread(descriptor, 32, 0).decode(errors="replace").strip() or "unknown"
-            raise TrainerError(
-                f"{what} is in use by another run (process {holder}): wait for it to end, or choose another output_dir"
-            ) from None
+            raise TrainerError(f"{what} is in use by another run (process {holder}): {remedy}") from None
         except OSError as error:
             if error.errno not in _LOCKS_UNSUPPORTED:
                 raise

@@ -20,7 +20,9 @@ from rich.console import Console
 from lorafusion_megatron.adapters_io import check_fresh_run, check_run_outputs, save_adapter
 from lorafusion_megatron.atomic_files import write_json_atomically, write_text_atomically
 from lorafusion_megatron.checkpoint import (
+    check_resume_config,
     checkpoint_to_resume,
+    latest_checkpoint,
     load_checkpoint,
     recover_interrupted_writes,
     run_fingerprint,
@@ -29,14 +31,15 @@ from lorafusion_megatron.checkpoint import (
 from lorafusion_megatron.config import TrainerConfig
 from lorafusion_megatron.data.job_data import JobData, load_job_data
 from lorafusion_megatron.dropout_seeds import drawing_for, install_dropout_seeding
+from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.eval_reporting import EvalHistory, eval_table
 from lorafusion_megatron.executor import StopSignal, execute_plan
-from lorafusion_megatron.finished_run import FinishedRun, finished_run, new_run_id
+from lorafusion_megatron.finished_run import FinishedRun, finished_run, forget_finished_run, new_run_id
 from lorafusion_megatron.gc_tuning import start_up_objects_frozen
 from lorafusion_megatron.planning import check_plan, make_plan
 from lorafusion_megatron.reporting import ProgressDisplay, TensorBoardLogger, summary_table
 from lorafusion_megatron.run_layout import EVAL_HISTORY, PLAN, SUMMARY
-from lorafusion_megatron.run_lock import run_locks
+from lorafusion_megatron.run_lock import new_run_folders, remove_unused_folders, run_locks
 from lorafusion_megatron.state import JobProgress, RunState
 
 if TYPE_CHECKING:
@@ -93,6 +96,25 @@ def prepare_data(config: TrainerConfig) -> PreparedData:
     tokenizer = load_tokenizer(config.base_model, vocab_size) if needs_tokenizer else None
     jobs = {job.name: load_job_data(config, job, tokenizer, vocab_size) for job in config.jobs}
     return PreparedData(model_config=model_config, tokenizer=tokenizer, jobs=jobs)
+
+
+def _warn_past_context(config: TrainerConfig, prepared: PreparedData) -> None:
+    """Warn when samples longer than the base model's context will train (silently, at positions it never saw)."""
+    from lorafusion_megatron.checks import capacity_past_context
+
+    warning = capacity_past_context(config, prepared.model_config.to_dict())
+    if warning is None:
+        return
+    context = int(prepared.model_config.max_position_embeddings)
+    longer = {
+        name: count
+        for name, job in prepared.jobs.items()
+        if (count := sum(len(sample) > context for sample in job.samples))
+    }
+    if not longer:
+        return  # the capacity could let one through, but this run's data has none
+    found = "; ".join(f"job {name}: {count} sample(s) longer than {context} tokens" for name, count in longer.items())
+    _log.warning("%s (%s)", warning, found)
 
 
 @dataclass(frozen=True)
@@ -163,11 +185,20 @@ class Trainer:
 
         Raises:
             TrainerError: Bad data, unwritable folders, an earlier run's results without
-                ``overwrite``, no checkpoint to resume, a checkpoint from a different config, or
-                another run writing to the same ``output_dir``.
+                ``overwrite``, no checkpoint to resume, a checkpoint from a different config (refused
+                before the data is read), another run writing to the same ``output_dir``, or a
+                checkpoint or final adapter that cannot be written (a full disk, a read-only file
+                system; the message says whether a checkpoint is left to resume from).
         """
-        check_run_outputs(self.config)
-        with run_locks(self.config):  # one run per output folder (and job folder)
+        # A run refused or failed before it wrote anything leaves no folder of its own making behind
+        # (one holding just the lock file and an empty adapters/).
+        new_folders = new_run_folders(self.config)
+        try:
+            check_run_outputs(self.config)
+        except BaseException:
+            remove_unused_folders(new_folders)
+            raise
+        with run_locks(self.config, tidy=new_folders):  # one run per output folder (and job folder)
             recover_interrupted_writes(self.config)
             return self._train(resume=resume, overwrite=overwrite)
 
@@ -178,7 +209,12 @@ class Trainer:
         if finished is not None:
             return self._report_finished(finished)
         checkpoint_path = checkpoint_to_resume(config.checkpoint_dir, resume=resume)
+        if checkpoint_path is not None:
+            # The config (and base weights) decide before the data is tokenised and the model built;
+            # the data's hash, which needs the tokenised data, is compared when the checkpoint loads.
+            check_resume_config(checkpoint_path, config)
         prepared = prepare_data(config)
+        _warn_past_context(config, prepared)
         session = _Session.build(config, prepared)
         if checkpoint_path is not None:
             loaded = load_checkpoint(
@@ -196,6 +232,9 @@ class Trainer:
             _log.info("resuming from %s at microbatch %d", checkpoint_path, state.position)
         else:
             plan = make_plan(config, prepared.jobs)
+            # An earlier run's summary (train --overwrite) goes before any of its adapters is replaced:
+            # a failure among this run's final writes must not leave a folder --resume calls complete.
+            forget_finished_run(Path(config.output_dir))
             write_text_atomically(Path(config.output_dir) / PLAN, plan.model_dump_json(indent=1))
             # An earlier run's evaluations (train --overwrite): this run writes its own, or none.
             (Path(config.output_dir) / EVAL_HISTORY).unlink(missing_ok=True)
@@ -221,8 +260,11 @@ class Trainer:
                 return TrainResult(state=session.state, adapters={}, checkpoint=path)
             # Every job's adapter, then the summary: a first stop signal now waits for all of them (a second aborts).
             with self.stop.saying(_FINAL_WRITE_STOP):
-                outputs = session.save_adapters()
-                self._write_summary(session, outputs)
+                try:
+                    outputs = session.save_adapters()
+                    self._write_summary(session, outputs)
+                except TrainerError as failed:  # a full disk, a read-only file system, a folder in the way
+                    raise TrainerError(f"{failed}. {self._after_failed_final_write()}") from failed
         self.console.print(summary_table(session.state, outputs, Path(config.output_dir)))
         if session.eval_history is not None:
             self.console.print(eval_table(session.eval_history))
@@ -233,6 +275,26 @@ class Trainer:
                 "first, so the run is complete (nothing to resume)"
             )
         return TrainResult(state=session.state, adapters=outputs, checkpoint=None, stopped_by=stopped_by)
+
+    def _after_failed_final_write(self) -> str:
+        """What to do when the trained adapters (or the summary) could not all be written.
+
+        The training is done; what can be recovered is the newest checkpoint, if the run wrote one
+        (``save_steps``): ``--resume`` trains from there again and writes every adapter. Without one
+        the trained weights are lost, and saying that ``--resume`` continues would be false.
+        """
+        newest = latest_checkpoint(self.config.checkpoint_dir)
+        if newest is not None:
+            return (
+                f"The training finished, but not every adapter and summary.json were written: free space (or fix "
+                f"the folder), then `{self.resume_command}` trains again from {newest} and writes them all"
+            )
+        return (
+            "The training finished, but not every adapter and summary.json were written, and no checkpoint exists "
+            "to resume from (none was due: see save_steps), so the trained weights are lost: free space (or fix the "
+            "folder), then train again with --overwrite (the adapters written are replaced); set save_steps to have "
+            "checkpoints written during the run"
+        )
 
     def _report_finished(self, finished: FinishedRun) -> TrainResult:
         """``--resume`` of a run that already finished: say so, and write nothing.

@@ -26,6 +26,7 @@ import multiprocessing.connection
 import signal
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -212,13 +213,34 @@ def first_failure(
         rank, text = exits[0].rank, _exit_cause(exits[0], signalled=signalled)
     else:
         return "the pipeline ranks failed without saying why"
-    others = [f"rank {f.rank}: {_first_line(f.error)}" for f in sorted(failures.values(), key=lambda f: f.rank)]
-    others += [f"rank {e.rank}: exited with {e.exitcode}" for e in exits if e.rank not in failures]
-    others += [f"rank {r}: killed, still running {grace_seconds:g} s later" for r in killed]
-    others = [line for line in others if not line.startswith(f"rank {rank}:")]
+    killed_text = f"killed, still running {grace_seconds:g} s later"
+    by_rank = sorted(failures.values(), key=lambda f: f.rank)
+    others = [(f.rank, _first_line(f.error), "raised an error") for f in by_rank]
+    others += [(e.rank, f"exited with {e.exitcode}", "exited with an error") for e in exits if e.rank not in failures]
+    others += [(r, killed_text, killed_text) for r in killed]
+    others = [other for other in others if other[0] != rank]
     if others:
-        text += f"\nthe other ranks stopped after it ({'; '.join(others)})"
+        text += f"\nthe other ranks stopped after it ({_summarised(others)})"
     return text
+
+
+_OTHERS_SHOWN = 3
+"""How many of the other ranks a failure message names one by one; the rest are counted."""
+
+
+def _summarised(others: Sequence[tuple[int, str, str]]) -> str:
+    """``rank 0: ...; rank 2: ...; rank 3: ...; and 60 other ranks: 59 killed, ..., 1 raised an error``.
+
+    Each entry is a rank, what it did, and the kind of thing it did (how the rest are counted): with
+    64 CPU ranks killed by the kernel, listing all 63 others made one line of 6 kB.
+    """
+    shown = [f"rank {rank}: {what}" for rank, what, _ in others[:_OTHERS_SHOWN]]
+    rest = others[_OTHERS_SHOWN:]
+    if rest:
+        counts = Counter(kind for _, _, kind in rest)
+        kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(counts.items(), key=lambda item: -item[1]))
+        shown.append(f"and {len(rest)} other ranks: {kinds}")
+    return "; ".join(shown)
 
 
 def supervise(

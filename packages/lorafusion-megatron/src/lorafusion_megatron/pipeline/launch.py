@@ -12,6 +12,11 @@ When a rank fails, the others are stopped within seconds and the error names the
 first, not a peer that failed because of it (:mod:`.failures`). A resume is checked here before any
 rank starts; one of a run that already finished starts none and writes nothing
 (:mod:`lorafusion_megatron.finished_run`).
+
+On the CPU (gloo) more ranks than cores are warned about, not refused: they still train correctly,
+each with one thread and a share of the cores, which is how the pipeline is tested on small hosts
+(4 gloo ranks on 2 cores), but each rank is a process with its own torch and its own stage of the
+model, and 64 ranks on a 2-core host with 23 GB ran out of memory and were killed by the kernel.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ if TYPE_CHECKING:
 
     from lorafusion_megatron.config import TrainerConfig
 
-__all__ = ["launch", "launch_profile", "run_demo", "under_torchrun"]
+__all__ = ["cpu_cores", "launch", "launch_profile", "run_demo", "under_torchrun"]
 
 RankEntry = Callable[..., "dict[str, Any] | None"]
 """``entry(config, parallel, *, backend, init_method, rank, world_size)``: one rank's work."""
@@ -100,13 +105,17 @@ def _start(
             f"{world} processes ({parallel.pipeline_stages} stages x {parallel.data_parallel} replicas) need "
             f"{world} GPUs; {torch.cuda.device_count()} are visible"
         )
+    if backend == "gloo":
+        _warn_past_cpu_cores(parallel)
     from torch.multiprocessing.spawn import spawn
 
     from lorafusion_megatron.checkpoint import recover_interrupted_writes
     from lorafusion_megatron.pipeline.failures import supervise
-    from lorafusion_megatron.run_lock import run_locks
+    from lorafusion_megatron.run_lock import new_run_folders, run_locks
 
-    with run_locks(config), tempfile.TemporaryDirectory(prefix="lorafusion-rendezvous-") as folder:
+    # A run that fails before it writes anything leaves no folder of its own making behind.
+    tidy = new_run_folders(config)
+    with run_locks(config, tidy=tidy), tempfile.TemporaryDirectory(prefix="lorafusion-rendezvous-") as folder:
         recover_interrupted_writes(config)
         init_method = Path(folder, "store").as_uri()
         context = spawn(  # type: ignore[no-untyped-call]
@@ -129,6 +138,31 @@ def _start(
                 Path(path).unlink(missing_ok=True)
     summary: dict[str, Any] = json.loads((Path(config.output_dir) / result).read_text(encoding="utf-8"))
     return summary, forwarder.first
+
+
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, where the platform has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _warn_past_cpu_cores(parallel: ParallelConfig) -> None:
+    """Warn when the gloo ranks about to start outnumber the CPU cores (see the module's docstring)."""
+    cores, world = cpu_cores(), parallel.world_size
+    if world <= cores:
+        return
+    _log.warning(
+        "%d processes (%d stages x %d replicas) on %d CPU core(s): the ranks share the cores (one thread each), so "
+        "the run is no faster than with fewer of them, and each holds torch and its stage of the model in memory "
+        "of its own: too many exhaust the host's memory and the kernel kills them. To test the pipeline this is "
+        "fine; to train, use at most %d processes (--pipeline-stages x --data-parallel)",
+        world,
+        parallel.pipeline_stages,
+        parallel.data_parallel,
+        cores,
+        cores,
+    )
 
 
 def _spawn_error(error_files: Sequence[str], rank: int) -> str:
@@ -220,21 +254,34 @@ def launch(
 
     finished = None
     if resume:
-        from lorafusion_megatron.run_lock import run_locks
+        from lorafusion_megatron.run_lock import new_run_folders, run_locks
 
         # Under the run's lock, as the single-process trainer checks: a run training in the folder now is
         # refused as such, not taken for the finished one its older summary records.
-        with contextlib.nullcontext() if under_torchrun() else run_locks(config):
+        tidy = new_run_folders(config)
+        with contextlib.nullcontext() if under_torchrun() else run_locks(config, tidy=tidy):
             finished = check_resumable(config, parallel)
     if finished is not None:
         if under_torchrun() and os.environ["RANK"] != "0":  # every rank checked; rank 0 reports
             return None
         _log.info("%s", finished.message())
         return finished.record
+    if not under_torchrun() or os.environ["RANK"] == "0":
+        _warn_past_context(config)
     summary, signalled = _start(functools.partial(run_rank, resume=resume), config, parallel, backend, PIPELINE_SUMMARY)
     if summary is not None and signalled is not None and summary["checkpoint"] is None:
         summary["stopped_by"] = signalled.name
     return summary
+
+
+def _warn_past_context(config: TrainerConfig) -> None:
+    """Warn, once for the run, when its capacity lets samples run past the base model's context."""
+    from lorafusion_megatron.checks import capacity_past_context
+    from lorafusion_megatron.profiler.run import with_profiled_choices
+
+    warning = capacity_past_context(with_profiled_choices(config))
+    if warning is not None:
+        _log.warning("%s", warning)
 
 
 def launch_profile(

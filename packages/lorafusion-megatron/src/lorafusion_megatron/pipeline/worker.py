@@ -145,7 +145,7 @@ def shared_plan(
         read_checkpoint_plan,
         run_fingerprint,
     )
-    from lorafusion_megatron.finished_run import new_run_id
+    from lorafusion_megatron.finished_run import forget_finished_run, new_run_id
     from lorafusion_megatron.pipeline.checkpoint import read_run_state
     from lorafusion_megatron.planning import check_plan
 
@@ -154,6 +154,8 @@ def shared_plan(
         found = checkpoint_to_resume(config.checkpoint_dir, resume=resume)
         if found is None:
             made = make_pipeline_plan(config, data, parallel)
+            # An earlier run's summary goes before any of its adapters is replaced (finished_run).
+            forget_finished_run(Path(config.output_dir))
             write_text_atomically(Path(config.output_dir, PLAN), made.model_dump_json())
             return made, None, new_run_id()
         meta = read_run_state(found, fingerprint=run_fingerprint(config, data), parallel=parallel)
