@@ -147,3 +147,55 @@ def test_an_overwrite_run_that_fails_among_its_final_writes_is_not_taken_for_com
     for either in (config, reseeded):  # the old run's config or the new one's
         with pytest.raises(TrainerError, match="--resume: no checkpoint in"):
             Trainer(either).train(resume=True)
+
+
+def test_a_pipeline_adapter_on_a_full_disk_is_a_clear_error_and_keeps_the_old_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pipeline's writers raised the OS error itself: a traceback inside the launcher's failure message."""
+    import safetensors.torch
+
+    from lorafusion_megatron.pipeline.adapters import stage_adapter_tensors, write_adapter
+    from lorafusion_megatron.testing import tiny_peft_model
+    from lorafusion_megatron.write_errors import CannotWriteError
+
+    model, _ = tiny_peft_model()
+    folder = tmp_path / "adapters" / "first"
+    write_adapter(model, "first", stage_adapter_tensors(model, "first"), folder)
+    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+    monkeypatch.setattr(safetensors.torch, "save_file", _no_space)
+    with pytest.raises(CannotWriteError, match=r"cannot write .*adapters/first: No space left on device"):
+        write_adapter(model, "first", stage_adapter_tensors(model, "first"), folder)
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
+    assert sorted(path.name for path in folder.parent.iterdir()) == ["first"], "no staging folder left"
+
+
+def test_a_pipeline_rank_file_on_a_full_disk_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from lorafusion_megatron.pipeline.checkpoint import save_pipeline_checkpoint
+    from lorafusion_megatron.pipeline.options import ParallelConfig
+    from lorafusion_megatron.write_errors import CannotWriteError
+
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda objects, src: None)
+    monkeypatch.setattr(dist, "barrier", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch, "save", _no_space)
+    layout = types.SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+    with pytest.raises(CannotWriteError, match=r"cannot write .*checkpoint-3: No space left on device"):
+        save_pipeline_checkpoint(
+            tmp_path / "checkpoints",
+            layout=layout,
+            total_steps=3,
+            position=0,
+            parameters={},
+            optimizers={},
+            engine_state={},
+            plan_json="{}",
+            fingerprint=None,
+            run_id="r",
+            parallel=ParallelConfig(),
+            keep=None,
+        )

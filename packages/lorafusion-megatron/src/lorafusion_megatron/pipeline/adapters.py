@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lorafusion_megatron.adapters_io import replace_adapter, sort_target_modules
+from lorafusion_megatron.write_errors import clear_write_errors
 
 if TYPE_CHECKING:
     import torch
@@ -58,20 +59,25 @@ def gather_adapters(model: PeftModel, adapters: list[str], layout: Layout) -> di
 
 
 def write_adapter(model: PeftModel, adapter: str, tensors: Mapping[str, torch.Tensor], directory: Path) -> None:
-    """Write one adapter's folder: the PEFT config and the merged tensors (atomically replaced)."""
+    """Write one adapter's folder: the PEFT config and the merged tensors (atomically replaced).
+
+    Raises:
+        CannotWriteError: A full disk or a read-only file system (the folder keeps what it held).
+    """
     from peft import LoraConfig
     from safetensors.torch import save_file
 
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory.parent, prefix=f".{directory.name}.tmp-") as tmp:
-        written = Path(tmp) / "adapter"
-        written.mkdir()
-        config = copy.deepcopy(model.peft_config[adapter])
-        assert isinstance(config, LoraConfig)
-        config.inference_mode = True
-        config.layers_to_transform = None  # this stage's layers; the saved adapter covers all of them
-        config.save_pretrained(str(written))
-        sort_target_modules(written / "adapter_config.json")
-        ordered = {key: tensors[key].contiguous() for key in sorted(tensors)}
-        save_file(ordered, str(written / "adapter_model.safetensors"), metadata={"format": "pt"})
-        replace_adapter(written, directory, adapter)
+    with clear_write_errors(directory):
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=directory.parent, prefix=f".{directory.name}.tmp-") as tmp:
+            written = Path(tmp) / "adapter"
+            written.mkdir()
+            config = copy.deepcopy(model.peft_config[adapter])
+            assert isinstance(config, LoraConfig)
+            config.inference_mode = True
+            config.layers_to_transform = None  # this stage's layers; the saved adapter covers all of them
+            config.save_pretrained(str(written))
+            sort_target_modules(written / "adapter_config.json")
+            ordered = {key: tensors[key].contiguous() for key in sorted(tensors)}
+            save_file(ordered, str(written / "adapter_model.safetensors"), metadata={"format": "pt"})
+            replace_adapter(written, directory, adapter)

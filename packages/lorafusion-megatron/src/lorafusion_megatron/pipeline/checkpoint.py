@@ -34,6 +34,7 @@ from lorafusion_megatron.checkpoint import (
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.finished_run import FinishedRun, finished_run
 from lorafusion_megatron.pipeline.stall import Heartbeat, no_heartbeat
+from lorafusion_megatron.write_errors import clear_write_errors
 
 if TYPE_CHECKING:
     import torch
@@ -95,8 +96,9 @@ def save_pipeline_checkpoint(
     target = directory / f"checkpoint-{total_steps}"
     staging: list[Any] = [None]
     if layout.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        staging[0] = tempfile.mkdtemp(dir=directory, prefix=f".{target.name}.tmp-")
+        with clear_write_errors(target):
+            directory.mkdir(parents=True, exist_ok=True)
+            staging[0] = tempfile.mkdtemp(dir=directory, prefix=f".{target.name}.tmp-")
     heartbeat(f"the checkpoint's folder from rank 0 ({target.name})", waiting=True)
     dist.broadcast_object_list(staging, src=0)
     heartbeat(f"this rank's checkpoint file ({target.name})")
@@ -111,27 +113,29 @@ def save_pipeline_checkpoint(
         "rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state(layout.device) if layout.device.type == "cuda" else None,
     }
-    torch.save(state, _rank_file(folder, layout.rank))
+    with clear_write_errors(target):  # a full disk: this rank's clear error, the launcher's message
+        torch.save(state, _rank_file(folder, layout.rank))
     heartbeat(f"the other ranks' checkpoint files ({target.name})", waiting=True)
     dist.barrier()
     if layout.rank == 0:
         heartbeat(f"completing the checkpoint ({target.name})")
-        try:
-            (folder / "plan.json").write_text(plan_json, encoding="utf-8")
-            meta = {
-                "format": PIPELINE_FORMAT,
-                **fingerprint.to_meta(),
-                "parallel": parallel.layout_settings(),
-                "position": position,
-                "run_id": run_id,
-                "total_optimizer_steps": total_steps,
-                "world_size": layout.world_size,
-            }
-            (folder / "trainer_state.json").write_text(json.dumps(meta, indent=2, sort_keys=True), encoding="utf-8")
-            replace_dir(folder, target)
-        finally:
-            if folder.exists():
-                shutil.rmtree(folder)
+        with clear_write_errors(target):
+            try:
+                (folder / "plan.json").write_text(plan_json, encoding="utf-8")
+                meta = {
+                    "format": PIPELINE_FORMAT,
+                    **fingerprint.to_meta(),
+                    "parallel": parallel.layout_settings(),
+                    "position": position,
+                    "run_id": run_id,
+                    "total_optimizer_steps": total_steps,
+                    "world_size": layout.world_size,
+                }
+                (folder / "trainer_state.json").write_text(json.dumps(meta, indent=2, sort_keys=True), encoding="utf-8")
+                replace_dir(folder, target)
+            finally:
+                if folder.exists():
+                    shutil.rmtree(folder)
         if keep is not None:
             prune_checkpoints(directory, keep)
     heartbeat(f"rank 0 completing the checkpoint ({target.name})", waiting=True)
