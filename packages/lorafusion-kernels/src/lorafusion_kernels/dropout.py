@@ -10,11 +10,11 @@ draws the same mask for the same seed.
 from __future__ import annotations
 
 import math
-import operator
 
 import torch
 
 from lorafusion_kernels.errors import LoRAFusionKernelsError
+from lorafusion_kernels.integers import integer_or_none
 
 __all__ = ["PHILOX_ROUNDS", "check_seed", "draw_seed", "dropout_keep_mask", "keep_threshold", "seed_tensor"]
 
@@ -56,10 +56,7 @@ def check_seed(seed: object) -> int:
         LoRAFusionKernelsError: a float, a bool or another non-integer, a negative seed, or one that
             does not fit in 63 bits (the kernels read an int64).
     """
-    try:
-        value = None if isinstance(seed, bool) else operator.index(seed)  # type: ignore[arg-type]
-    except TypeError:
-        value = None
+    value = integer_or_none(seed)
     if value is None or not 0 <= value < (1 << 63):
         raise LoRAFusionKernelsError(f"seed must be an integer in [0, 2**63), got {seed!r}")
     return value

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 import os
 from typing import Any, cast
 
@@ -58,6 +57,7 @@ from lorafusion_kernels.autocast import call_as_linear
 from lorafusion_kernels.dropout import check_seed, draw_seed, dropout_keep_mask, keep_threshold, seed_tensor
 from lorafusion_kernels.errors import LoRAFusionKernelsError
 from lorafusion_kernels.first_order import first_order_only
+from lorafusion_kernels.integers import integer_or_none
 
 __all__ = ["FusedLoRAFunction", "FusedLoRALinear", "fused_lora_linear"]
 
@@ -544,12 +544,9 @@ def _positive_int(value: object, name: str) -> int:
     Raises:
         LoRAFusionKernelsError: Naming the argument and the value.
     """
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        number = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise LoRAFusionKernelsError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+    number = integer_or_none(value)
+    if number is None:
+        raise LoRAFusionKernelsError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
     if number < 1:
         raise LoRAFusionKernelsError(f"{name} must be at least 1, got {number}")
     return number

@@ -28,13 +28,13 @@ one program loops over consecutive rows with no table read per step.
 from __future__ import annotations
 
 import itertools
-import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from lorafusion_kernels.errors import LoRAFusionKernelsError, ReadOnlyAttributeError
+from lorafusion_kernels.integers import integer_or_none
 
 __all__ = ["MultiLoRABatch", "RowTiles", "SegmentRuns", "SegmentTiles", "as_int_list"]
 
@@ -108,26 +108,22 @@ def as_int_list(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
         )
     out = []
     for v in values:
-        try:
-            if isinstance(v, bool):
-                raise TypeError
-            out.append(operator.index(v))  # ints, numpy integers and 0-d integer tensors; never 4.0
-        except TypeError:
-            raise LoRAFusionKernelsError(f"{name} must hold integers, got {v!r}") from None
+        number = integer_or_none(v)  # ints, numpy integers and 0-d integer tensors; never 4.0
+        if number is None:
+            raise LoRAFusionKernelsError(f"{name} must hold integers, got {v!r}")
+        out.append(number)
     return out
 
 
 def _as_num_adapters(value: object) -> int:
     """``num_adapters`` as an int: an integer (a NumPy integer too), never a float, a string or a bool."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
+    number = integer_or_none(value)
+    if number is None:
         raise LoRAFusionKernelsError(
             f"num_adapters must be an integer (or None for max(segment_adapters) + 1), "
             f"got {type(value).__name__} {value!r}"
-        ) from None
+        )
+    return number
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
