@@ -28,6 +28,7 @@ __all__ = [
     "check_run_outputs",
     "check_writable",
     "holds_files",
+    "probe_write",
     "replace_adapter",
     "save_adapter",
     "sort_target_modules",
@@ -58,6 +59,18 @@ def _refuse_other_files(folder: Path, job: str) -> None:
         )
 
 
+def probe_write(folder: Path) -> None:
+    """Create and delete a file in ``folder``, the one test of whether it can be written.
+
+    Tried, as permission bits say nothing of a read-only mount, of ``/proc``, or anything to root.
+
+    Raises:
+        OSError: A file cannot be created there.
+    """
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
+        pass
+
+
 def check_writable(directory: Path, what: str) -> None:
     """Create ``directory`` if needed and make sure files can be written in it.
 
@@ -66,8 +79,7 @@ def check_writable(directory: Path, what: str) -> None:
     """
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
-            pass
+        probe_write(directory)
     except OSError as exc:
         raise TrainerError(f"{what} {directory} cannot be written ({exc.strerror}): choose another folder") from None
 

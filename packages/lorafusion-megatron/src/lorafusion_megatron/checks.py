@@ -9,7 +9,6 @@ Training runs the same checks again, more thoroughly, once the model is loaded.
 from __future__ import annotations
 
 import json
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -69,17 +68,17 @@ def _partition_problem(config: TrainerConfig, stages: int) -> str | None:
 def _writable_ancestor(path: Path) -> bool:
     """Whether ``path`` can be created (or written): a file can be made in its nearest existing folder.
 
-    Tried, not judged by ``os.access``: permission bits say nothing of a read-only mount or of
-    ``/proc``, and nothing at all to root, so ``validate`` passed folders that ``train`` refused.
-    The probe file is deleted at once.
+    Tried as ``train`` tries its folders (:func:`~lorafusion_megatron.adapters_io.probe_write`), not
+    judged by ``os.access``, which passed folders that ``train`` refused.
     """
+    from lorafusion_megatron.adapters_io import probe_write
+
     for candidate in (path, *path.parents):
         if candidate.exists():
             if not candidate.is_dir():
                 return False
             try:
-                with tempfile.NamedTemporaryFile(dir=candidate, prefix=".lorafusion-write-test-"):
-                    pass
+                probe_write(candidate)
             except OSError:
                 return False
             return True
