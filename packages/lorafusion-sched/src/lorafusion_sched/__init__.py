@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from lorafusion_sched.__about__ import __version__
-from lorafusion_sched.errors import SchedError, SchedWarning
+from lorafusion_sched.errors import InvalidPlanError, SchedError, SchedWarning
 from lorafusion_sched.models import (
     SCHEMA_VERSION,
     AdapterInfo,
@@ -35,6 +35,7 @@ __all__ = [
     "AdapterInfo",
     "AdapterJob",
     "CostModel",
+    "InvalidPlanError",
     "Microbatch",
     "Plan",
     "PlanOptions",

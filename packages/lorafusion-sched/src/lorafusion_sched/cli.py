@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from lorafusion_sched.__about__ import __version__
-from lorafusion_sched.errors import SchedError, SchedWarning
+from lorafusion_sched.errors import InvalidPlanError, SchedError, SchedWarning
 from lorafusion_sched.io import check_writable, describe_validation_error, load_jobs, load_plan, save_plan
 from lorafusion_sched.models import (
     AdapterJob,
@@ -253,12 +253,12 @@ def _cmd_simulate(args: argparse.Namespace, console: Console) -> int:
     _check_outputs(None, args.png)
     cost = _cost_model(args)
     plan = load_plan(args.plan)
-    violations = verify(plan)
-    if violations:  # simulate() would refuse it too; here the violations are listed as verify does
-        _print_violations(violations, str(args.plan), console)
+    try:
+        result = simulate(plan, cost, baselines=not args.no_baselines)
+    except InvalidPlanError as invalid:  # listed as verify lists them
+        _print_violations(invalid.violations, str(args.plan), console)
         console.print("not simulated: a plan with violations must not run; plan again", soft_wrap=True)
         return 1
-    result = simulate(plan, cost, baselines=not args.no_baselines)
     console.print(_simulation_table(result))
     if args.png:
         _draw(plan, args.png, cost, console)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-__all__ = ["SchedError", "SchedWarning", "UnknownNameError"]
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lorafusion_sched.models import Violation
+
+__all__ = ["InvalidPlanError", "SchedError", "SchedWarning", "UnknownNameError"]
 
 
 class SchedError(ValueError):
@@ -10,6 +15,18 @@ class SchedError(ValueError):
 
     Subclasses ``ValueError`` so that callers who already catch ``ValueError`` keep working.
     """
+
+
+class InvalidPlanError(SchedError):
+    """A plan that ``verify`` finds violations in, refused by ``simulate``; ``violations`` holds them all.
+
+    Attributes:
+        violations: ``verify``'s list (``Violation`` objects), for a caller that shows them.
+    """
+
+    def __init__(self, message: str, violations: list[Violation]) -> None:
+        super().__init__(message)
+        self.violations = violations
 
 
 class UnknownNameError(SchedError, KeyError):

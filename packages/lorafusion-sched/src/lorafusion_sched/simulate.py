@@ -31,7 +31,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lorafusion_sched.errors import SchedError
+from lorafusion_sched.errors import InvalidPlanError, SchedError
 from lorafusion_sched.models import CostModel, Plan, RunStats, SimulationResult, require_model
 from lorafusion_sched.packing.problem import round_up
 from lorafusion_sched.sequence import Slot, insert_noops
@@ -219,9 +219,10 @@ def _require_valid(plan: Plan) -> None:
     if violations:
         shown = "; ".join(str(v) for v in violations[:_VIOLATIONS_SHOWN])
         more = f"; and {len(violations) - _VIOLATIONS_SHOWN} more" if len(violations) > _VIOLATIONS_SHOWN else ""
-        raise SchedError(
+        raise InvalidPlanError(
             f"the plan has {len(violations)} violation(s), so it is not simulated: {shown}{more}. Run "
-            f"`lorafusion-sched verify` on the plan file (or verify(plan)) to see them all, and plan again"
+            f"`lorafusion-sched verify` on the plan file (or verify(plan)) to see them all, and plan again",
+            list(violations),
         )
 
 
