@@ -468,19 +468,37 @@ def save_checkpoint(
         CannotWriteError: A full disk or a read-only file system (a ``TrainerError``): nothing of this
             checkpoint is left, and the message says whether an older one is there to resume from.
     """
+    import torch
+    from safetensors.torch import save_file
+
     target = directory / f"checkpoint-{state.total_optimizer_steps}"
+    # Staged beside the target, then swapped into place; a failed write leaves no staging folder.
     try:
-        _write_checkpoint(
-            directory,
-            target,
-            state=state,
-            plan_json=plan_json,
-            fingerprint=fingerprint,
-            run_id=run_id,
-            model=model,
-            adapter_parameters=adapter_parameters,
-            optimizers=optimizers,
-        )
+        with clear_write_errors(target):
+            directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(
+                dir=directory, prefix=f".{target.name}.tmp-", ignore_cleanup_errors=True
+            ) as tmp:
+                staging = Path(tmp) / "checkpoint"
+                staging.mkdir()
+                tensors: dict[str, torch.Tensor] = {}
+                for params in adapter_parameters.values():
+                    for name, param in params.items():
+                        tensors[f"param:{name}"] = param.detach().cpu().contiguous()
+                        if param.grad is not None:
+                            tensors[f"grad:{name}"] = param.grad.detach().cpu().contiguous()
+                save_file(tensors, staging / "lora.safetensors")
+                torch.save({name: opt.state_dict() for name, opt in optimizers.items()}, staging / "optimizer.pt")
+                rng = {"torch": torch.get_rng_state()}
+                if torch.cuda.is_available():
+                    rng["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+                torch.save(rng, staging / "rng.pt")
+                (staging / "plan.json").write_text(plan_json, encoding="utf-8")
+                for adapter in adapter_parameters:
+                    save_adapter(model, adapter, staging / "adapters" / adapter)
+                meta = {"format": _FORMAT, **fingerprint.to_meta(), "state": state.to_json(), "run_id": run_id}
+                (staging / "trainer_state.json").write_text(json.dumps(meta, indent=2, sort_keys=True), "utf-8")
+                replace_dir(staging, target)
     except CannotWriteError as failed:  # also one of its adapters' (named by its staging folder: say the checkpoint)
         raise CannotWriteError(target, failed.reason, _after_failed_checkpoint(directory)) from failed
     if keep is not None:
@@ -500,52 +518,6 @@ def _after_failed_checkpoint(directory: Path) -> str:
         f" (nothing of it is left); the newest complete checkpoint, {older.name}, is intact: free space, "
         "then --resume continues from it"
     )
-
-
-def _write_checkpoint(
-    directory: Path,
-    target: Path,
-    *,
-    state: RunState,
-    plan_json: str,
-    fingerprint: RunFingerprint,
-    run_id: str,
-    model: PeftModel,
-    adapter_parameters: Mapping[str, Mapping[str, torch.nn.Parameter]],
-    optimizers: Mapping[str, AdapterOptimizer],
-) -> None:
-    """:func:`save_checkpoint`'s writes: staged beside ``target``, then swapped into place.
-
-    A failed write raises ``CannotWriteError`` (the staging folder is deleted on the way out).
-    """
-    import torch
-    from safetensors.torch import save_file
-
-    with clear_write_errors(target):
-        directory.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=directory, prefix=f".{target.name}.tmp-"))
-        try:
-            tensors: dict[str, torch.Tensor] = {}
-            for params in adapter_parameters.values():
-                for name, param in params.items():
-                    tensors[f"param:{name}"] = param.detach().cpu().contiguous()
-                    if param.grad is not None:
-                        tensors[f"grad:{name}"] = param.grad.detach().cpu().contiguous()
-            save_file(tensors, staging / "lora.safetensors")
-            torch.save({name: opt.state_dict() for name, opt in optimizers.items()}, staging / "optimizer.pt")
-            rng = {"torch": torch.get_rng_state()}
-            if torch.cuda.is_available():
-                rng["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
-            torch.save(rng, staging / "rng.pt")
-            (staging / "plan.json").write_text(plan_json, encoding="utf-8")
-            for adapter in adapter_parameters:
-                save_adapter(model, adapter, staging / "adapters" / adapter)
-            meta = {"format": _FORMAT, **fingerprint.to_meta(), "state": state.to_json(), "run_id": run_id}
-            (staging / "trainer_state.json").write_text(json.dumps(meta, indent=2, sort_keys=True), encoding="utf-8")
-            replace_dir(staging, target)
-        finally:
-            if staging.exists():
-                shutil.rmtree(staging, ignore_errors=True)
 
 
 def load_checkpoint(
