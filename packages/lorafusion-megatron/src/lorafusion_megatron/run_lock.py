@@ -37,7 +37,14 @@ from lorafusion_megatron.run_layout import LOCK_FILE
 if TYPE_CHECKING:
     from lorafusion_megatron.config import TrainerConfig
 
-__all__ = ["export_locks", "new_run_folders", "remove_unused_folders", "run_lock", "run_locks"]
+__all__ = [
+    "export_locks",
+    "new_run_folders",
+    "remove_unused_folders",
+    "removed_if_unused_on_error",
+    "run_lock",
+    "run_locks",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -87,6 +94,24 @@ def remove_unused_folders(folders: Sequence[Path]) -> None:
 
 
 @contextmanager
+def removed_if_unused_on_error(
+    folders: Sequence[Path], *, unless: type[BaseException] | tuple[type[BaseException], ...] = ()
+) -> Iterator[None]:
+    """When the block raises (``unless`` excepted), delete those of ``folders`` that hold only lock files.
+
+    For the folders a run (or an export) created for itself: one that fails before it wrote
+    anything leaves none behind (:func:`remove_unused_folders`).
+    """
+    try:
+        yield
+    except unless:
+        raise
+    except BaseException:
+        remove_unused_folders(folders)
+        raise
+
+
+@contextmanager
 def run_locks(config: TrainerConfig, *, tidy: Sequence[Path] = ()) -> Iterator[None]:
     """Hold the run lock of ``config.output_dir`` and the locks of its jobs' folders inside the block.
 
@@ -112,14 +137,11 @@ def run_locks(config: TrainerConfig, *, tidy: Sequence[Path] = ()) -> Iterator[N
     run_dir = Path(config.output_dir).resolve()
     folders = {config.job_output_dir(job).resolve(): (index, job.name) for index, job in enumerate(config.jobs)}
     with ExitStack() as held:
-        try:
+        # A TrainerError here is another run's lock: nothing in its folder is this run's to tidy.
+        with removed_if_unused_on_error(tidy, unless=TrainerError):
             held.enter_context(run_lock(Path(config.output_dir)))
-        except TrainerError:  # another run's folder: nothing here is this run's to tidy
-            raise
-        except BaseException:
-            remove_unused_folders(tidy)
-            raise
-        try:
+        # Under the locks from here: no run starting now can have written in the folders tidied.
+        with removed_if_unused_on_error(tidy):
             for folder in sorted(folders):
                 index, name = folders[folder]
                 what = f"{folder}, job {name}'s output folder,"
@@ -146,9 +168,6 @@ def run_locks(config: TrainerConfig, *, tidy: Sequence[Path] = ()) -> Iterator[N
                 what, remedy = others[other_run]
                 held.enter_context(_locked(other_run, LOCK_FILE, what, remedy=remedy))
             yield
-        except BaseException:
-            remove_unused_folders(tidy)  # under the locks: no run starting now can have written there
-            raise
 
 
 @contextmanager
@@ -168,13 +187,8 @@ def export_locks(output: Path) -> Iterator[None]:
     created = _absent_folders(output.absolute())
     remedy = "wait for it to end, or choose another --output"
     with ExitStack() as held:
-        try:
+        with removed_if_unused_on_error(created, unless=TrainerError):  # a TrainerError: a run's lock file
             held.enter_context(_locked(output, LOCK_FILE, f"--output {output}", remedy=remedy))
-        except TrainerError:  # a run's lock file, not this export's
-            raise
-        except BaseException:
-            remove_unused_folders(created)
-            raise
         try:
             what = f"--output {output}, a job's output folder,"
             held.enter_context(_locked(output.parent, f".{output.name}{LOCK_FILE}", what, create=False, remedy=remedy))

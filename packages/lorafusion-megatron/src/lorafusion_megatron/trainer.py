@@ -39,7 +39,7 @@ from lorafusion_megatron.gc_tuning import start_up_objects_frozen
 from lorafusion_megatron.planning import check_plan, make_plan
 from lorafusion_megatron.reporting import ProgressDisplay, TensorBoardLogger, summary_table
 from lorafusion_megatron.run_layout import EVAL_HISTORY, PLAN, SUMMARY
-from lorafusion_megatron.run_lock import new_run_folders, remove_unused_folders, run_locks
+from lorafusion_megatron.run_lock import new_run_folders, removed_if_unused_on_error, run_locks
 from lorafusion_megatron.state import JobProgress, RunState
 
 if TYPE_CHECKING:
@@ -193,11 +193,8 @@ class Trainer:
         # A run refused or failed before it wrote anything leaves no folder of its own making behind
         # (one holding just the lock file and an empty adapters/).
         new_folders = new_run_folders(self.config)
-        try:
+        with removed_if_unused_on_error(new_folders):
             check_run_outputs(self.config)
-        except BaseException:
-            remove_unused_folders(new_folders)
-            raise
         with run_locks(self.config, tidy=new_folders):  # one run per output folder (and job folder)
             recover_interrupted_writes(self.config)
             return self._train(resume=resume, overwrite=overwrite)
