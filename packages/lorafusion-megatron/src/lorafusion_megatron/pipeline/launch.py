@@ -38,6 +38,7 @@ from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.interrupts import Interrupted
 from lorafusion_megatron.pipeline.options import ParallelConfig
 from lorafusion_megatron.run_layout import PIPELINE_SUMMARY, PROFILE_REPORT
+from lorafusion_sched.planner import default_workers as cpu_cores  # the CPU cores this process may run on
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -77,7 +78,7 @@ def _spawned_rank(
         import torch
 
         # Processes sharing this node's cores: without a split, each would start one thread per core.
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
+        torch.set_num_threads(max(1, cpu_cores() // world))
     # Rank 0 logs the summary and the last stage of replica 0 the steps; the others log nothing.
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
@@ -138,13 +139,6 @@ def _start(
                 Path(path).unlink(missing_ok=True)
     summary: dict[str, Any] = json.loads((Path(config.output_dir) / result).read_text(encoding="utf-8"))
     return summary, forwarder.first
-
-
-def cpu_cores() -> int:
-    """The CPU cores this process may run on (its affinity mask, where the platform has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def _warn_past_cpu_cores(parallel: ParallelConfig) -> None:
