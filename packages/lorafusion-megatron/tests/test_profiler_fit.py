@@ -40,6 +40,16 @@ def test_fit_leaves_out_the_small_counts_the_host_bounds() -> None:
     assert cost.backward_factor == pytest.approx(2.265, rel=0.01)
 
 
+def test_every_count_keeps_the_small_counts_and_their_large_fixed_cost() -> None:
+    """For the planner's splits: the same times fitted at every count up to 4,096 tokens."""
+    forward_ms = {1024: 275.0, 2048: 336.3, 4096: 227.3}
+    cost = fit_cost_model(
+        [Measurement(0, n, forward_ms[n] / 1e3, 2 * forward_ms[n] / 1e3, None) for n in forward_ms], every_count=True
+    )
+    assert cost.forward_fixed_s == pytest.approx(sum(forward_ms.values()) / 3e3)
+    assert cost.forward_per_token_s == 0.0, "no slope: a smaller microbatch saves nothing"
+
+
 def test_fit_line_never_goes_negative() -> None:
     assert fit_line([1.0, 2.0], [3.0, 1.0]) == (2.0, 0.0)
     assert fit_line([5.0, 5.0], [1.0, 3.0]) == (2.0, 0.0)

@@ -137,6 +137,69 @@ def data_parallel_rows(samples: int) -> list[dict[str, Any]]:
     return rows
 
 
+SPLIT_COST_MODELS = {
+    "default (2 ms + 20 us/token)": CostModel(),
+    "8B on H100, every layer recomputed (53 ms + 32 us/token)": CostModel(
+        forward_fixed_s=0.0526, forward_per_token_s=3.18e-5, backward_factor=1.79
+    ),
+    "8B on H100, auto (126 ms + 20 us/token)": CostModel(
+        forward_fixed_s=0.126, forward_per_token_s=1.97e-5, backward_factor=1.05
+    ),
+}
+"""Cost models the lone-tail rows plan and simulate with: the simulator's default, and the lines that
+``lorafusion-megatron profile`` fitted for LLaMa-3.1-8B on one H100 (``megatron`` benchmark results)."""
+
+
+def lone_tail_jobs(long_samples: int) -> Iterator[tuple[str, list[AdapterJob]]]:
+    """Workloads that end with one adapter alone: one job alone, and one long job beside short ones.
+
+    The long job (``xsum``, global batch 16) fills 1-3 microbatches per global batch, so the drain
+    after each is a large share of its time; ``cnndm`` jobs with global batch 32 (about 9) gain less.
+    """
+    for dataset, gbs in (("xsum", 16), ("cnndm", GBS)):
+        long = synthetic_jobs(dataset, long_samples, num_adapters=1, global_batch_size=gbs, seed=9)[0]
+        yield f"alone (`{dataset}`, batch {gbs})", [long]
+        short = synthetic_jobs("het", long_samples // 8, num_adapters=4, global_batch_size=GBS, seed=0)
+        yield (
+            f"beside 4 jobs x {long_samples // 8:,} (`{dataset}`, batch {gbs})",
+            [*short, long.model_copy(update={"name": "long"})],
+        )
+
+
+def lone_tail_rows(long_samples: int) -> list[dict[str, Any]]:
+    """Plans with and without the cost model that splits lone global batches, simulated under it."""
+    rows = []
+    for workload, jobs in lone_tail_jobs(long_samples):
+        for d in (1, 2):
+            unsplit = plan(jobs, options(data_parallel=d, use_milp=False))
+            split_by_default = plan(jobs, options(data_parallel=d, use_milp=False, cost_model=CostModel()))
+            for name, cost in SPLIT_COST_MODELS.items():
+                start = time.perf_counter()
+                split = plan(jobs, options(data_parallel=d, use_milp=False, cost_model=cost))
+                seconds = time.perf_counter() - start
+                runs = {r.name: r.makespan_s for r in simulate(unsplit, cost).runs}
+                ours = simulate(split, cost, baselines=False).runs[0].makespan_s
+                rows.append(
+                    {
+                        "workload": workload,
+                        "data_parallel": d,
+                        "cost_model": name,
+                        "split_batches": split.stats.split_batches,
+                        "microbatches": [p.stats.num_microbatches - p.stats.num_noops for p in (unsplit, split)],
+                        "noops": [p.stats.num_noops for p in (unsplit, split)],
+                        "plan_seconds": round(seconds, 3),
+                        "speedup_vs_unsplit": round(runs["lorafusion"] / ours, 4),
+                        "default_split_vs_unsplit": round(
+                            runs["lorafusion"] / simulate(split_by_default, cost, baselines=False).runs[0].makespan_s, 4
+                        ),
+                        "speedup_vs_megatron": [round(runs["megatron"] / t, 4) for t in (runs["lorafusion"], ours)],
+                        "speedup_vs_mlora": [round(runs["mlora"] / t, 4) for t in (runs["lorafusion"], ours)],
+                        "violations": len(verify(split)),
+                    }
+                )
+    return rows
+
+
 @contextlib.contextmanager
 def given_order_only() -> Iterator[None]:
     """Plan as before the list schedule: no-ops inserted into the groups' order, nothing reordered."""
@@ -337,6 +400,37 @@ def markdown(doc: dict[str, Any]) -> str:
             for r in doc["reorder"]
         ],
     )
+    lines += table(
+        f"Lone global batches split by a cost model (S = 4, greedy packing; the long job has "
+        f"{doc['lone_tail_samples']:,} samples)",
+        [
+            "long job",
+            "d",
+            "cost model",
+            "batches split",
+            "microbatches + no-ops, unsplit → split",
+            "speedup over unsplit",
+            "split under the default model instead",
+            "vs Megatron-style, unsplit → split",
+            "vs mLoRA-style, unsplit → split",
+            "violations",
+        ],
+        [
+            [
+                r["workload"],
+                str(r["data_parallel"]),
+                r["cost_model"],
+                str(r["split_batches"]),
+                f"{r['microbatches'][0]} + {r['noops'][0]} → {r['microbatches'][1]} + {r['noops'][1]}",
+                f"{r['speedup_vs_unsplit']:.3f}x",
+                f"{r['default_split_vs_unsplit']:.3f}x",
+                f"{r['speedup_vs_megatron'][0]:.2f}x → {r['speedup_vs_megatron'][1]:.2f}x",
+                f"{r['speedup_vs_mlora'][0]:.2f}x → {r['speedup_vs_mlora'][1]:.2f}x",
+                str(r["violations"]),
+            ]
+            for r in doc["lone_tail"]
+        ],
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -368,6 +462,8 @@ def main() -> None:
     dp_samples = 2560
     data_parallel = data_parallel_rows(dp_samples)
     reorder = reorder_rows(50 if args.quick else 200)
+    lone_tail_samples = 512 if args.quick else 2048
+    lone_tail = lone_tail_rows(lone_tail_samples)
     doc = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "synthetic": True,
@@ -393,6 +489,8 @@ def main() -> None:
         "data_parallel_samples": dp_samples,
         "data_parallel": data_parallel,
         "reorder": reorder,
+        "lone_tail_samples": lone_tail_samples,
+        "lone_tail": lone_tail,
     }
     text = markdown(doc)
     print(text)

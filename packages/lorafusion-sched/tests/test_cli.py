@@ -274,4 +274,21 @@ def test_plan_warns_of_a_lone_adapter_tail_under_its_summary(
     err = " ".join(captured.err.split())
     assert "warning: 55 of 77 microbatches (71%) are no-ops" in err
     assert "'big' runs alone" in err
-    assert "What helps: give 'big' a larger global_batch_size" in err
+    assert "What helps: give the planner a cost model (options cost_model" in err
+    assert "; give 'big' a larger global_batch_size" in err
+
+
+def test_plan_with_a_cost_model_in_the_jobs_file_splits_the_lone_tail(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    jobs = json.loads(_lone_tail_jobs(tmp_path).read_text())
+    jobs["options"]["cost_model"] = {"forward_fixed_s": 0.001, "forward_per_token_s": 1e-5}
+    path = tmp_path / "with-cost.json"
+    path.write_text(json.dumps(jobs))
+    assert main(["plan", str(path), "--no-milp", "-o", str(tmp_path / "p.json")]) == 0
+    captured = capsys.readouterr()
+    assert "lone global batches split" in captured.out
+    assert "give the planner a cost model" not in captured.err, "it has one"
+    from lorafusion_sched.io import load_plan
+
+    assert load_plan(tmp_path / "p.json").stats.split_batches > 0

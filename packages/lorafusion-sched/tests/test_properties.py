@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lorafusion_sched import AdapterJob, PlanOptions, plan, verify
+from lorafusion_sched import AdapterJob, CostModel, PlanOptions, plan, simulate, verify
 from lorafusion_sched.packing import highs
 from lorafusion_sched.packing.greedy import greedy_pack
 from lorafusion_sched.packing.problem import PackingProblem, bin_size
@@ -96,3 +96,26 @@ def test_a_plan_is_never_longer_than_the_greedy_plan(workload: tuple[list[Adapte
     milp = plan(jobs, options.model_copy(update={"use_milp": True}))
     greedy = plan(jobs, options.model_copy(update={"use_milp": False}))
     assert milp.stats.num_microbatches <= greedy.stats.num_microbatches
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    workloads(),
+    st.sampled_from([1e-4, 1e-3, 1e-2, 0.1]),
+    st.sampled_from([1e-6, 1e-5]),
+    st.sampled_from([1.0, 2.0]),
+)
+def test_a_cost_model_never_makes_the_plan_slower_under_it(
+    workload: tuple[list[AdapterJob], PlanOptions], fixed: float, per_token: float, backward: float
+) -> None:
+    """Lone global batches are split only where the whole plan then simulates faster, and the result verifies."""
+    jobs, options = workload
+    options = options.model_copy(update={"use_milp": False})  # time-limited solves could differ between the plans
+    cost = CostModel(forward_fixed_s=fixed, forward_per_token_s=per_token, backward_factor=backward)
+    without = plan(jobs, options)
+    with_cost = plan(jobs, PlanOptions.model_validate(options.model_dump() | {"cost_model": cost}))
+    assert verify(with_cost) == []
+    assert all(mb.padded_tokens <= options.capacity for mb in with_cost.microbatches)
+    seconds = [simulate(p, cost, baselines=False).runs[0].makespan_s for p in (without, with_cost)]
+    assert seconds[1] <= seconds[0]
+    assert (with_cost.stats.split_batches == 0) == (with_cost.microbatches == without.microbatches)

@@ -92,7 +92,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from lorafusion_megatron.atomic_files import write_text_atomically
     from lorafusion_megatron.plan_output import check_plan_output
     from lorafusion_megatron.planning import make_plan
-    from lorafusion_megatron.profiler.run import with_profiled_choices
+    from lorafusion_megatron.profiler.run import profiled_cost_model, with_profiled_choices
     from lorafusion_megatron.trainer import prepare_data
     from lorafusion_sched import simulate
     from lorafusion_sched.models import CostModel
@@ -125,6 +125,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         ("no-ops", f"{stats.num_noops}"),
         ("fill (padded tokens / capacity)", f"{stats.fill_ratio:.1%}"),
         ("MILP wins / runs", f"{stats.milp_wins} / {stats.milp_runs}"),
+        ("lone global batches split (profile's cost model)", f"{stats.split_batches}"),
         ("planning seconds", f"{stats.solve_seconds:.2f}"),
     ):
         table.add_row(name, value)
@@ -133,22 +134,26 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             f"{adapter.name}: samples / optimizer steps", f"{adapter.num_samples} / {adapter.num_global_batches}"
         )
     Console().print(table)
-    factors = None
-    if parallel.pipeline_stages > 1:
-        from lorafusion_megatron.model import load_model_config
-        from lorafusion_megatron.pipeline.partition import recomputed_layers, stage_cost_factors
+    cost = profiled_cost_model(config, parallel.pipeline_stages)
+    if cost is not None:
+        title = "Simulated with the cost model of the output folder's profile.json (as planned)"
+    else:
+        factors = None
+        if parallel.pipeline_stages > 1:
+            from lorafusion_megatron.model import load_model_config
+            from lorafusion_megatron.pipeline.partition import recomputed_layers, stage_cost_factors
 
-        model_config = load_model_config(config.base_model).to_dict()
-        stages = parallel.pipeline_stages
-        recomputed = recomputed_layers(model_config, stages, config.runtime.activation_checkpointing)
-        factors = stage_cost_factors(model_config, stages, recomputed)
-    stages_note = "" if factors is None else ", stages weighted by the layer partition's costs and recomputation"
-    simulated = Table(
-        title=f"Simulated with the scheduler's default cost model{stages_note} (ratios matter, not seconds)"
-    )
+            model_config = load_model_config(config.base_model).to_dict()
+            stages = parallel.pipeline_stages
+            recomputed = recomputed_layers(model_config, stages, config.runtime.activation_checkpointing)
+            factors = stage_cost_factors(model_config, stages, recomputed)
+        stages_note = "" if factors is None else ", stages weighted by the layer partition's costs and recomputation"
+        title = f"Simulated with the scheduler's default cost model{stages_note} (ratios matter, not seconds)"
+        cost = CostModel(stage_factors=factors)
+    simulated = Table(title=title)
     for header in ("schedule", "bubble ratio", "tokens/s", "lorafusion speedup"):
         simulated.add_column(header, justify="left" if header == "schedule" else "right")
-    runs = simulate(plan, CostModel(stage_factors=factors)).runs
+    runs = simulate(plan, cost).runs
     for run in runs:
         speedup = runs[0].tokens_per_s / run.tokens_per_s if run.tokens_per_s else 0.0
         simulated.add_row(run.name, f"{run.bubble_ratio:.1%}", f"{run.tokens_per_s:,.0f}", f"{speedup:.2f}x")

@@ -20,6 +20,10 @@ def make_plan(
 ) -> Plan:
     """Plan the run: every job's samples packed into microbatches of at most the capacity.
 
+    With a ``profile.json`` of ``pipeline_stages`` stages in the output folder, the planner gets its
+    fitted cost model and splits the global batches that run alone where that model finds smaller
+    microbatches faster (``lorafusion_sched.lone_batches``; the training is the same).
+
     Args:
         config: The run (capacity, padding multiple, solver limits, seed).
         data: Every job's training data, in config order.
@@ -30,6 +34,7 @@ def make_plan(
         A plan that :func:`check_plan` accepted.
     """
     import lorafusion_sched
+    from lorafusion_megatron.profiler.run import profiled_cost_model
     from lorafusion_sched.errors import SchedError
     from lorafusion_sched.models import AdapterJob, PlanOptions
 
@@ -45,6 +50,7 @@ def make_plan(
         drop_last=config.scheduler.drop_last,
         time_limit=config.scheduler.milp_time_limit,
         seed=config.runtime.seed,
+        cost_model=profiled_cost_model(config, pipeline_stages),
     )
     try:
         plan = lorafusion_sched.plan(jobs, options)

@@ -42,8 +42,14 @@ def _tail(plan: Plan, noops: list[int]) -> tuple[list[str], int]:
     return sorted(finishing[:count], key=order.index), after
 
 
-def noop_advice(plan: Plan) -> str | None:
+def noop_advice(plan: Plan, *, cost_model_given: bool = False) -> str | None:
     """What to tell the user when more than :data:`NOOP_SHARE_WARNING` of the plan's microbatches are no-ops.
+
+    Args:
+        plan: A finished plan.
+        cost_model_given: Whether the plan was made with ``PlanOptions.cost_model``; if not, the
+            first remedy named is to give one (the planner then splits lone global batches where
+            that is faster: :mod:`lorafusion_sched.lone_batches`).
 
     Returns:
         One paragraph naming the share, the adapters left running alone at the end (where the
@@ -83,6 +89,13 @@ def noop_advice(plan: Plan) -> str | None:
             f"give {quoted} {larger}",
             "give the other adapters more samples or plan another job with them, so that all run out together",
         ]
+    if not cost_model_given:
+        remedies.insert(
+            0,
+            "give the planner a cost model (options cost_model, as `lorafusion-megatron profile` fits one): it then "
+            "splits the global batches that run alone into smaller microbatches where that is faster, which does "
+            "not change the training",
+        )
     if d > 1:
         remedies.append("plan for fewer data-parallel replicas")
     return f"{what}. What helps: {'; '.join(remedies)}; or accept the no-ops (docs: 'Lone adapters and no-ops')"

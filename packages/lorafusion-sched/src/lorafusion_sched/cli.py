@@ -109,10 +109,12 @@ def _plan_table(plan: Plan) -> Table:
     share = f" ({s.num_noops / s.num_microbatches:.0%})" if s.num_noops else ""
     table.add_row("microbatches", f"{s.num_microbatches - s.num_noops:,} + {s.num_noops:,} no-ops{share}")
     over = (s.num_microbatches - s.num_noops) / s.lower_bound - 1 if s.lower_bound else 0.0
-    table.add_row("lower bound", f"{s.lower_bound:,} ({over:+.1%})")
+    table.add_row("lower bound", f"{s.lower_bound:,} ({over:+.1%}{', splits included' if s.split_batches else ''})")
     table.add_row("fill (padded / real tokens)", f"{s.fill_ratio:.1%} / {s.token_ratio:.1%}")
     table.add_row("MILP wins / runs / tasks", f"{s.milp_wins} / {s.milp_runs} / {s.num_tasks}")
     table.add_row("samples merged forward", f"{s.merged_samples:,}")
+    if s.split_batches:
+        table.add_row("lone global batches split", f"{s.split_batches:,} (cost model)")
     table.add_row("solve time", f"{s.solve_seconds:.2f} s on {s.workers} process(es)")
     return table
 
@@ -279,7 +281,11 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
     )
     options = _override(
         PlanOptions(
-            capacity=args.capacity, pipeline_stages=args.stages, padding_multiple=args.padding, truncate=args.truncate
+            capacity=args.capacity,
+            pipeline_stages=args.stages,
+            padding_multiple=args.padding,
+            truncate=args.truncate,
+            cost_model=cost,
         ),
         args,
     )

@@ -188,6 +188,47 @@ class AdapterJob(BaseModel):
         return value
 
 
+class CostModel(BaseModel):
+    """Seconds per stage for a microbatch of ``n`` padded tokens: ``fixed + per_token * n`` forward.
+
+    The backward takes ``backward_factor`` times the forward. ``stage_factors`` scales each stage
+    (e.g. a last stage that also runs the LM head). A no-op costs nothing but keeps its slot. The
+    defaults are illustrative; only ratios matter for bubble ratios and speedups.
+    """
+
+    model_config = _FROZEN
+
+    forward_fixed_s: StrictFloat = Field(default=2e-3, ge=0, allow_inf_nan=False)
+    forward_per_token_s: StrictFloat = Field(default=2e-5, ge=0, allow_inf_nan=False)
+    backward_factor: StrictFloat = Field(default=2.0, gt=0, allow_inf_nan=False)
+    stage_factors: tuple[Annotated[StrictFloat, Field(allow_inf_nan=False)], ...] | None = Field(
+        default=None, description="One positive factor per stage."
+    )
+
+    @field_validator("stage_factors")
+    @classmethod
+    def _positive_factors(cls, value: tuple[float, ...] | None) -> tuple[float, ...] | None:
+        if value is not None and (not value or min(value) <= 0):
+            raise ValueError(f"stage_factors = {value}: give one positive factor per pipeline stage")
+        return value
+
+    @model_validator(mode="after")
+    def _forward_takes_time(self) -> CostModel:
+        if self.forward_fixed_s == 0 and self.forward_per_token_s == 0:
+            raise ValueError(
+                "forward_fixed_s = forward_per_token_s = 0: a forward that takes no time leaves nothing to "
+                "simulate; give either a positive value"
+            )
+        return self
+
+    def forward_seconds(self, padded_tokens: int, stage: int) -> float:
+        """Forward seconds of one microbatch on ``stage`` (0 for a no-op)."""
+        if padded_tokens == 0:
+            return 0.0
+        factor = self.stage_factors[stage] if self.stage_factors else 1.0
+        return factor * (self.forward_fixed_s + self.forward_per_token_s * padded_tokens)
+
+
 MAX_PIPELINE_STAGES = 1024
 """The most pipeline stages :class:`PlanOptions` takes (a typo's 40,000 would plan millions of no-ops)."""
 
@@ -238,6 +279,11 @@ class PlanOptions(BaseModel):
         allow_inf_nan=False,
         description="Grouping: microbatch estimates use mean - k*std tokens per sample.",
     )
+    cost_model: CostModel | None = Field(
+        default=None,
+        description="Seconds per microbatch (as the profiler fits it); given, a global batch that runs alone is "
+        "split into the microbatches this model finds fastest. None: no split.",
+    )
 
     @field_validator("capacity", "pipeline_stages", "padding_multiple", "data_parallel")
     @classmethod
@@ -250,6 +296,16 @@ class PlanOptions(BaseModel):
                 f"layers; each stage adds about one no-op microbatch per global batch to the plan)"
             )
         return value
+
+    @model_validator(mode="after")
+    def _cost_model_matches_stages(self) -> PlanOptions:
+        factors = None if self.cost_model is None else self.cost_model.stage_factors
+        if factors is not None and len(factors) != self.pipeline_stages:
+            raise ValueError(
+                f"cost_model.stage_factors has {len(factors)} entries for pipeline_stages = {self.pipeline_stages}: "
+                f"give one factor per stage, or none"
+            )
+        return self
 
     @model_validator(mode="after")
     def _capacity_multiple_of_padding(self) -> PlanOptions:
@@ -340,6 +396,10 @@ class PlanStats(BaseModel):
         description="Samples moved into an earlier microbatch by the merge pass (0 if the unmerged sequence is kept)."
     )
     dropped_samples: WholeNumber = Field(description="Samples left out by drop_last.")
+    split_batches: WholeNumber = Field(
+        default=0,
+        description="Global batches run alone that were split into more, smaller microbatches (needs cost_model).",
+    )
     workers: WholeNumber = Field(description="Processes that solved MILPs (1: in this process).")
     solve_seconds: StrictFloat = Field(
         ge=0,
@@ -467,47 +527,6 @@ class Violation(BaseModel):
     def __str__(self) -> str:
         where = f"microbatch {self.microbatch}: " if self.microbatch is not None else ""
         return f"[{self.kind}] {where}{self.message}"
-
-
-class CostModel(BaseModel):
-    """Seconds per stage for a microbatch of ``n`` padded tokens: ``fixed + per_token * n`` forward.
-
-    The backward takes ``backward_factor`` times the forward. ``stage_factors`` scales each stage
-    (e.g. a last stage that also runs the LM head). A no-op costs nothing but keeps its slot. The
-    defaults are illustrative; only ratios matter for bubble ratios and speedups.
-    """
-
-    model_config = _FROZEN
-
-    forward_fixed_s: StrictFloat = Field(default=2e-3, ge=0, allow_inf_nan=False)
-    forward_per_token_s: StrictFloat = Field(default=2e-5, ge=0, allow_inf_nan=False)
-    backward_factor: StrictFloat = Field(default=2.0, gt=0, allow_inf_nan=False)
-    stage_factors: tuple[Annotated[StrictFloat, Field(allow_inf_nan=False)], ...] | None = Field(
-        default=None, description="One positive factor per stage."
-    )
-
-    @field_validator("stage_factors")
-    @classmethod
-    def _positive_factors(cls, value: tuple[float, ...] | None) -> tuple[float, ...] | None:
-        if value is not None and (not value or min(value) <= 0):
-            raise ValueError(f"stage_factors = {value}: give one positive factor per pipeline stage")
-        return value
-
-    @model_validator(mode="after")
-    def _forward_takes_time(self) -> CostModel:
-        if self.forward_fixed_s == 0 and self.forward_per_token_s == 0:
-            raise ValueError(
-                "forward_fixed_s = forward_per_token_s = 0: a forward that takes no time leaves nothing to "
-                "simulate; give either a positive value"
-            )
-        return self
-
-    def forward_seconds(self, padded_tokens: int, stage: int) -> float:
-        """Forward seconds of one microbatch on ``stage`` (0 for a no-op)."""
-        if padded_tokens == 0:
-            return 0.0
-        factor = self.stage_factors[stage] if self.stage_factors else 1.0
-        return factor * (self.forward_fixed_s + self.forward_per_token_s * padded_tokens)
 
 
 class RunStats(BaseModel):

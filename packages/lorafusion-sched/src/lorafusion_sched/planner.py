@@ -5,7 +5,8 @@ improve the tasks where greedy misses a bound with the two-stage MILP, in a proc
 microbatches out task after task; insert no-ops for the bubble lemma; merge across tasks; drop
 emptied microbatches and re-insert no-ops, reordering the microbatches where a list schedule needs
 fewer (and trying the unmerged sequence too where no-ops remain); where a MILP packing won, keep
-the greedy packings' sequence if it is shorter; set ``step_after``; verify.
+the greedy packings' sequence if it is shorter; with a cost model, split the global batches that
+run alone where that simulates faster; set ``step_after``; verify.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from lorafusion_sched.advice import noop_advice
 from lorafusion_sched.errors import SchedError, SchedWarning
 from lorafusion_sched.grouping import AdapterProfile, Task, plan_tasks
+from lorafusion_sched.lone_batches import split_lone_batches
 from lorafusion_sched.merge import merge_pass
 from lorafusion_sched.models import (
     AdapterInfo,
@@ -36,6 +38,7 @@ from lorafusion_sched.packing.pool import solve_in_workers
 from lorafusion_sched.packing.problem import Packing, PackingProblem, round_up
 from lorafusion_sched.packing.solve import TaskResult, pack_greedy, pack_with_milp
 from lorafusion_sched.sequence import Slot, fewest_noops, insert_noops, shortest_possible, step_rounds
+from lorafusion_sched.simulate import sequence_seconds
 from lorafusion_sched.verify import derived_stats, verify
 
 __all__ = ["Progress", "default_workers", "plan", "resolve_workers"]
@@ -278,6 +281,34 @@ def _sequence(
     return result, merged
 
 
+def _split_if_faster(
+    final: list[Slot], lengths: Sequence[Sequence[int]], options: PlanOptions
+) -> tuple[list[Slot], int]:
+    """``final`` with its lone global batches split, if the whole plan then simulates faster.
+
+    Only with ``options.cost_model`` (:mod:`lorafusion_sched.lone_batches`). Returns the sequence
+    and the number of global batches split.
+    """
+    cost = options.cost_model
+    if cost is None:
+        return final, 0
+    stages, d, padding = options.pipeline_stages, options.data_parallel, options.padding_multiple
+    split, count = split_lone_batches(
+        final, lengths, capacity=options.capacity, padding=padding, stages=stages, replicas=d, cost=cost
+    )
+
+    def seconds(sequence: list[Slot]) -> float:
+        sizes = [
+            sum(round_up(sum(lengths[a][s] for s in samples), padding) for a, (_g, samples) in slot.items())
+            for slot in sequence
+        ]
+        return sequence_seconds(sizes, stages, d, cost)
+
+    if count and seconds(split) < seconds(final):
+        return split, count
+    return final, 0
+
+
 def _stats(
     microbatches: Sequence[Microbatch],
     adapters: Sequence[AdapterInfo],
@@ -357,6 +388,7 @@ def plan(jobs: Iterable[AdapterJob], options: PlanOptions, *, progress: Progress
             packed = [
                 dataclasses.replace(r, packing=g.packing, milp_won=False) for r, g in zip(packed, greedy, strict=True)
             ]
+    final, split = _split_if_faster(final, lengths, options)
     steps = step_rounds(final, d)
     microbatches = [
         Microbatch(
@@ -391,9 +423,11 @@ def plan(jobs: Iterable[AdapterJob], options: PlanOptions, *, progress: Progress
     violations = verify(result)
     if violations:  # a bug in this package, never the user's input
         raise RuntimeError(f"internal error, the plan does not verify: {violations[0]}")
-    advice = noop_advice(result)
+    advice = noop_advice(result, cost_model_given=options.cost_model is not None)
     if advice is not None:
         warnings.warn(advice, SchedWarning, stacklevel=2)
     seconds = time.perf_counter() - start
-    final_stats = stats.model_copy(update={"merged_samples": merged, "workers": workers, "solve_seconds": seconds})
+    final_stats = stats.model_copy(
+        update={"merged_samples": merged, "split_batches": split, "workers": workers, "solve_seconds": seconds}
+    )
     return result.model_copy(update={"stats": final_stats})

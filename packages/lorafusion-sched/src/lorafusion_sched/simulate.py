@@ -37,7 +37,7 @@ from lorafusion_sched.packing.problem import round_up
 from lorafusion_sched.sequence import Slot, insert_noops
 from lorafusion_sched.verify import verify
 
-__all__ = ["Event", "baseline_microbatch_samples", "run_sequences", "simulate", "timeline"]
+__all__ = ["Event", "baseline_microbatch_samples", "run_sequences", "sequence_seconds", "simulate", "timeline"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +127,15 @@ def run_sequences(
                 busy[s] += used[s] / len(per_replica)
         clock = max([clock, *ends])
     return clock, busy
+
+
+def sequence_seconds(padded_tokens: Sequence[int], stages: int, replicas: int, cost: CostModel) -> float:
+    """Makespan of one continuous 1F1B pipeline of microbatches of these sizes (0: a no-op), dealt to replicas.
+
+    Microbatch ``i`` runs on replica ``i % replicas``; the slowest replica sets the time.
+    """
+    items = [_Item(tokens, "") for tokens in padded_tokens]
+    return run_sequences([_split(items, replicas)], stages, cost)[0]
 
 
 def baseline_microbatch_samples(plan: Plan) -> dict[str, int]:

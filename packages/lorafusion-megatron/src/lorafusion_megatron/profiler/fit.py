@@ -33,13 +33,19 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return max(0.0, mean_y - slope * mean_x), slope
 
 
-def fit_cost_model(measurements: Sequence[Measurement]) -> CostModel:
-    """The cost model that best matches ``measurements`` (one or more stages, several token counts each)."""
+def fit_cost_model(measurements: Sequence[Measurement], *, every_count: bool = False) -> CostModel:
+    """The cost model that best matches ``measurements`` (one or more stages, several token counts each).
+
+    ``every_count``: fit every token count, not the larger half: small microbatches bound by the
+    host then raise the fixed cost, which is what a model deciding whether to run smaller
+    microbatches must see.
+    """
     from lorafusion_sched.models import CostModel
 
-    counts = sorted({m.tokens for m in measurements})
-    larger = set(counts[len(counts) // 2 :] if len(counts) > 3 else counts[-2:])
-    measurements = [m for m in measurements if m.tokens in larger]
+    if not every_count:
+        counts = sorted({m.tokens for m in measurements})
+        larger = set(counts[len(counts) // 2 :] if len(counts) > 3 else counts[-2:])
+        measurements = [m for m in measurements if m.tokens in larger]
     stages = sorted({m.stage for m in measurements})
     means = {s: statistics.fmean(m.forward_s for m in measurements if m.stage == s) for s in stages}
     overall = statistics.fmean(means.values())

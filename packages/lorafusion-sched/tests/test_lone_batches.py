@@ -1,0 +1,137 @@
+"""Global batches that run alone, split into smaller microbatches where the cost model finds that faster."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from lorafusion_sched import AdapterJob, CostModel, Plan, PlanOptions, plan, simulate, verify
+from lorafusion_sched.lone_batches import split_lone_batches
+from lorafusion_sched.sequence import Slot
+from lorafusion_sched.workloads import synthetic_jobs
+
+# These workloads end with a lone adapter on purpose; the warning is tested in test_plan.py.
+pytestmark = pytest.mark.filterwarnings("ignore::lorafusion_sched.SchedWarning")
+
+SMALL_FIXED = CostModel(forward_fixed_s=1e-3, forward_per_token_s=1e-5)
+"""Fixed cost of 100 tokens: splitting a lone 4,096-token batch pays."""
+
+NO_PER_TOKEN = CostModel(forward_fixed_s=1e-3, forward_per_token_s=0.0)
+"""Every microbatch costs the same: a split never pays."""
+
+
+def _seconds(p: Plan, cost: CostModel) -> float:
+    return simulate(p, cost, baselines=False).runs[0].makespan_s
+
+
+def _lopsided(seed: int = 3) -> list[AdapterJob]:
+    """Two short jobs and one with eight times their samples: the long one ends alone."""
+    short = synthetic_jobs("het", 64, num_adapters=2, global_batch_size=16, seed=seed)
+    long = synthetic_jobs("cnndm", 256, num_adapters=1, global_batch_size=16, seed=seed + 1)[0]
+    return [*short, long.model_copy(update={"name": "long"})]
+
+
+def _options(**updates: object) -> PlanOptions:
+    base = {"capacity": 4096, "pipeline_stages": 4, "padding_multiple": 64, "use_milp": False, "workers": 1}
+    return PlanOptions.model_validate(base | updates)
+
+
+@pytest.mark.parametrize("data_parallel", [1, 2])
+def test_a_lone_tail_is_split_into_a_plan_that_verifies_and_simulates_faster(data_parallel: int) -> None:
+    jobs = _lopsided()
+    unsplit = plan(jobs, _options(data_parallel=data_parallel))
+    split = plan(jobs, _options(data_parallel=data_parallel, cost_model=SMALL_FIXED))
+    assert unsplit.stats.split_batches == 0
+    assert split.stats.split_batches > 0
+    assert verify(split) == [], "every sample once, capacity, bubble lemma, steps"
+    assert (
+        split.stats.num_microbatches - split.stats.num_noops > unsplit.stats.num_microbatches - unsplit.stats.num_noops
+    )
+    assert _seconds(split, SMALL_FIXED) < 0.95 * _seconds(unsplit, SMALL_FIXED)
+    split_names = {s.adapter for mb in split.microbatches for s in mb.segments if len(mb.segments) == 1}
+    assert "long" in split_names
+
+
+def test_a_split_keeps_every_global_batch_and_its_optimizer_step() -> None:
+    """The split spreads a global batch over more microbatches; the samples per step do not change."""
+    jobs = _lopsided()
+    split = plan(jobs, _options(cost_model=SMALL_FIXED))
+    for info in split.adapters:
+        seen: dict[int, list[int]] = {}
+        for mb in split.microbatches:
+            for s in mb.segments:
+                if s.adapter == info.name:
+                    seen.setdefault(s.global_batch, []).extend(s.samples)
+        gbs = info.global_batch_size
+        assert {g: sorted(samples) for g, samples in seen.items()} == {
+            g: list(range(g * gbs, min((g + 1) * gbs, info.num_samples))) for g in range(info.num_global_batches)
+        }
+        steps = sum(info.name in mb.step_after for mb in split.microbatches)
+        assert steps == info.num_global_batches
+
+
+def test_nothing_is_split_when_every_microbatch_costs_the_same() -> None:
+    jobs = _lopsided()
+    unsplit = plan(jobs, _options())
+    same = plan(jobs, _options(cost_model=NO_PER_TOKEN))
+    assert same.stats.split_batches == 0
+    assert same.microbatches == unsplit.microbatches
+
+
+def test_one_stage_and_one_replica_never_split() -> None:
+    """Without a pipeline there is no drain to shorten: more microbatches only add fixed costs."""
+    jobs = _lopsided()
+    p = plan(jobs, _options(pipeline_stages=1, cost_model=SMALL_FIXED))
+    assert p.stats.split_batches == 0
+
+
+def test_a_round_padded_with_no_ops_is_filled_when_fixed_costs_are_large() -> None:
+    """With 2 replicas, a global batch of one microbatch leaves the other replica a no-op in its round.
+
+    Split in two, both replicas work in that round: no more rounds, each half as long, however
+    large the fixed cost.
+    """
+    job = AdapterJob(name="solo", sample_tokens=(1000,) * 32, global_batch_size=4)
+    large_fixed = CostModel(forward_fixed_s=0.1, forward_per_token_s=1e-5)
+    unsplit = plan([job], _options(data_parallel=2))
+    split = plan([job], _options(data_parallel=2, cost_model=large_fixed))
+    assert split.stats.split_batches == 8
+    assert split.stats.num_microbatches == unsplit.stats.num_microbatches
+    assert split.stats.num_noops == unsplit.stats.num_noops - 8
+    assert _seconds(split, large_fixed) < _seconds(unsplit, large_fixed)
+
+
+def test_only_a_lone_batch_followed_by_a_drain_is_split() -> None:
+    """S = 2: adapter 0's batch 0 is followed by adapter 1's work, its batch 1 by a no-op and the end."""
+    slots: list[Slot] = [
+        {0: (0, [0, 1, 2, 3])},
+        {1: (0, [0])},
+        {0: (1, [4, 5, 6, 7])},
+    ]
+    lengths = [[1000] * 8, [1000]]
+    out, count = split_lone_batches(slots, lengths, capacity=4096, padding=1, stages=2, replicas=1, cost=SMALL_FIXED)
+    assert count == 1
+    assert out[:2] == slots[:2], "batch 0 has adapter 1's microbatch to overlap with: kept"
+    assert [slot[0] for slot in out[2:]] == [(1, [4]), (1, [5]), (1, [6]), (1, [7])], "(4 + 1) x 1,100 < 2 x 4,100"
+
+
+def test_a_batch_sharing_a_microbatch_with_another_adapter_is_not_split() -> None:
+    slots: list[Slot] = [{0: (0, [0, 1]), 1: (0, [0])}, {}]
+    out, count = split_lone_batches(
+        slots, [[1000, 1000], [1000]], capacity=4096, padding=1, stages=2, replicas=1, cost=SMALL_FIXED
+    )
+    assert (out, count) == (slots, 0)
+
+
+def test_no_split_goes_over_the_capacity() -> None:
+    """Dealt longest first, three samples of 3, 3 and 2 tokens do not fit two microbatches of 4."""
+    slots: list[Slot] = [{0: (0, [0]), 1: (0, [0])}, {0: (1, [1, 2, 3])}]
+    cost = CostModel(forward_fixed_s=0.0, forward_per_token_s=1.0)
+    out, _count = split_lone_batches(slots, [[1, 3, 3, 2], [1]], capacity=4, padding=1, stages=1, replicas=2, cost=cost)
+    assert all(sum([1, 3, 3, 2][s] for s in slot[0][1]) <= 4 for slot in out if 0 in slot)
+
+
+def test_stage_factors_must_match_the_pipeline() -> None:
+    with pytest.raises(ValidationError, match=r"cost_model\.stage_factors has 2 entries for pipeline_stages = 4"):
+        _options(cost_model={"stage_factors": [1.0, 1.2]})
+    assert _options(cost_model={"stage_factors": [1.0, 1.2, 1.0, 1.5]}).cost_model is not None
