@@ -113,14 +113,14 @@ def test_evaluation_is_refused_on_the_pipeline_runtime(config_dict, parallel, re
 def test_duplicate_job_names(config_dict) -> None:
     data = config_dict()
     data["jobs"][1]["name"] = "first"
-    assert "job name 'first' appears twice" in _error(data)
+    assert "jobs.1.name: job name 'first' appears twice" in _error(data)
 
 
 def test_two_jobs_cannot_share_an_adapter_folder(config_dict) -> None:
     data = config_dict()
     data["jobs"][0]["output_dir"] = "/tmp/same"
     data["jobs"][1]["output_dir"] = "/tmp/same"
-    assert "jobs 'first' and 'second' both write their adapter to /tmp/same" in _error(data)
+    assert "jobs.1.output_dir: jobs 'first' and 'second' both write their adapter to /tmp/same" in _error(data)
 
 
 @pytest.mark.parametrize(
@@ -142,7 +142,10 @@ def test_an_adapter_folder_holds_nothing_the_run_needs(config_dict, tmp_path: Pa
     data["jobs"][1]["output_dir"] = str(tmp_path / place)
     if place == "data":
         data["jobs"][0]["output_dir"], data["jobs"][1]["output_dir"] = str(tmp_path / "data"), str(tmp_path / "b")
-    assert message in _error(data)
+    error = _error(data)
+    assert message in error
+    key = "jobs.0.output_dir" if place == "data" else "jobs.1.output_dir"
+    assert f"  - {key}: job" in error, "the key to change, not <top level>"
 
 
 @pytest.mark.parametrize(

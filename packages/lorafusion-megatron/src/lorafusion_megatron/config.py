@@ -74,6 +74,17 @@ PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 
 
+class KeyedValueError(ValueError):
+    """A check across keys that names the one to change: its error line shows ``loc``, not where pydantic ran it.
+
+    A model validator's errors have no location of their own (pydantic reports the whole model).
+    """
+
+    def __init__(self, loc: tuple[int | str, ...], message: str) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+
 class BaseModelConfig(ConfigSection):
     """The frozen base model that every job shares."""
 
@@ -427,9 +438,11 @@ class TrainerConfig(ConfigSection):
     @classmethod
     def _unique_names(cls, jobs: list[JobConfig]) -> list[JobConfig]:
         seen: set[str] = set()
-        for job in jobs:
+        for index, job in enumerate(jobs):
             if job.name in seen:
-                raise ValueError(f"job name {job.name!r} appears twice: give every job its own name")
+                raise KeyedValueError(
+                    ("jobs", index, "name"), f"job name {job.name!r} appears twice: give every job its own name"
+                )
             seen.add(job.name)
         return jobs
 
@@ -502,27 +515,32 @@ class TrainerConfig(ConfigSection):
         if self.logging.tensorboard_dir is not None:
             inputs.append(("logging.tensorboard_dir", self.logging.tensorboard_dir))
         seen: dict[Path, str] = {}
-        for job in self.jobs:
+        for index, job in enumerate(self.jobs):
             folder = place(self.job_output_dir(job))
+            key = ("jobs", index, "output_dir")
             own = f"job {job.name!r} writes its adapter to {folder}, replacing that folder when it ends"
             if holds(folder, run):
-                raise ValueError(f"{own}, and it holds output_dir {run}: give the job a folder of its own")
+                raise KeyedValueError(key, f"{own}, and it holds output_dir {run}: give the job a folder of its own")
             for name in RUN_OUTPUTS:
                 if holds(run / name, folder):
-                    raise ValueError(
+                    raise KeyedValueError(
+                        key,
                         f"{own}, but the run writes its own {name} there (in output_dir): give the job a folder "
-                        f"of its own, e.g. the default {run / 'adapters' / job.name}"
+                        f"of its own, e.g. the default {run / 'adapters' / job.name}",
                     )
             for what, path in inputs:
                 if holds(folder, place(path)):
-                    raise ValueError(f"{own}, and it holds {what} ({place(path)}): give the job a folder of its own")
+                    raise KeyedValueError(
+                        key, f"{own}, and it holds {what} ({place(path)}): give the job a folder of its own"
+                    )
             for other, name in seen.items():
                 if other == folder:
-                    raise ValueError(f"jobs {name!r} and {job.name!r} both write their adapter to {folder}")
+                    raise KeyedValueError(key, f"jobs {name!r} and {job.name!r} both write their adapter to {folder}")
                 if holds(other, folder) or holds(folder, other):
-                    raise ValueError(
+                    raise KeyedValueError(
+                        key,
                         f"jobs {name!r} and {job.name!r} write their adapters to {other} and {folder}, "
-                        "one inside the other: give each a folder of its own"
+                        "one inside the other: give each a folder of its own",
                     )
             seen[folder] = job.name
         return self
@@ -638,7 +656,13 @@ def _error_lines(errors: list[Any]) -> list[str]:
     """One line per problem: the errors of a union field's branches merged into one ("... or ...")."""
     merged: dict[tuple[int | str, ...], list[Any]] = {}
     for error in errors:
-        location = _field_location(tuple(error["loc"])) if error["type"] != "extra_forbidden" else tuple(error["loc"])
+        raised = error.get("ctx", {}).get("error")
+        if isinstance(raised, KeyedValueError):
+            location = raised.loc
+        elif error["type"] == "extra_forbidden":
+            location = tuple(error["loc"])
+        else:
+            location = _field_location(tuple(error["loc"]))
         merged.setdefault(location, []).append({**error, "loc": location})
     lines = []
     for branches in merged.values():
