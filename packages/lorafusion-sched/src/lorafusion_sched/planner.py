@@ -336,7 +336,7 @@ def plan(jobs: Iterable[AdapterJob], options: PlanOptions, *, progress: Progress
 
     Args:
         jobs: The adapters (unique names).
-        options: Capacity, pipeline stages, padding multiple and solver limits.
+        options: Capacity, pipeline stages, padding multiple, solver limits and an optional cost model.
         progress: Optional ``progress(done, total)`` callback over packing tasks.
 
     Returns:
