@@ -151,19 +151,22 @@ SPLIT_COST_MODELS = {
 
 
 def lone_tail_jobs(long_samples: int) -> Iterator[tuple[str, list[AdapterJob]]]:
-    """Workloads that end with one adapter alone: one job alone, and one long job beside short ones.
+    """Workloads that end with long jobs alone: by themselves, or after four short jobs have finished.
 
-    The long job (``xsum``, global batch 16) fills 1-3 microbatches per global batch, so the drain
-    after each is a large share of its time; ``cnndm`` jobs with global batch 32 (about 9) gain less.
+    An ``xsum`` job with global batch 16 fills 1-3 microbatches per global batch, so the drain after
+    each is a large share of its time; a ``cnndm`` job with global batch 32 (about 9) has less to
+    save. Two long jobs fill part of each other's waits, so no global batch is followed by a whole
+    drain: only the tail's split shortens them.
     """
-    for dataset, gbs in (("xsum", 16), ("cnndm", GBS)):
-        long = synthetic_jobs(dataset, long_samples, num_adapters=1, global_batch_size=gbs, seed=9)[0]
-        yield f"alone (`{dataset}`, batch {gbs})", [long]
-        short = synthetic_jobs("het", long_samples // 8, num_adapters=4, global_batch_size=GBS, seed=0)
-        yield (
-            f"beside 4 jobs x {long_samples // 8:,} (`{dataset}`, batch {gbs})",
-            [*short, long.model_copy(update={"name": "long"})],
-        )
+    short = synthetic_jobs("het", long_samples // 8, num_adapters=4, global_batch_size=GBS, seed=0)
+    xsum = synthetic_jobs("xsum", long_samples, num_adapters=2, global_batch_size=16, seed=9)
+    cnndm = synthetic_jobs("cnndm", long_samples, num_adapters=1, global_batch_size=GBS, seed=9)
+    longs = [job.model_copy(update={"name": f"long-{i}"}) for i, job in enumerate(xsum)]
+    beside = f"beside 4 x {long_samples // 8:,}"
+    yield "one `xsum` (batch 16), alone", longs[:1]
+    yield f"one `xsum` (batch 16), {beside}", [*short, longs[0]]
+    yield f"two `xsum` (batch 16), {beside}", [*short, *longs]
+    yield f"one `cnndm` (batch {GBS}), {beside}", [*short, cnndm[0].model_copy(update={"name": "long"})]
 
 
 def lone_tail_rows(long_samples: int) -> list[dict[str, Any]]:
@@ -404,7 +407,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"Lone global batches split by a cost model (S = 4, greedy packing; the long job has "
         f"{doc['lone_tail_samples']:,} samples)",
         [
-            "long job",
+            "long jobs",
             "d",
             "cost model",
             "batches split",

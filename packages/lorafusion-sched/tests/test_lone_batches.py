@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from lorafusion_sched import AdapterJob, CostModel, Plan, PlanOptions, plan, simulate, verify
-from lorafusion_sched.lone_batches import split_lone_batches
+from lorafusion_sched.lone_batches import Splitting, split_lone_batches, split_lone_tail
 from lorafusion_sched.sequence import Slot
 from lorafusion_sched.workloads import synthetic_jobs
 
@@ -109,26 +109,67 @@ def test_only_a_lone_batch_followed_by_a_drain_is_split() -> None:
         {0: (1, [4, 5, 6, 7])},
     ]
     lengths = [[1000] * 8, [1000]]
-    out, count = split_lone_batches(slots, lengths, capacity=4096, padding=1, stages=2, replicas=1, cost=SMALL_FIXED)
-    assert count == 1
+    out = split_lone_batches(
+        slots, Splitting(lengths, capacity=4096, padding=1, stages=2, replicas=1, cost=SMALL_FIXED)
+    )
     assert out[:2] == slots[:2], "batch 0 has adapter 1's microbatch to overlap with: kept"
     assert [slot[0] for slot in out[2:]] == [(1, [4]), (1, [5]), (1, [6]), (1, [7])], "(4 + 1) x 1,100 < 2 x 4,100"
 
 
 def test_a_batch_sharing_a_microbatch_with_another_adapter_is_not_split() -> None:
     slots: list[Slot] = [{0: (0, [0, 1]), 1: (0, [0])}, {}]
-    out, count = split_lone_batches(
-        slots, [[1000, 1000], [1000]], capacity=4096, padding=1, stages=2, replicas=1, cost=SMALL_FIXED
-    )
-    assert (out, count) == (slots, 0)
+    how = Splitting([[1000, 1000], [1000]], capacity=4096, padding=1, stages=2, replicas=1, cost=SMALL_FIXED)
+    assert split_lone_batches(slots, how) == slots
+    assert split_lone_tail(slots, how) == slots
 
 
 def test_no_split_goes_over_the_capacity() -> None:
-    """Dealt longest first, three samples of 3, 3 and 2 tokens do not fit two microbatches of 4."""
-    slots: list[Slot] = [{0: (0, [0]), 1: (0, [0])}, {0: (1, [1, 2, 3])}]
-    cost = CostModel(forward_fixed_s=0.0, forward_per_token_s=1.0)
-    out, _count = split_lone_batches(slots, [[1, 3, 3, 2], [1]], capacity=4, padding=1, stages=1, replicas=2, cost=cost)
-    assert all(sum([1, 3, 3, 2][s] for s in slot[0][1]) <= 4 for slot in out if 0 in slot)
+    """Dealt longest first, samples of 3, 3 and 2 tokens do not fit two microbatches of 4."""
+    how = Splitting([[3, 3, 2]], capacity=4, padding=1, stages=2, replicas=1, cost=SMALL_FIXED)
+    assert how.deal(0, [0, 1, 2], 2) is None
+    assert how.deal(0, [0, 1, 2], 3) == [[0], [1], [2]]
+
+
+def test_the_tail_is_split_but_a_global_batch_begun_before_it_is_kept() -> None:
+    """S = 3: adapters 1 and 2 fill part of each other's waits; the no-op between them is no drain.
+
+    Adapter 0's batch 0 began in a shared microbatch: its lone second microbatch stays whole.
+    """
+    slots: list[Slot] = [
+        {0: (0, [0, 1]), 3: (0, [0])},
+        {0: (0, [2, 3])},
+        {1: (0, [0, 1, 2, 3])},
+        {2: (0, [0, 1, 2, 3])},
+        {},
+        {1: (1, [4, 5, 6, 7])},
+        {2: (1, [4, 5, 6, 7])},
+    ]
+    lengths = [[1000] * 4, [1000] * 8, [1000] * 8, [1000]]
+    how = Splitting(lengths, capacity=4096, padding=1, stages=3, replicas=1, cost=SMALL_FIXED)
+    per_batch = split_lone_batches(slots, how)
+    assert per_batch[:6] == slots[:6], "only the plan's last global batch is followed by a drain (the end)"
+    out = split_lone_tail(slots, how)
+    assert out[:2] == slots[:2]
+    for adapter in (1, 2):
+        for batch, samples in ((0, [0, 1, 2, 3]), (1, [4, 5, 6, 7])):
+            groups = [slot[adapter][1] for slot in out if adapter in slot and slot[adapter][0] == batch]
+            assert len(groups) > 1
+            assert sorted(s for group in groups for s in group) == samples
+    assert how.seconds(out) < how.seconds(slots)
+
+
+@pytest.mark.parametrize(("data_parallel", "speedup"), [(1, 1.0), (2, 1.3)])
+def test_two_long_jobs_left_together_are_split_in_the_tail(data_parallel: int, speedup: float) -> None:
+    """No global batch of the two is followed by a whole drain (each fills part of the other's), so
+    only the tail's split can shorten them; with 2 replicas the no-ops are most of that tail."""
+    short = synthetic_jobs("het", 64, num_adapters=4, global_batch_size=32, seed=0)
+    longs = synthetic_jobs("xsum", 512, num_adapters=2, global_batch_size=16, seed=5)
+    jobs = [*short, *(job.model_copy(update={"name": f"long-{i}"}) for i, job in enumerate(longs))]
+    unsplit = plan(jobs, _options(data_parallel=data_parallel))
+    split = plan(jobs, _options(data_parallel=data_parallel, cost_model=SMALL_FIXED))
+    assert verify(split) == []
+    assert split.stats.split_batches > 0
+    assert _seconds(unsplit, SMALL_FIXED) > speedup * _seconds(split, SMALL_FIXED)
 
 
 def test_stage_factors_must_match_the_pipeline() -> None:

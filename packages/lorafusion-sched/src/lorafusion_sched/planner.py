@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from lorafusion_sched.advice import noop_advice
 from lorafusion_sched.errors import SchedError, SchedWarning
 from lorafusion_sched.grouping import AdapterProfile, Task, plan_tasks
-from lorafusion_sched.lone_batches import split_lone_batches
+from lorafusion_sched.lone_batches import Splitting, fastest_with_splits
 from lorafusion_sched.merge import merge_pass
 from lorafusion_sched.models import (
     AdapterInfo,
@@ -38,7 +38,6 @@ from lorafusion_sched.packing.pool import solve_in_workers
 from lorafusion_sched.packing.problem import Packing, PackingProblem, round_up
 from lorafusion_sched.packing.solve import TaskResult, pack_greedy, pack_with_milp
 from lorafusion_sched.sequence import Slot, fewest_noops, insert_noops, shortest_possible, step_rounds
-from lorafusion_sched.simulate import sequence_seconds
 from lorafusion_sched.verify import derived_stats, verify
 
 __all__ = ["Progress", "default_workers", "plan", "resolve_workers"]
@@ -289,24 +288,17 @@ def _split_if_faster(
     Only with ``options.cost_model`` (:mod:`lorafusion_sched.lone_batches`). Returns the sequence
     and the number of global batches split.
     """
-    cost = options.cost_model
-    if cost is None:
+    if options.cost_model is None:
         return final, 0
-    stages, d, padding = options.pipeline_stages, options.data_parallel, options.padding_multiple
-    split, count = split_lone_batches(
-        final, lengths, capacity=options.capacity, padding=padding, stages=stages, replicas=d, cost=cost
+    how = Splitting(
+        lengths=lengths,
+        capacity=options.capacity,
+        padding=options.padding_multiple,
+        stages=options.pipeline_stages,
+        replicas=options.data_parallel,
+        cost=options.cost_model,
     )
-
-    def seconds(sequence: list[Slot]) -> float:
-        sizes = [
-            sum(round_up(sum(lengths[a][s] for s in samples), padding) for a, (_g, samples) in slot.items())
-            for slot in sequence
-        ]
-        return sequence_seconds(sizes, stages, d, cost)
-
-    if count and seconds(split) < seconds(final):
-        return split, count
-    return final, 0
+    return fastest_with_splits(final, how)
 
 
 def _stats(
