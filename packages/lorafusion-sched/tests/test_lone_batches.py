@@ -116,18 +116,31 @@ def test_only_a_lone_batch_followed_by_a_drain_is_split() -> None:
     assert [slot[0] for slot in out[2:]] == [(1, [4]), (1, [5]), (1, [6]), (1, [7])], "(4 + 1) x 1,100 < 2 x 4,100"
 
 
-def test_a_batch_sharing_a_microbatch_with_another_adapter_is_not_split() -> None:
-    slots: list[Slot] = [{0: (0, [0, 1]), 1: (0, [0])}, {}]
-    how = Splitting([[1000, 1000], [1000]], capacity=4096, padding=1, stages=2, replicas=1, cost=SMALL_FIXED)
+def test_a_groups_global_batches_are_split_together() -> None:
+    """Adapters 0 and 1 share their microbatches (a group): their batch 0 is split as one unit."""
+    slots: list[Slot] = [{0: (0, [0, 1, 2]), 1: (0, [0])}, {0: (0, [3]), 1: (0, [1, 2])}, {}]
+    how = Splitting([[1000] * 4, [1000] * 3], capacity=4096, padding=1, stages=2, replicas=1, cost=SMALL_FIXED)
+    out = split_lone_batches(slots, how)
+    assert len([slot for slot in out if slot]) > 2
+    for adapter, samples in ((0, [0, 1, 2, 3]), (1, [0, 1, 2])):
+        assert sorted(s for slot in out if adapter in slot for s in slot[adapter][1]) == samples
+    assert all(max(how.size(slot) for slot in out) <= 4096 for _ in out)
+    assert how.seconds(out) < how.seconds(slots)
+
+
+def test_a_unit_holding_two_global_batches_of_one_adapter_is_not_split() -> None:
+    """Adapter 1's batches 0 and 1 are tied together through adapter 0's microbatches: not one step's samples."""
+    slots: list[Slot] = [{0: (0, [0]), 1: (0, [0])}, {0: (0, [1])}, {0: (0, [2]), 1: (1, [1])}, {}]
+    how = Splitting([[1000] * 3, [1000] * 2], capacity=4096, padding=1, stages=2, replicas=1, cost=SMALL_FIXED)
     assert split_lone_batches(slots, how) == slots
-    assert split_lone_tail(slots, how) == slots
 
 
 def test_no_split_goes_over_the_capacity() -> None:
     """Dealt longest first, samples of 3, 3 and 2 tokens do not fit two microbatches of 4."""
     how = Splitting([[3, 3, 2]], capacity=4, padding=1, stages=2, replicas=1, cost=SMALL_FIXED)
-    assert how.deal(0, [0, 1, 2], 2) is None
-    assert how.deal(0, [0, 1, 2], 3) == [[0], [1], [2]]
+    unit: list[Slot] = [{0: (0, [0, 1, 2])}]
+    assert how.deal(unit, 2) is None
+    assert how.deal(unit, 3) == [{0: (0, [0])}, {0: (0, [1])}, {0: (0, [2])}]
 
 
 def test_the_tail_is_split_but_a_global_batch_begun_before_it_is_kept() -> None:

@@ -16,11 +16,11 @@ to capacity, with a profiled one (large fixed costs) often the packing itself.
 Two ways of splitting are tried, and :func:`fastest_with_splits` keeps whichever makes the whole
 plan simulate fastest (the plan as it was included):
 
-* **Per global batch, before a drain** (:func:`split_lone_batches`): a global batch whose
-  microbatches hold its adapter's samples alone, follow one another and are followed by ``S - 1``
-  rounds of no-ops (or the end of the plan). Its samples are dealt into ``k + 1``, ``k + 2``, ...
-  microbatches and each drained pipeline simulated; the fastest count is kept, and the search
-  stops :data:`PATIENCE` counts past it.
+* **Per global batch, before a drain** (:func:`split_lone_batches`): a global batch (or the
+  global batches of a group, which share microbatches) whose microbatches follow one another and
+  are followed by ``S - 1`` rounds of no-ops (or the end of the plan). Its samples are dealt into
+  ``k + 1``, ``k + 2``, ... microbatches and each drained pipeline simulated; the fastest count is
+  kept, and the search stops :data:`PATIENCE` counts past it.
 * **The lone tail** (:func:`split_lone_tail`): the microbatches at the end of the plan that hold
   one adapter each, where no-ops are spread between several adapters' batches and no single batch
   is followed by a whole drain (two long jobs left by short ones, with 2 replicas, for one). Every global batch there
@@ -79,39 +79,80 @@ class Splitting:
 
     def seconds(self, sequence: Sequence[Slot]) -> float:
         """Simulated makespan of a laid-out sequence (no-ops empty)."""
-        sizes = [sum(self.padded(a, samples) for a, (_g, samples) in slot.items()) for slot in sequence]
-        return sequence_seconds(sizes, self.stages, self.replicas, self.cost)
+        return sequence_seconds([self.size(slot) for slot in sequence], self.stages, self.replicas, self.cost)
 
     def laid_out(self, compact: Sequence[Slot]) -> list[Slot]:
         """``compact`` (no no-ops) with the fewest no-ops its order allows, in whole rounds."""
         return [{} if i is None else compact[i] for i in insert_noops(compact, self.stages, self.replicas)]
 
-    def deal(self, adapter: int, samples: Sequence[int], count: int) -> list[list[int]] | None:
-        """``samples`` in ``count`` groups of near-equal tokens (longest first, each to the least loaded).
+    def size(self, slot: Slot) -> int:
+        """Padded tokens of one microbatch (0 for a no-op)."""
+        return sum(self.padded(a, samples) for a, (_g, samples) in slot.items())
+
+    def deal(self, unit: Sequence[Slot], count: int) -> list[Slot] | None:
+        """``unit``'s samples in ``count`` microbatches of near-equal tokens.
+
+        Longest sample first, each to the least loaded microbatch. Each sample stays with its
+        adapter's global batch; a microbatch holds one segment per adapter.
 
         Returns:
-            The groups in order of their first sample; ``None`` if one would exceed the capacity.
+            The microbatches in order of their first (adapter, sample); ``None`` if one would exceed
+            the capacity.
         """
-        lengths = self.lengths[adapter]
-        heap: list[tuple[int, int]] = [(0, group) for group in range(count)]
-        groups: list[list[int]] = [[] for _ in range(count)]
-        for sample in sorted(samples, key=lambda s: (-lengths[s], s)):
-            load, group = heapq.heappop(heap)
-            groups[group].append(sample)
-            heapq.heappush(heap, (load + lengths[sample], group))
-        dealt = sorted((sorted(group) for group in groups if group), key=lambda group: group[0])
-        return None if max(self.padded(adapter, group) for group in dealt) > self.capacity else dealt
+        items = sorted(
+            (
+                (adapter, batch, sample)
+                for slot in unit
+                for adapter, (batch, samples) in slot.items()
+                for sample in samples
+            ),
+            key=lambda item: (-self.lengths[item[0]][item[2]], item[0], item[2]),
+        )
+        heap: list[tuple[int, int]] = [(0, bin_) for bin_ in range(count)]
+        bins: list[Slot] = [{} for _ in range(count)]
+        for adapter, batch, sample in items:
+            load, bin_ = heapq.heappop(heap)
+            bins[bin_].setdefault(adapter, (batch, []))[1].append(sample)
+            heapq.heappush(heap, (load + self.lengths[adapter][sample], bin_))
+        dealt = [{a: (g, sorted(samples)) for a, (g, samples) in sorted(b.items())} for b in bins if b]
+        if max(self.size(slot) for slot in dealt) > self.capacity:
+            return None
+        return sorted(dealt, key=lambda slot: min((a, samples[0]) for a, (_g, samples) in slot.items()))
 
 
-def _lone_batches(slots: Sequence[Slot], stages: int, replicas: int) -> list[list[int]]:
-    """The slot indices of every lone global batch followed by a drain (consecutive among the microbatches)."""
-    where: dict[tuple[int, int], list[int]] = {}
+def _lone_units(slots: Sequence[Slot], stages: int, replicas: int) -> list[list[int]]:
+    """The slot indices of every lone unit followed by a drain.
+
+    A unit: the global batches that share microbatches, joined (one global batch, or a group's).
+    It is lone when no adapter has two global batches in it and no other microbatch lies between
+    its microbatches, and followed by a drain when ``S - 1`` rounds of no-ops (or the end of the
+    plan) follow its last round.
+    """
+    parent: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def root(key: tuple[int, int]) -> tuple[int, int]:
+        while parent[key] != key:
+            parent[key] = parent[parent[key]]
+            key = parent[key]
+        return key
+
+    for slot in slots:
+        keys = [(adapter, batch) for adapter, (batch, _samples) in slot.items()]
+        for key in keys:
+            parent.setdefault(key, key)
+        for key in keys[1:]:
+            parent[root(key)] = root(keys[0])
+    units: dict[tuple[int, int], list[int]] = {}
+    adapters: dict[tuple[int, int], list[int]] = {}
     for index, slot in enumerate(slots):
-        for adapter, (batch, _samples) in slot.items():
-            where.setdefault((adapter, batch), []).append(index)
+        if slot:
+            first = root(next((a, g) for a, (g, _s) in slot.items()))
+            units.setdefault(first, []).append(index)
+    for key in parent:
+        adapters.setdefault(root(key), []).append(key[0])
     candidates = []
-    for indices in where.values():
-        if any(len(slots[i]) > 1 for i in indices):
+    for unit, indices in units.items():
+        if len(set(adapters[unit])) < len(adapters[unit]):
             continue
         if any(slots[i] for i in range(indices[0], indices[-1]) if i not in indices):
             continue
@@ -122,28 +163,26 @@ def _lone_batches(slots: Sequence[Slot], stages: int, replicas: int) -> list[lis
     return candidates
 
 
-def _fastest_split(adapter: int, groups: list[list[int]], how: Splitting, hint: int) -> list[list[int]]:
-    """The split of ``groups``' samples whose drained pipeline is fastest (``groups`` itself on a tie).
+def _fastest_split(unit: list[Slot], how: Splitting, hint: int) -> list[Slot]:
+    """The split of ``unit``'s samples whose drained pipeline is fastest (``unit`` itself on a tie).
 
-    Counts above ``k`` are tried from ``hint`` (the best count of the adapter's previous global
-    batch, or ``k + 1``) up, then from below ``hint`` down, each way until :data:`PATIENCE` in a row
-    are no faster than the best so far. The time is flat and uneven near its least (deals of whole
-    samples, padding), so a closed-form optimum of the formula above lands a few percent off
+    Counts above ``k`` are tried from ``hint`` (the best count of the previous unit of the same
+    adapters, or ``k + 1``) up, then from below ``hint`` down, each way until :data:`PATIENCE` in a
+    row are no faster than the best so far. The time is flat and uneven near its least (deals of
+    whole samples, padding), so a closed-form optimum of the formula above lands a few percent off
     (``capacity`` 16,384, one ``xsum`` global batch of 64: least at 22 microbatches, formula 33, 3%
     slower there), while the global batches of one job mostly share their best count.
     """
 
-    def seconds(split: list[list[int]]) -> float:
-        sizes = [how.padded(adapter, group) for group in split]
-        return sequence_seconds(sizes, how.stages, how.replicas, how.cost)
+    def seconds(split: list[Slot]) -> float:
+        return sequence_seconds([how.size(slot) for slot in split], how.stages, how.replicas, how.cost)
 
-    samples = sorted(s for group in groups for s in group)
-    lowest, highest = len(groups) + 1, len(samples)
-    best, best_seconds = groups, seconds(groups)
+    lowest, highest = len(unit) + 1, sum(len(samples) for slot in unit for _g, samples in slot.values())
+    best, best_seconds = unit, seconds(unit)
     for start, step in ((max(lowest, min(hint, highest)), 1), (min(hint, highest + 1) - 1, -1)):
         misses, count = 0, start
         while lowest <= count <= highest and misses < PATIENCE:
-            split = how.deal(adapter, samples, count)
+            split = how.deal(unit, count)
             if split is not None and (candidate := seconds(split)) < best_seconds:
                 best, best_seconds, misses = split, candidate, 0
             else:
@@ -153,7 +192,7 @@ def _fastest_split(adapter: int, groups: list[list[int]], how: Splitting, hint: 
 
 
 def split_lone_batches(slots: Sequence[Slot], how: Splitting) -> list[Slot]:
-    """Split every lone global batch followed by a drain where its drained pipeline is then faster.
+    """Split every lone global batch (or group's) followed by a drain where its drained pipeline is then faster.
 
     Args:
         slots: A valid sequence, no-ops empty, in whole rounds of ``how.replicas``.
@@ -164,15 +203,14 @@ def split_lone_batches(slots: Sequence[Slot], how: Splitting) -> list[Slot]:
         unchanged (as a new list) when no split pays.
     """
     replacement: dict[int, list[Slot]] = {}
-    hints: dict[int, int] = {}
-    for indices in _lone_batches(slots, how.stages, how.replicas):
-        adapter = next(iter(slots[indices[0]]))
-        batch = slots[indices[0]][adapter][0]
-        groups = [list(slots[i][adapter][1]) for i in indices]
-        split = _fastest_split(adapter, groups, how, hints.get(adapter, len(groups) + 1))
-        if split is not groups:
-            hints[adapter] = len(split)
-            replacement[indices[0]] = [{adapter: (batch, group)} for group in split]
+    hints: dict[frozenset[int], int] = {}
+    for indices in _lone_units(slots, how.stages, how.replicas):
+        unit = [slots[i] for i in indices]
+        adapters = frozenset(a for slot in unit for a in slot)
+        split = _fastest_split(unit, how, hints.get(adapters, len(unit) + 1))
+        if split is not unit:
+            hints[adapters] = len(split)
+            replacement[indices[0]] = split
             replacement.update((i, []) for i in indices[1:])
     if not replacement:
         return list(slots)
@@ -193,7 +231,8 @@ def _tail_split(tail: Sequence[Slot], target: float, how: Splitting) -> list[Slo
     for (adapter, batch), old in groups.items():
         samples = sorted(s for group in old for s in group)
         count = min(len(samples), math.ceil(sum(how.lengths[adapter][s] for s in samples) / target))
-        dealt[(adapter, batch)] = (how.deal(adapter, samples, count) if count > len(old) else None) or old
+        split = how.deal([{adapter: (batch, samples)}], count) if count > len(old) else None
+        dealt[(adapter, batch)] = old if split is None else [slot[adapter][1] for slot in split]
     remaining = {key: len(old) for key, old in groups.items()}
     out: list[Slot] = []
     for slot in tail:
@@ -214,7 +253,7 @@ def _only_drains(slots: Sequence[Slot], head: int, how: Splitting) -> bool:
     the cost of simulating the tail once per divisor.
     """
     covered: set[int] = set()
-    for indices in _lone_batches(slots, how.stages, how.replicas):
+    for indices in _lone_units(slots, how.stages, how.replicas):
         covered.update(range(indices[-1] + 1, (indices[-1] // how.replicas + how.stages) * how.replicas))
     seen = 0
     for index, slot in enumerate(slots):
@@ -277,17 +316,18 @@ def split_lone_tail(slots: Sequence[Slot], how: Splitting) -> list[Slot]:
 
 
 def _split_count(before: Sequence[Slot], after: Sequence[Slot]) -> int:
-    """Global batches whose number of microbatches differs between two sequences."""
+    """Global batches whose microbatches (what each holds of any adapter) differ between the two sequences."""
 
-    def counts(sequence: Sequence[Slot]) -> dict[tuple[int, int], int]:
-        out: dict[tuple[int, int], int] = {}
+    def microbatches(sequence: Sequence[Slot]) -> dict[tuple[int, int], list[tuple[tuple[int, ...], ...]]]:
+        out: dict[tuple[int, int], list[tuple[tuple[int, ...], ...]]] = {}
         for slot in sequence:
+            held = tuple(sorted((a, g, *samples) for a, (g, samples) in slot.items()))
             for adapter, (batch, _samples) in slot.items():
-                out[(adapter, batch)] = out.get((adapter, batch), 0) + 1
-        return out
+                out.setdefault((adapter, batch), []).append(held)
+        return {key: sorted(held) for key, held in out.items()}
 
-    old, new = counts(before), counts(after)
-    return sum(1 for key, count in new.items() if old[key] != count)
+    old, new = microbatches(before), microbatches(after)
+    return sum(1 for key, held in new.items() if old[key] != held)
 
 
 def fastest_with_splits(slots: list[Slot], how: Splitting) -> tuple[list[Slot], int]:
