@@ -23,9 +23,9 @@ plan simulate fastest (the plan as it was included):
   kept, and the search stops :data:`PATIENCE` counts past it.
 * **The lone tail** (:func:`split_lone_tail`): the microbatches at the end of the plan that hold
   one adapter each, where no-ops are spread between several adapters' batches and no single batch
-  is followed by a whole drain (two long jobs left by short ones, with 2 replicas, for one). Every global batch there
-  is dealt into microbatches of about ``capacity / n`` tokens, for the ``n`` (1 to
-  :data:`MAX_DIVISOR`) with which that part of the plan simulates fastest.
+  is followed by a whole drain (two long jobs left by short ones, with 2 replicas, for one).
+  Every global batch there is dealt into microbatches of about ``capacity / n`` tokens, for the
+  ``n`` (1 to :data:`MAX_DIVISOR`) with which that part of the plan simulates fastest.
 
 Samples are dealt longest first, each to the least loaded microbatch, and a split that would put a
 microbatch over the capacity is not made. The sequence is laid out again with the fewest no-ops its
@@ -269,10 +269,10 @@ def split_lone_tail(slots: Sequence[Slot], how: Splitting) -> list[Slot]:
 
     The tail: the microbatches at the end of the plan that hold one adapter each, less any global
     batch that began before them. A tail whose no-ops all lie in the drains after lone global
-    batches is left to :func:`split_lone_batches`. Its global batches are dealt into microbatches of about
-    ``capacity / n`` tokens for ``n = 1, 2, ..., MAX_DIVISOR`` (a batch already in more is kept),
-    each sequence laid out again, and the one whose tail simulates fastest kept; the search stops
-    :data:`PATIENCE` divisors past the fastest.
+    batches is left to :func:`split_lone_batches`. Its global batches are dealt into microbatches
+    of about ``capacity / n`` tokens for ``n = 1, 2, ..., MAX_DIVISOR`` (a batch already in more
+    is kept), each sequence laid out again, and the one whose tail simulates fastest kept; the
+    search stops :data:`PATIENCE` divisors past the fastest.
 
     Args:
         slots: A valid sequence, no-ops empty, in whole rounds of ``how.replicas``.
