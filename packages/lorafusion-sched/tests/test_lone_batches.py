@@ -189,3 +189,29 @@ def test_stage_factors_must_match_the_pipeline() -> None:
     with pytest.raises(ValidationError, match=r"cost_model\.stage_factors has 2 entries for pipeline_stages = 4"):
         _options(cost_model={"stage_factors": [1.0, 1.2]})
     assert _options(cost_model={"stage_factors": [1.0, 1.2, 1.0, 1.5]}).cost_model is not None
+
+
+def test_options_copied_past_their_checks_are_checked_again() -> None:
+    """``model_copy(update=...)`` skips pydantic's validators; plan() must not fail with an IndexError."""
+    options = _options(pipeline_stages=2, cost_model={"stage_factors": [1.0, 1.2]})
+    job = AdapterJob(name="a", sample_tokens=(1000,) * 32, global_batch_size=4)
+    with pytest.raises(ValidationError, match=r"cost_model\.stage_factors has 2 entries for pipeline_stages = 8"):
+        plan([job], options.model_copy(update={"pipeline_stages": 8}))
+
+
+def test_a_global_batch_begun_before_the_tail_is_kept_wherever_its_microbatches_lie() -> None:
+    """Adapter 0's batch 0 began in a shared microbatch; its lone second one lies inside the tail."""
+    slots: list[Slot] = [
+        {0: (0, [0, 1]), 3: (0, [0])},
+        {1: (0, [0, 1, 2, 3])},
+        {0: (0, [2, 3])},
+        {2: (0, [0, 1, 2, 3])},
+        {},
+        {1: (1, [4, 5, 6, 7])},
+        {2: (1, [4, 5, 6, 7])},
+    ]
+    lengths = [[1000] * 4, [1000] * 8, [1000] * 8, [1000]]
+    how = Splitting(lengths, capacity=4096, padding=1, stages=3, replicas=1, cost=SMALL_FIXED)
+    out = split_lone_tail(slots, how)
+    assert out != slots, "adapters 1 and 2 are split"
+    assert [slot for slot in out if 0 in slot] == [slots[0], slots[2]]

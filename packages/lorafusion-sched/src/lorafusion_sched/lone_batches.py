@@ -19,38 +19,54 @@ plan simulate fastest (the plan as it was included):
 * **Per global batch, before a drain** (:func:`split_lone_batches`): a global batch (or the
   global batches of a group, which share microbatches) whose microbatches follow one another and
   are followed by ``S - 1`` rounds of no-ops (or the end of the plan). Its samples are dealt into
-  ``k + 1``, ``k + 2``, ... microbatches and each drained pipeline simulated; the fastest count is
-  kept, and the search stops :data:`PATIENCE` counts past it.
+  more microbatches and each drained pipeline simulated; the fastest count is kept
+  (:func:`_fastest_split` says which counts are tried).
 * **The lone tail** (:func:`split_lone_tail`): the microbatches at the end of the plan that hold
   one adapter each, where no-ops are spread between several adapters' batches and no single batch
   is followed by a whole drain (two long jobs left by short ones, with 2 replicas, for one).
   Every global batch there is dealt into microbatches of about ``capacity / n`` tokens, for the
-  ``n`` (1 to :data:`MAX_DIVISOR`) with which that part of the plan simulates fastest.
+  ``n`` (1 to :data:`MAX_DIVISOR`) with which the tail's first global batches simulate fastest.
 
 Samples are dealt longest first, each to the least loaded microbatch, and a split that would put a
-microbatch over the capacity is not made. The sequence is laid out again with the fewest no-ops its
-order allows. A split changes no optimizer step: a global batch keeps its samples.
+microbatch over the capacity is not made. The split sequence is laid out again with the fewest
+no-ops its order allows, and reordered by the planner's list schedules too. A split changes no
+optimizer step: a global batch keeps its samples.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from lorafusion_sched.models import CostModel
 from lorafusion_sched.packing.problem import round_up
-from lorafusion_sched.sequence import Slot, insert_noops
+from lorafusion_sched.sequence import Slot, fewest_noops, insert_noops
 from lorafusion_sched.simulate import sequence_seconds
 
-__all__ = ["MAX_DIVISOR", "PATIENCE", "Splitting", "fastest_with_splits", "split_lone_batches", "split_lone_tail"]
+__all__ = [
+    "GRID_STEP",
+    "MAX_DIVISOR",
+    "REFINE",
+    "TAIL_WINDOW",
+    "Splitting",
+    "fastest_with_splits",
+    "split_lone_batches",
+    "split_lone_tail",
+]
 
-PATIENCE = 4
-"""Microbatch counts (divisors for the tail) tried past the fastest so far before a search stops."""
+GRID_STEP = 1.15
+"""Ratio between the microbatch counts a global batch's first search tries, before refining around the best."""
+
+REFINE = 2
+"""Counts tried either side of the best grid count."""
 
 MAX_DIVISOR = 16
 """The smallest microbatch the tail's split aims at is ``capacity / MAX_DIVISOR`` tokens."""
+
+TAIL_WINDOW = 32
+"""Global batches of the tail on which the tail's divisor is chosen (then applied to all of them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,31 +179,56 @@ def _lone_units(slots: Sequence[Slot], stages: int, replicas: int) -> list[list[
     return candidates
 
 
-def _fastest_split(unit: list[Slot], how: Splitting, hint: int) -> list[Slot]:
+def _grid(lowest: int, highest: int) -> list[int]:
+    """``lowest`` to ``highest`` in steps of about :data:`GRID_STEP` times (every count while they are small)."""
+    counts, count = [], lowest
+    while count <= highest:
+        counts.append(count)
+        count = max(count + 1, round(count * GRID_STEP))
+    return counts
+
+
+def _similar(unit: list[Slot], how: Splitting) -> tuple[frozenset[int], int, int]:
+    """What makes two units' best counts alike: their adapters, samples, and tokens to within 5%."""
+    adapters = frozenset(a for slot in unit for a in slot)
+    samples = sum(len(samples) for slot in unit for _g, samples in slot.values())
+    tokens = sum(how.size(slot) for slot in unit)
+    return adapters, samples, round(math.log(max(tokens, 1)) / math.log(1.05))
+
+
+def _fastest_split(unit: list[Slot], how: Splitting, known: dict[tuple[frozenset[int], int, int], int]) -> list[Slot]:
     """The split of ``unit``'s samples whose drained pipeline is fastest (``unit`` itself on a tie).
 
-    Counts above ``k`` are tried from ``hint`` (the best count of the previous unit of the same
-    adapters, or ``k + 1``) up, then from below ``hint`` down, each way until :data:`PATIENCE` in a
-    row are no faster than the best so far. The time is flat and uneven near its least (deals of
-    whole samples, padding), so a closed-form optimum of the formula above lands a few percent off
-    (``capacity`` 16,384, one ``xsum`` global batch of 64: least at 22 microbatches, formula 33, 3%
-    slower there), while the global batches of one job mostly share their best count.
+    The time against the count is flat and uneven near its least (deals of whole samples,
+    padding): a closed-form optimum of the formula above lands a few percent off (``capacity``
+    16,384, one ``xsum`` global batch of 64: least at 22 microbatches, formula 33, 3% slower there),
+    and a search that stops at the first counts no faster stops in a dip (9.8% off for a global
+    batch of 512). So the first unit of its kind tries a grid of counts (:func:`_grid`) and the
+    :data:`REFINE` counts either side of the grid's best; a similar unit (``known``, by
+    :func:`_similar`) tries only that unit's best count and the counts next to it.
     """
 
     def seconds(split: list[Slot]) -> float:
         return sequence_seconds([how.size(slot) for slot in split], how.stages, how.replicas, how.cost)
 
     lowest, highest = len(unit) + 1, sum(len(samples) for slot in unit for _g, samples in slot.values())
-    best, best_seconds = unit, seconds(unit)
-    for start, step in ((max(lowest, min(hint, highest)), 1), (min(hint, highest + 1) - 1, -1)):
-        misses, count = 0, start
-        while lowest <= count <= highest and misses < PATIENCE:
+    best, best_seconds, best_count = unit, seconds(unit), len(unit)
+
+    kind = _similar(unit, how)
+
+    def counts_to_try() -> Iterator[int]:
+        if kind in known:
+            yield from range(known[kind] - 1, known[kind] + 2)
+        else:
+            yield from _grid(lowest, highest)
+            yield from range(best_count - REFINE, best_count + REFINE + 1)  # the grid's best, read once it is done
+
+    for count in counts_to_try():
+        if lowest <= count <= highest and count != best_count:
             split = how.deal(unit, count)
             if split is not None and (candidate := seconds(split)) < best_seconds:
-                best, best_seconds, misses = split, candidate, 0
-            else:
-                misses += 1
-            count += step
+                best, best_seconds, best_count = split, candidate, count
+    known.setdefault(kind, best_count)
     return best
 
 
@@ -203,13 +244,11 @@ def split_lone_batches(slots: Sequence[Slot], how: Splitting) -> list[Slot]:
         unchanged (as a new list) when no split pays.
     """
     replacement: dict[int, list[Slot]] = {}
-    hints: dict[frozenset[int], int] = {}
+    known: dict[tuple[frozenset[int], int, int], int] = {}
     for indices in _lone_units(slots, how.stages, how.replicas):
         unit = [slots[i] for i in indices]
-        adapters = frozenset(a for slot in unit for a in slot)
-        split = _fastest_split(unit, how, hints.get(adapters, len(unit) + 1))
+        split = _fastest_split(unit, how, known)
         if split is not unit:
-            hints[adapters] = len(split)
             replacement[indices[0]] = split
             replacement.update((i, []) for i in indices[1:])
     if not replacement:
@@ -217,11 +256,12 @@ def split_lone_batches(slots: Sequence[Slot], how: Splitting) -> list[Slot]:
     return how.laid_out([new for index, slot in enumerate(slots) if slot for new in replacement.get(index, [slot])])
 
 
-def _tail_split(tail: Sequence[Slot], target: float, how: Splitting) -> list[Slot]:
+def _tail_split(tail: Sequence[Slot], target: float, how: Splitting, keep: set[tuple[int, int]]) -> list[Slot]:
     """``tail`` (one adapter per slot) with each global batch dealt into microbatches of about ``target`` tokens.
 
     A batch's new microbatches take the places of its old ones in order, the extra ones after its
-    last; a batch that would not fit the capacity so, or is already split finer, stays as it is.
+    last. A batch in ``keep``, one that would not fit the capacity so, or one already split finer,
+    stays as it is.
     """
     groups: dict[tuple[int, int], list[list[int]]] = {}
     for slot in tail:
@@ -231,7 +271,8 @@ def _tail_split(tail: Sequence[Slot], target: float, how: Splitting) -> list[Slo
     for (adapter, batch), old in groups.items():
         samples = sorted(s for group in old for s in group)
         count = min(len(samples), math.ceil(sum(how.lengths[adapter][s] for s in samples) / target))
-        split = how.deal([{adapter: (batch, samples)}], count) if count > len(old) else None
+        wanted = (adapter, batch) not in keep and count > len(old)
+        split = how.deal([{adapter: (batch, samples)}], count) if wanted else None
         dealt[(adapter, batch)] = old if split is None else [slot[adapter][1] for slot in split]
     remaining = {key: len(old) for key, old in groups.items()}
     out: list[Slot] = []
@@ -264,55 +305,65 @@ def _only_drains(slots: Sequence[Slot], head: int, how: Splitting) -> bool:
     return True
 
 
+def _window(tail: Sequence[Slot], batches: int) -> list[Slot]:
+    """The tail's microbatches up to the end of its first ``batches`` global batches (in order of their start)."""
+    started: list[tuple[int, int]] = []
+    last: dict[tuple[int, int], int] = {}
+    for index, slot in enumerate(tail):
+        for adapter, (batch, _samples) in slot.items():
+            if (adapter, batch) not in last:
+                started.append((adapter, batch))
+            last[(adapter, batch)] = index
+    if len(started) <= batches:
+        return list(tail)
+    return list(tail[: max(last[key] for key in started[:batches]) + 1])
+
+
 def split_lone_tail(slots: Sequence[Slot], how: Splitting) -> list[Slot]:
     """Split the global batches of the plan's lone tail into the microbatch size that simulates fastest.
 
-    The tail: the microbatches at the end of the plan that hold one adapter each, less any global
-    batch that began before them. A tail whose no-ops all lie in the drains after lone global
-    batches is left to :func:`split_lone_batches`. Its global batches are dealt into microbatches
-    of about ``capacity / n`` tokens for ``n = 1, 2, ..., MAX_DIVISOR`` (a batch already in more
-    is kept), each sequence laid out again, and the one whose tail simulates fastest kept; the
-    search stops :data:`PATIENCE` divisors past the fastest.
+    The tail: the microbatches at the end of the plan that hold one adapter each; a global batch
+    that began before them keeps its microbatches. A tail whose no-ops all lie in the drains after
+    lone global batches is left to :func:`split_lone_batches`. The size is chosen on the tail's
+    first :data:`TAIL_WINDOW` global batches (simulated after the rest of the plan, from the round
+    of the tail's first microbatch): each is dealt into microbatches of about ``capacity / n``
+    tokens for ``n = 1, 2, ..., MAX_DIVISOR`` (a batch already in more is kept), and the fastest
+    ``n`` is applied to the whole tail.
 
     Args:
         slots: A valid sequence, no-ops empty, in whole rounds of ``how.replicas``.
         how: Lengths, limits, pipeline and costs.
 
     Returns:
-        The new sequence; ``slots`` unchanged (as a new list) when no split pays.
+        The new sequence; ``slots`` unchanged (as a new list) when no split pays on the window.
     """
     compact = [slot for slot in slots if slot]
     start = len(compact)
     while start and len(compact[start - 1]) == 1:
         start -= 1
-    started = {(a, g) for slot in compact[:start] for a, (g, _samples) in slot.items()}
-    while start < len(compact) and next(iter((a, g) for a, (g, _s) in compact[start].items())) in started:
-        start += 1  # a global batch that began before the tail keeps its microbatches
     head, tail = compact[:start], compact[start:]
     if not tail or _only_drains(slots, len(head), how):
         return list(slots)
+    keep = {(a, g) for slot in head for a, (g, _samples) in slot.items()}
+    window = _window(tail, TAIL_WINDOW)
 
-    def tail_seconds(sequence: list[Slot]) -> float:
-        seen, cut = 0, 0
-        for index, slot in enumerate(sequence):
+    def window_seconds(split_window: list[Slot]) -> float:
+        laid = how.laid_out(head + split_window)
+        seen = 0
+        for index, slot in enumerate(laid):
             if slot:
                 if seen == len(head):
-                    cut = index - index % how.replicas
-                    break
+                    return how.seconds(laid[index - index % how.replicas :])
                 seen += 1
-        return how.seconds(sequence[cut:])
+        return 0.0
 
-    best, best_seconds = list(slots), tail_seconds(list(slots))
-    misses = 0
+    best_divisor, best_seconds = None, window_seconds(window)
     for divisor in range(1, MAX_DIVISOR + 1):
-        candidate = how.laid_out(head + _tail_split(tail, how.capacity / divisor, how))
-        if (seconds := tail_seconds(candidate)) < best_seconds:
-            best, best_seconds, misses = candidate, seconds, 0
-        else:
-            misses += 1
-            if misses == PATIENCE:
-                break
-    return best
+        if (seconds := window_seconds(_tail_split(window, how.capacity / divisor, how, keep))) < best_seconds:
+            best_divisor, best_seconds = divisor, seconds
+    if best_divisor is None:
+        return list(slots)
+    return how.laid_out(head + _tail_split(tail, how.capacity / best_divisor, how, keep))
 
 
 def _split_count(before: Sequence[Slot], after: Sequence[Slot]) -> int:
@@ -333,17 +384,23 @@ def _split_count(before: Sequence[Slot], after: Sequence[Slot]) -> int:
 def fastest_with_splits(slots: list[Slot], how: Splitting) -> tuple[list[Slot], int]:
     """The fastest of ``slots`` and its splits, by the whole plan's simulated makespan.
 
-    Candidates: the sequence as it is, :func:`split_lone_batches` of it and :func:`split_lone_tail`
-    of it. A split is kept only if strictly faster. (Splitting the tail's result per global batch
-    too gained at most 0.6% over the better of the two on the benchmark's workloads, for twice the
-    time.)
+    Candidates: the sequence as it is; :func:`split_lone_batches` of it and :func:`split_lone_tail`
+    of it, each in the order the split left it and reordered by the planner's list schedules
+    (:func:`~lorafusion_sched.sequence.fewest_noops`: more, smaller microbatches may fill waits
+    another order leaves). A split is kept only if strictly faster. (Splitting the tail's result
+    per global batch too gained at most 0.6% over the better of the two on the benchmark's
+    workloads, for twice the time.)
 
     Returns:
         The sequence and the number of global batches split.
     """
-    candidates = [split_lone_batches(slots, how), split_lone_tail(slots, how)]
     best, best_seconds = slots, how.seconds(slots)
-    for candidate in candidates:
-        if candidate != best and (seconds := how.seconds(candidate)) < best_seconds:
-            best, best_seconds = candidate, seconds
+    for split in (split_lone_batches(slots, how), split_lone_tail(slots, how)):
+        if split == slots:
+            continue
+        compact = [slot for slot in split if slot]
+        reordered = [{} if i is None else compact[i] for i in fewest_noops(compact, how.stages, how.replicas)]
+        for candidate in (split, reordered) if len(reordered) < len(split) else (split,):
+            if (seconds := how.seconds(candidate)) < best_seconds:
+                best, best_seconds = candidate, seconds
     return best, _split_count(slots, best) if best is not slots else 0

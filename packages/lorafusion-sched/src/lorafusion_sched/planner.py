@@ -352,6 +352,9 @@ def plan(jobs: Iterable[AdapterJob], options: PlanOptions, *, progress: Progress
     for i, job in enumerate(jobs):
         require_model(job, AdapterJob, f"jobs[{i}]")
     require_model(options, PlanOptions, "options")
+    # model_copy(update=...) skips the validators: checked again, so that e.g. a cost model's stage
+    # factors that no longer match pipeline_stages get the message, not an IndexError mid-plan.
+    options = PlanOptions.model_validate(options.model_dump())
     lengths, truncated = _checked_lengths(jobs, options)
     workers = resolve_workers(options.workers)
     d = options.data_parallel

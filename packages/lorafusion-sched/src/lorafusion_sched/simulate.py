@@ -61,48 +61,69 @@ class _Item:
 def _one_f_one_b(
     items: Sequence[_Item], stages: int, cost: CostModel, start: float, events: list[Event] | None
 ) -> tuple[float, list[float]]:
-    """Simulate one 1F1B pipeline from ``start``; returns (end time, busy seconds per stage)."""
+    """Simulate one 1F1B pipeline from ``start``; returns (end time, busy seconds per stage).
+
+    Each stage's order is a list of microbatch indices, ``i`` for a forward and ``~i`` (negative)
+    for a backward; stages are swept in turn, each running its ops while their inputs are ready.
+    """
     n = len(items)
     busy = [0.0] * stages
     if n == 0:
         return start, busy
+    backward_factor = cost.backward_factor
     forward = [[cost.forward_seconds(it.tokens, s) for it in items] for s in range(stages)]
-    orders: list[list[tuple[bool, int]]] = []
+    backward = [[backward_factor * seconds for seconds in row] for row in forward]
+    orders: list[list[int]] = []
     for s in range(stages):
         warmup = min(stages - 1 - s, n)
-        ops = [(True, i) for i in range(warmup)]
+        ops = list(range(warmup))
         for i in range(n - warmup):
-            ops.extend([(True, warmup + i), (False, i)])
-        ops.extend((False, i) for i in range(n - warmup, n))
+            ops.append(warmup + i)
+            ops.append(~i)
+        ops.extend(~i for i in range(n - warmup, n))
         orders.append(ops)
     f_end = [[-1.0] * n for _ in range(stages)]
     b_end = [[-1.0] * n for _ in range(stages)]
     free = [start] * stages
     position = [0] * stages
     remaining = 2 * n * stages
+    last = stages - 1
     while remaining:
         progressed = False
         for s in range(stages):
-            ops = orders[s]
-            while position[s] < len(ops):
-                is_forward, i = ops[position[s]]
-                if is_forward:
-                    ready = f_end[s - 1][i] if s > 0 else start
+            ops, p, clock = orders[s], position[s], free[s]
+            f_here, b_here = f_end[s], b_end[s]
+            f_before = f_end[s - 1] if s > 0 else None
+            b_after = b_end[s + 1] if s < last else None
+            stop = len(ops)
+            while p < stop:
+                op = ops[p]
+                if op >= 0:
+                    ready = f_before[op] if f_before is not None else start
+                    if ready < 0:
+                        break
+                    duration = forward[s][op]
+                    begin = clock if clock > ready else ready
+                    clock = begin + duration
+                    f_here[op] = clock
                 else:
-                    ready = b_end[s + 1][i] if s < stages - 1 else f_end[s][i]
-                if ready < 0:
-                    break
-                duration = forward[s][i] * (1.0 if is_forward else cost.backward_factor)
-                begin = max(free[s], ready)
-                end = begin + duration
-                (f_end if is_forward else b_end)[s][i] = end
-                free[s] = end
+                    i = ~op
+                    ready = b_after[i] if b_after is not None else f_here[i]
+                    if ready < 0:
+                        break
+                    duration = backward[s][i]
+                    begin = clock if clock > ready else ready
+                    clock = begin + duration
+                    b_here[i] = clock
                 busy[s] += duration
-                position[s] += 1
-                remaining -= 1
-                progressed = True
+                p += 1
                 if events is not None and duration > 0:
-                    events.append(Event(s, "F" if is_forward else "B", i, begin, end, items[i].label))
+                    i = op if op >= 0 else ~op
+                    events.append(Event(s, "F" if op >= 0 else "B", i, begin, clock, items[i].label))
+            if p != position[s]:
+                remaining -= p - position[s]
+                position[s], free[s] = p, clock
+                progressed = True
         if not progressed:  # 1F1B orders are deadlock-free; this guards the invariant
             raise RuntimeError("1F1B simulation made no progress")
     return max(free), busy
