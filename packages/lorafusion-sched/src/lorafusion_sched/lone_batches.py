@@ -71,7 +71,7 @@ MIN_GAIN = 1.03
 
 The model is a line; measured times are not (a LLaMa-3.1-8B pipeline stage on an H200: 46 ms
 forward at 1,024 and 4,096 tokens alike, 47 ms at 2,048). With 2 replicas a line fitted to them
-predicted splits 1.5-1.9% faster that the measured times make 3% slower."""
+predicted splits 0.1-1.1% faster that the measured times make up to 3.3% slower."""
 
 TAIL_WINDOW = 32
 """Global batches of the tail on which the tail's divisor is chosen (then applied to all of them)."""
