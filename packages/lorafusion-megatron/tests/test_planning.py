@@ -104,3 +104,22 @@ def test_a_profile_whose_small_microbatches_cost_as_much_splits_nothing(config_d
     config = _lopsided(config_dict)
     _write_profile(config.output_dir, stages=2, fixed_s=1.0)
     assert make_plan(config, prepare_data(config).jobs, pipeline_stages=2).stats.split_batches == 0
+
+
+@pytest.mark.filterwarnings("ignore::lorafusion_sched.SchedWarning")  # the lone tail, on purpose
+def test_a_profile_missing_a_stage_below_the_capacity_gives_a_model_without_stage_factors(config_dict) -> None:
+    """Stage 2 measured only above the capacity (its smaller counts failed): the line has 2 stage factors for 3."""
+    from pathlib import Path
+
+    from lorafusion_megatron.profiler.run import profiled_cost_model
+
+    config = _lopsided(config_dict)
+    _write_profile(config.output_dir, stages=3, fixed_s=1e-4)
+    path = Path(config.output_dir) / "profile.json"
+    report = json.loads(path.read_text())
+    report["measurements"] = [m for m in report["measurements"] if m["stage"] < 2 or m["tokens"] > 256]
+    path.write_text(json.dumps(report))
+    cost = profiled_cost_model(config, 3)
+    assert cost is not None
+    assert cost.stage_factors is None
+    make_plan(config, prepare_data(config).jobs, pipeline_stages=3)  # PlanOptions accepts it

@@ -120,6 +120,9 @@ def profiled_cost_model(config: TrainerConfig, pipeline_stages: int) -> CostMode
         cost = fit_cost_model(within, every_count=True)
     else:
         cost = CostModel.model_validate(report["cost_model"])
+    if cost.stage_factors is not None and len(cost.stage_factors) != pipeline_stages:
+        # A stage without a count at or below the capacity (out of memory there) left no factor.
+        cost = cost.model_copy(update={"stage_factors": None})
     models, counts = report.get("recompute_models"), report.get("chosen_recomputed_layers")
     if models is not None and counts is not None and config.runtime.activation_checkpointing == counts:
         stages = [
