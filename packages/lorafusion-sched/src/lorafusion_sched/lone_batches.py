@@ -14,7 +14,7 @@ the default :class:`~lorafusion_sched.models.CostModel` the best ``k`` is severa
 to capacity, with a profiled one (large fixed costs) often the packing itself.
 
 Two ways of splitting are tried, and :func:`fastest_with_splits` keeps whichever makes the whole
-plan simulate fastest (the plan as it was included):
+plan simulate fastest, if at least :data:`MIN_GAIN` times faster than the plan as it was:
 
 * **Per global batch, before a drain** (:func:`split_lone_batches`): a global batch (or the
   global batches of a group, which share microbatches) whose microbatches follow one another and
@@ -29,7 +29,7 @@ plan simulate fastest (the plan as it was included):
 
 Samples are dealt longest first, each to the least loaded microbatch, and a split that would put a
 microbatch over the capacity is not made. The split sequence is laid out again with the fewest
-no-ops its order allows, and reordered by the planner's list schedules too. A split changes no
+no-ops its order allows, and reordered by the planner's list schedules where that is shorter. A split changes no
 optimizer step: a global batch keeps its samples.
 """
 
