@@ -99,26 +99,19 @@ def _one_f_one_b(
             while p < stop:
                 op = ops[p]
                 if op >= 0:
-                    ready = f_before[op] if f_before is not None else start
-                    if ready < 0:
-                        break
-                    duration = forward[s][op]
-                    begin = clock if clock > ready else ready
-                    clock = begin + duration
-                    f_here[op] = clock
+                    i, ends, duration = op, f_here, forward[s][op]
+                    ready = f_before[i] if f_before is not None else start
                 else:
-                    i = ~op
+                    i, ends, duration = ~op, b_here, backward[s][~op]
                     ready = b_after[i] if b_after is not None else f_here[i]
-                    if ready < 0:
-                        break
-                    duration = backward[s][i]
-                    begin = clock if clock > ready else ready
-                    clock = begin + duration
-                    b_here[i] = clock
+                if ready < 0:
+                    break
+                begin = clock if clock > ready else ready
+                clock = begin + duration
+                ends[i] = clock
                 busy[s] += duration
                 p += 1
                 if events is not None and duration > 0:
-                    i = op if op >= 0 else ~op
                     events.append(Event(s, "F" if op >= 0 else "B", i, begin, clock, items[i].label))
             if p != position[s]:
                 remaining -= p - position[s]
