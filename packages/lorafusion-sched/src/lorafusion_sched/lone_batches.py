@@ -215,12 +215,8 @@ def _fastest_split(unit: list[Slot], how: Splitting, known: dict[tuple[frozenset
     :data:`REFINE` counts either side of the grid's best; a similar unit (``known``, by
     :func:`_similar`) tries only that unit's best count and the counts next to it.
     """
-
-    def seconds(split: list[Slot]) -> float:
-        return sequence_seconds([how.size(slot) for slot in split], how.stages, how.replicas, how.cost)
-
     lowest, highest = len(unit) + 1, sum(len(samples) for slot in unit for _g, samples in slot.values())
-    best, best_seconds, best_count = unit, seconds(unit), len(unit)
+    best, best_seconds, best_count = unit, how.seconds(unit), len(unit)
 
     kind = _similar(unit, how)
 
@@ -234,7 +230,7 @@ def _fastest_split(unit: list[Slot], how: Splitting, known: dict[tuple[frozenset
     for count in counts_to_try():
         if lowest <= count <= highest and count != best_count:
             split = how.deal(unit, count)
-            if split is not None and (candidate := seconds(split)) < best_seconds:
+            if split is not None and (candidate := how.seconds(split)) < best_seconds:
                 best, best_seconds, best_count = split, candidate, count
     known.setdefault(kind, best_count)
     return best
@@ -282,16 +278,14 @@ def _tail_split(tail: Sequence[Slot], target: float, how: Splitting, keep: set[t
         wanted = (adapter, batch) not in keep and count > len(old)
         split = how.deal([{adapter: (batch, samples)}], count) if wanted else None
         dealt[(adapter, batch)] = old if split is None else [slot[adapter][1] for slot in split]
-    remaining = {key: len(old) for key, old in groups.items()}
+    seen = dict.fromkeys(groups, 0)
     out: list[Slot] = []
     for slot in tail:
         [(adapter, (batch, _samples))] = slot.items()
         key = (adapter, batch)
-        remaining[key] -= 1
-        taken = len(groups[key]) - remaining[key] - 1
-        new = dealt[key]
-        chunk = new[taken:] if remaining[key] == 0 else new[taken : taken + 1]
-        out.extend({adapter: (batch, group)} for group in chunk)
+        taken, seen[key] = seen[key], seen[key] + 1
+        last = seen[key] == len(groups[key])
+        out.extend({adapter: (batch, group)} for group in dealt[key][taken : None if last else taken + 1])
     return out
 
 
