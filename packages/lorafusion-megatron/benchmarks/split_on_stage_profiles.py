@@ -31,7 +31,7 @@ from lorafusion_megatron.profiler.fit import fit_cost_model
 from lorafusion_megatron.profiler.measure import Measurement
 from lorafusion_sched import SchedWarning, plan
 from lorafusion_sched.models import Plan
-from lorafusion_sched.simulate import _Item, _one_f_one_b
+from lorafusion_sched.simulate import sequence_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "lorafusion-sched" / "benchmarks"))
 import bench_sched  # the scheduler benchmark's workloads and options (a script, not a package)
@@ -60,9 +60,8 @@ class MeasuredStage:
 
 def measured_seconds(p: Plan, stage: MeasuredStage) -> float:
     """The plan's makespan with every stage running as the measured one."""
-    items = [_Item(mb.padded_tokens, "") for mb in p.microbatches]
-    d = p.data_parallel
-    return max(_one_f_one_b(items[r::d], p.pipeline_stages, stage, 0.0, None)[0] for r in range(d))  # type: ignore[arg-type]
+    sizes = [mb.padded_tokens for mb in p.microbatches]
+    return sequence_seconds(sizes, p.pipeline_stages, p.data_parallel, stage)  # type: ignore[arg-type]
 
 
 def rows_for(path: Path, capacities: list[int]) -> list[dict[str, Any]]:
