@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lorafusion_megatron.profiler.capacity import choose_capacity, predicted_peak_bytes
-from lorafusion_megatron.profiler.fit import fit_cost_model, fit_line
+from lorafusion_megatron.profiler.fit import fit_cost_model, fit_line, measured_cost_model
 from lorafusion_megatron.profiler.measure import Measurement
 from lorafusion_sched import AdapterJob
 
@@ -40,14 +40,38 @@ def test_fit_leaves_out_the_small_counts_the_host_bounds() -> None:
     assert cost.backward_factor == pytest.approx(2.265, rel=0.01)
 
 
-def test_every_count_keeps_the_small_counts_and_their_large_fixed_cost() -> None:
-    """For the planner's splits: the same times fitted at every count up to 4,096 tokens."""
-    forward_ms = {1024: 275.0, 2048: 336.3, 4096: 227.3}
-    cost = fit_cost_model(
-        [Measurement(0, n, forward_ms[n] / 1e3, 2 * forward_ms[n] / 1e3, None) for n in forward_ms], every_count=True
-    )
-    assert cost.forward_fixed_s == pytest.approx(sum(forward_ms.values()) / 3e3)
-    assert cost.forward_per_token_s == 0.0, "no slope: a smaller microbatch saves nothing"
+def test_the_measured_model_follows_a_host_bound_then_gpu_bound_stage_point_by_point() -> None:
+    """Qwen2.5-32B, stage 0 of 2 on an H200 (every layer recomputed): flat to 4,096 tokens, then steep.
+
+    Stage 1 runs 0.9 times as long. By the line through these points two microbatches of 4,096
+    tokens take 1.29 times one of 8,192 (321 and 498 ms); by the measurements, 1.07 times."""
+    forward_ms = {1024: 192.7, 2048: 258.4, 4096: 276.3, 8192: 514.0}
+    measurements = [
+        Measurement(stage, n, factor * ms / 1e3, 2.2 * factor * ms / 1e3, None)
+        for stage, factor in ((0, 1.0), (1, 0.9))
+        for n, ms in forward_ms.items()
+    ]
+    cost = measured_cost_model(measurements)
+    assert cost.stage_factors == pytest.approx((1 / 0.95, 0.9 / 0.95))
+    assert cost.backward_factor == pytest.approx(2.2)
+    for n, ms in forward_ms.items():
+        assert cost.forward_seconds(n, 0) == pytest.approx(ms / 1e3)
+        assert cost.forward_seconds(n, 1) == pytest.approx(0.9 * ms / 1e3)
+    assert cost.forward_seconds(3072, 0) == pytest.approx((258.4 + 276.3) / 2e3), "between two points: linear"
+    assert cost.forward_seconds(512, 0) == pytest.approx(0.1927), "below the first: the first's time"
+    assert cost.forward_seconds(16384, 0) == pytest.approx(1.028), "past the last: in proportion to the tokens"
+    fixed, per_token = fit_line(list(map(float, forward_ms)), [ms * 0.95e-3 for ms in forward_ms.values()])
+    assert (cost.forward_fixed_s, cost.forward_per_token_s) == pytest.approx((fixed, per_token))
+
+
+def test_the_measured_model_keeps_the_counts_every_stage_measured() -> None:
+    """Stage 1 ran out of memory at 4,096 tokens: the points end at 2,048, where both stages have times."""
+    measurements = [m for m in _measurements() if (m.stage, m.tokens) != (1, 4096)]
+    cost = measured_cost_model(measurements)
+    assert cost.forward_points is not None
+    assert [n for n, _ in cost.forward_points] == [1024, 2048]
+    assert cost.stage_factors == pytest.approx((0.8, 1.2))
+    assert cost.forward_seconds(2048, 1) == pytest.approx(1.2 * (1e-3 + 2e-6 * 2048))
 
 
 def test_fit_line_never_goes_negative() -> None:

@@ -230,3 +230,16 @@ def test_a_global_batch_begun_before_the_tail_is_kept_wherever_its_microbatches_
     out = split_lone_tail(slots, how)
     assert out != slots, "adapters 1 and 2 are split"
     assert [slot for slot in out if 0 in slot] == [slots[0], slots[2]]
+
+
+def test_measured_points_split_a_lone_batch_where_the_host_bound_floor_ends() -> None:
+    """A stage flat up to 1,024 tokens (the host's floor), then proportional: a lone global batch of
+    4,096 tokens goes fastest in four microbatches of 1,024 (seven slots of one floor each, against
+    four slots of four floors unsplit); smaller ones would add slots at the same floor."""
+    cost = CostModel(forward_points=((64, 1e-2), (1024, 1e-2), (4096, 4e-2)))
+    job = AdapterJob(name="one", sample_tokens=(256,) * 16, global_batch_size=16)
+    split = plan([job], _options(capacity=4096, cost_model=cost))
+    assert verify(split) == []
+    assert sorted(mb.padded_tokens for mb in split.microbatches if not mb.noop) == [1024] * 4
+    unsplit = plan([job], _options(capacity=4096))
+    assert _seconds(unsplit, cost) / _seconds(split, cost) == pytest.approx(16 / 7)

@@ -282,3 +282,36 @@ def test_adapter_names_print_as_themselves_on_one_line(name: str, needle: str) -
 @pytest.mark.parametrize("name", ["a", "chat v2", "x[/b]", "ünïcode-名前", "a+b"])
 def test_ordinary_adapter_names_are_kept(name: str) -> None:
     assert AdapterJob(name=name, sample_tokens=(5,), global_batch_size=1).name == name
+
+
+def test_a_cost_model_interpolates_its_measured_points_and_scales_them_by_stage() -> None:
+    cost = CostModel(forward_points=((1024, 0.2), (2048, 0.25), (4096, 0.3)), stage_factors=(1.0, 2.0))
+    assert cost.forward_seconds(0, 0) == 0.0, "a no-op"
+    assert cost.forward_seconds(64, 0) == 0.2, "below the first point: its time"
+    assert cost.forward_seconds(3072, 0) == pytest.approx(0.275)
+    assert cost.forward_seconds(3072, 1) == pytest.approx(0.55)
+    assert cost.forward_seconds(8192, 0) == pytest.approx(0.6), "past the last: in proportion to the tokens"
+    assert CostModel(forward_fixed_s=0.0, forward_per_token_s=0.0, forward_points=((64, 1.0),)).forward_seconds(64, 0)
+    assert CostModel.model_validate_json('{"forward_points": [[1024, 1], [2048.0, 2.5]]}').forward_points == (
+        (1024, 1.0),
+        (2048, 2.5),
+    )
+
+
+@pytest.mark.parametrize(
+    ("points", "needle"),
+    [
+        ([], "give at least one"),
+        ([(2048, 0.1), (1024, 0.2)], "1024 tokens follows 2048: list the points by rising tokens"),
+        ([(1024, 0.1), (1024, 0.2)], "1024 tokens follows 1024"),
+        ([(0, 0.1)], "at least 1 token"),
+        ([(64, 0.0), (128, 0.0)], "every forward takes 0 s"),
+        ([(64, -0.1)], "greater than or equal to 0"),
+        ([(64, math.inf)], "finite"),
+        ([(64.5, 0.1)], "give a whole number, not a fraction"),
+        ([("64", 0.1)], "not a string"),
+    ],
+)
+def test_a_cost_model_refuses_points_it_cannot_interpolate(points: list[tuple[object, object]], needle: str) -> None:
+    with pytest.raises(ValidationError, match=needle):
+        CostModel(forward_points=points)  # type: ignore[arg-type]

@@ -104,14 +104,21 @@ def test_a_plan_is_never_longer_than_the_greedy_plan(workload: tuple[list[Adapte
     st.sampled_from([1e-4, 1e-3, 1e-2, 0.1]),
     st.sampled_from([1e-6, 1e-5]),
     st.sampled_from([1.0, 2.0]),
+    st.sampled_from([None, 256, 1024]),
 )
 def test_a_cost_model_never_makes_the_plan_slower_under_it(
-    workload: tuple[list[AdapterJob], PlanOptions], fixed: float, per_token: float, backward: float
+    workload: tuple[list[AdapterJob], PlanOptions], fixed: float, per_token: float, backward: float, floor: int | None
 ) -> None:
-    """Lone global batches are split only where the whole plan then simulates faster, and the result verifies."""
+    """Lone global batches are split only where the whole plan then simulates faster, and the result verifies.
+
+    The model is a line, or (``floor``) measured points: flat up to ``floor`` tokens, then the line.
+    """
     jobs, options = workload
     options = options.model_copy(update={"use_milp": False})  # time-limited solves could differ between the plans
     cost = CostModel(forward_fixed_s=fixed, forward_per_token_s=per_token, backward_factor=backward)
+    if floor is not None:
+        points = tuple((n, cost.forward_seconds(n, 0)) for n in (floor, 2 * floor, 8 * floor))
+        cost = cost.model_copy(update={"forward_points": points})
     without = plan(jobs, options)
     with_cost = plan(jobs, PlanOptions.model_validate(options.model_dump() | {"cost_model": cost}))
     assert verify(with_cost) == []

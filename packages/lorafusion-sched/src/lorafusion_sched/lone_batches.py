@@ -69,9 +69,11 @@ MAX_DIVISOR = 16
 MIN_GAIN = 1.03
 """A split is kept only if the whole plan simulates at least this much faster.
 
-The model is a line; measured times are not (a LLaMa-3.1-8B pipeline stage on an H200: 46 ms
-forward at 1,024 and 4,096 tokens alike, 47 ms at 2,048). With 2 replicas a line fitted to them
-predicted splits 0.1-1.1% faster that the measured times make up to 3.3% slower."""
+A model misleads by a few percent. A LLaMa-3.1-8B pipeline stage on an H200 ran its forward in
+46 ms at 1,024 and 4,096 tokens alike, 47 ms at 2,048; with 2 replicas a line fitted to these
+times predicted splits 0.1-1.1% faster that the measured times themselves make up to 3.3% slower.
+Measured points (``CostModel.forward_points``) follow such a stage, but were measured on one stage
+alone, not in a running pipeline."""
 
 TAIL_WINDOW = 32
 """Global batches of the tail on which the tail's divisor is chosen (then applied to all of them)."""

@@ -9,6 +9,8 @@ whole numbers (:data:`WholeNumber`), numbers (``StrictFloat``: ints and floats) 
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import operator
 import unicodedata
 from collections.abc import Iterable
@@ -191,6 +193,13 @@ class AdapterJob(BaseModel):
 class CostModel(BaseModel):
     """Seconds per stage for a microbatch of ``n`` padded tokens: ``fixed + per_token * n`` forward.
 
+    Or, with ``forward_points`` (measured ``(tokens, seconds)`` pairs, e.g. a profile's), the forward
+    interpolated between them: linear between two points, the first point's seconds below it (a
+    smaller microbatch is taken to be no faster than the smallest measured), and in proportion to the
+    tokens past the last. A line cannot follow a stage that the host's kernel launches bound below
+    some size and the GPU above it (flat, then steep); a plan made for such a line misjudges which
+    microbatch sizes pay. The line's two fields are then not used.
+
     The backward takes ``backward_factor`` times the forward. ``stage_factors`` scales each stage
     (e.g. a last stage that also runs the LM head). A no-op costs nothing but keeps its slot. The
     defaults are illustrative; only ratios matter for bubble ratios and speedups.
@@ -204,6 +213,31 @@ class CostModel(BaseModel):
     stage_factors: tuple[Annotated[StrictFloat, Field(allow_inf_nan=False)], ...] | None = Field(
         default=None, description="One positive factor per stage."
     )
+    forward_points: tuple[tuple[WholeNumber, Annotated[StrictFloat, Field(ge=0, allow_inf_nan=False)]], ...] | None = (
+        Field(
+            default=None,
+            description=(
+                "Measured forward seconds at padded token counts, as (tokens, seconds) pairs by rising tokens; "
+                "when given, they replace the line (forward_fixed_s, forward_per_token_s)."
+            ),
+        )
+    )
+
+    @field_validator("forward_points")
+    @classmethod
+    def _rising_points(cls, value: tuple[tuple[int, float], ...] | None) -> tuple[tuple[int, float], ...] | None:
+        if value is None:
+            return value
+        if not value:
+            raise ValueError("forward_points is empty: give at least one (tokens, seconds) pair, or leave it out")
+        for (before, _), (tokens, _) in itertools.pairwise(value):
+            if tokens <= before:
+                raise ValueError(f"forward_points: {tokens} tokens follows {before}: list the points by rising tokens")
+        if value[0][0] < 1:
+            raise ValueError(f"forward_points: {value[0][0]} tokens: a measured microbatch holds at least 1 token")
+        if all(seconds == 0 for _, seconds in value):
+            raise ValueError("forward_points: every forward takes 0 s, which leaves nothing to simulate")
+        return value
 
     @field_validator("stage_factors")
     @classmethod
@@ -214,7 +248,7 @@ class CostModel(BaseModel):
 
     @model_validator(mode="after")
     def _forward_takes_time(self) -> CostModel:
-        if self.forward_fixed_s == 0 and self.forward_per_token_s == 0:
+        if self.forward_points is None and self.forward_fixed_s == 0 and self.forward_per_token_s == 0:
             raise ValueError(
                 "forward_fixed_s = forward_per_token_s = 0: a forward that takes no time leaves nothing to "
                 "simulate; give either a positive value"
@@ -226,7 +260,17 @@ class CostModel(BaseModel):
         if padded_tokens == 0:
             return 0.0
         factor = self.stage_factors[stage] if self.stage_factors else 1.0
-        return factor * (self.forward_fixed_s + self.forward_per_token_s * padded_tokens)
+        points = self.forward_points
+        if points is None:
+            return factor * (self.forward_fixed_s + self.forward_per_token_s * padded_tokens)
+        j = bisect.bisect_left(points, padded_tokens, key=operator.itemgetter(0))
+        if j == 0:
+            return factor * points[0][1]
+        if j == len(points):
+            tokens, seconds = points[-1]
+            return factor * seconds * padded_tokens / tokens
+        (x0, y0), (x1, y1) = points[j - 1], points[j]
+        return factor * (y0 + (y1 - y0) * (padded_tokens - x0) / (x1 - x0))
 
 
 MAX_PIPELINE_STAGES = 1024

@@ -8,6 +8,8 @@ that backward. The fit: each stage's factor is its mean forward time over the me
 of the token counts measured (at least two): small microbatches are bound by the host's kernel
 launches (LLaMa-3.1-8B on an H100: 275 ms forward at 1,024 tokens, 295 ms at 8,192), which a line
 through every count turns into a large fixed cost that makes every larger capacity look better.
+That line chooses the capacity; the planner's splits, a choice between smaller and larger
+microbatches, get the measured times themselves (:func:`measured_cost_model`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ if TYPE_CHECKING:
     from lorafusion_megatron.profiler.measure import Measurement
     from lorafusion_sched.models import CostModel
 
-__all__ = ["fit_cost_model", "fit_line"]
+__all__ = ["fit_cost_model", "fit_line", "measured_cost_model"]
 
 
 def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -33,30 +35,67 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return max(0.0, mean_y - slope * mean_x), slope
 
 
-def fit_cost_model(measurements: Sequence[Measurement], *, every_count: bool = False) -> CostModel:
-    """The cost model that best matches ``measurements`` (one or more stages, several token counts each).
-
-    ``every_count``: fit every token count, not the larger half: small microbatches bound by the
-    host then raise the fixed cost, which is what a model deciding whether to run smaller
-    microbatches must see.
-    """
+def fit_cost_model(measurements: Sequence[Measurement]) -> CostModel:
+    """The cost model that best matches ``measurements`` (one or more stages, several token counts each)."""
     from lorafusion_sched.models import CostModel
 
-    if not every_count:
-        counts = sorted({m.tokens for m in measurements})
-        larger = set(counts[len(counts) // 2 :] if len(counts) > 3 else counts[-2:])
-        measurements = [m for m in measurements if m.tokens in larger]
-    stages = sorted({m.stage for m in measurements})
-    means = {s: statistics.fmean(m.forward_s for m in measurements if m.stage == s) for s in stages}
-    overall = statistics.fmean(means.values())
-    factors = {s: means[s] / overall if overall > 0 else 1.0 for s in stages}
+    counts = sorted({m.tokens for m in measurements})
+    larger = set(counts[len(counts) // 2 :] if len(counts) > 3 else counts[-2:])
+    measurements = [m for m in measurements if m.tokens in larger]
+    factors = _stage_factors(measurements)
     xs = [float(m.tokens) for m in measurements]
     ys = [m.forward_s / factors[m.stage] for m in measurements]
     fixed, per_token = fit_line(xs, ys)
-    ratios = [m.backward_s / m.forward_s for m in measurements if m.forward_s > 0]
     return CostModel(
         forward_fixed_s=fixed,
         forward_per_token_s=per_token,
-        backward_factor=statistics.median(ratios) if ratios else 2.0,
-        stage_factors=tuple(max(factors[s], 1e-6) for s in stages) if len(stages) > 1 else None,
+        backward_factor=_backward_factor(measurements),
+        stage_factors=tuple(factors.values()) if len(factors) > 1 else None,
     )
+
+
+def measured_cost_model(measurements: Sequence[Measurement]) -> CostModel:
+    """A cost model through the measured times themselves (``CostModel.forward_points``), for the planner's splits.
+
+    A line cannot follow a stage that the host bounds below some size and the GPU above it
+    (Qwen2.5-32B, stage 0 of 2 on an H200, every layer recomputed: 193, 258, 276 and 514 ms forward at
+    1,024, 2,048, 4,096 and 8,192 tokens), and a split is a choice between such sizes. Each point
+    is a token count's mean forward over the stages, each stage's time divided by its factor; the
+    stage factors and the backward factor are :func:`fit_cost_model`'s, over the counts every stage
+    measured (a stage that ran out of memory at some count measured none above it). The line
+    fields hold the least-squares line through the points, for display only.
+    """
+    from lorafusion_sched.models import CostModel
+
+    stages_at: dict[int, set[int]] = {}
+    for m in measurements:
+        stages_at.setdefault(m.tokens, set()).add(m.stage)
+    every_stage = {m.stage for m in measurements}
+    shared = sorted(n for n, stages in stages_at.items() if stages == every_stage)
+    measurements = [m for m in measurements if m.tokens in shared]
+    factors = _stage_factors(measurements)
+    points = [
+        (n, statistics.fmean(m.forward_s / factors[m.stage] for m in measurements if m.tokens == n)) for n in shared
+    ]
+    fixed, per_token = fit_line([float(n) for n, _ in points], [seconds for _, seconds in points])
+    return CostModel(
+        forward_fixed_s=fixed,
+        forward_per_token_s=per_token,
+        backward_factor=_backward_factor(measurements),
+        stage_factors=tuple(factors.values()) if len(factors) > 1 else None,
+        forward_points=tuple(points),
+    )
+
+
+def _stage_factors(measurements: Sequence[Measurement]) -> dict[int, float]:
+    """Each stage's mean forward over the mean of all stages' (by stage, in order)."""
+    stages = sorted({m.stage for m in measurements})
+    means = {s: statistics.fmean(m.forward_s for m in measurements if m.stage == s) for s in stages}
+    overall = statistics.fmean(means.values())
+    return {s: max(means[s] / overall, 1e-6) if overall > 0 else 1.0 for s in stages}
+
+
+def _backward_factor(measurements: Sequence[Measurement]) -> float:
+    """The median ratio of backward to forward seconds (2 without a forward that took time)."""
+    ratios = [m.backward_s / m.forward_s for m in measurements if m.forward_s > 0]
+    return statistics.median(ratios) if ratios else 2.0

@@ -94,34 +94,28 @@ def profiled_cost_model(config: TrainerConfig, pipeline_stages: int) -> CostMode
     """The cost model of a previous ``profile`` run in this output folder, for the planner's splits.
 
     The planner uses it to decide whether a global batch that runs alone goes faster in microbatches
-    smaller than the capacity, so the line is fitted again on every measurement at or below the
-    run's capacity, where those microbatches lie. ``profile``'s line, through the larger token
-    counts, misses how slowly small microbatches run when the host's kernel launches bound them
-    (LLaMa-3.1-8B on an H100: 152 ms forward at 1,024 tokens, 163 ms at 4,096), and would favour
-    splits that do not pay. With fewer than two counts at or below the capacity, the report's model.
-    With the recomputed layers ``profile`` chose (``activation_checkpointing: auto``, resolved by
+    smaller than the capacity, so it follows the measured times point by point
+    (:func:`~lorafusion_megatron.profiler.fit.measured_cost_model`): ``profile``'s line, through the
+    larger token counts, misses how slowly small microbatches run when the host's kernel launches
+    bound them (LLaMa-3.1-8B on an H100: 152 ms forward at 1,024 tokens, 163 ms at 4,096), and a
+    line through every count misses how fast they run where the GPU bounds them. With the recomputed
+    layers ``profile`` chose (``activation_checkpointing: auto``, resolved by
     :func:`with_profiled_choices`) the backward is the one those counts give at the capacity.
 
     Returns:
         ``None`` without a ``profile.json``, or with one measured on another number of pipeline
         stages (its stage times are for another partition of the layers).
     """
-    from lorafusion_megatron.profiler.fit import fit_cost_model
+    from lorafusion_megatron.profiler.fit import measured_cost_model
     from lorafusion_megatron.profiler.measure import Measurement
     from lorafusion_megatron.profiler.recompute import RecomputeModel, adjusted_cost
-    from lorafusion_sched.models import CostModel
 
     report = _report(config.output_dir)
     if report is None or report.get("pipeline_stages") != pipeline_stages:
         return None
-    capacity = config.scheduler.resolved_capacity
-    within = [Measurement(**m) for m in report["measurements"] if m["tokens"] <= capacity]
-    if len({m.tokens for m in within}) >= 2:
-        cost = fit_cost_model(within, every_count=True)
-    else:
-        cost = CostModel.model_validate(report["cost_model"])
+    cost = measured_cost_model([Measurement(**m) for m in report["measurements"]])
     if cost.stage_factors is not None and len(cost.stage_factors) != pipeline_stages:
-        # A stage without a count at or below the capacity (out of memory there) left no factor.
+        # A stage that ran out of memory at every count measured nothing, and has no factor.
         cost = cost.model_copy(update={"stage_factors": None})
     models, counts = report.get("recompute_models"), report.get("chosen_recomputed_layers")
     if models is not None and counts is not None and config.runtime.activation_checkpointing == counts:
@@ -131,7 +125,7 @@ def profiled_cost_model(config: TrainerConfig, pipeline_stages: int) -> CostMode
             )
             for m in models
         ]
-        cost = adjusted_cost(cost, stages, counts, capacity)
+        cost = adjusted_cost(cost, stages, counts, config.scheduler.resolved_capacity)
     return cost
 
 
