@@ -22,9 +22,11 @@ Steps, in one invocation:
    rounds); the measured speedup beside the predicted one. Each run must train exactly the data's
    tokens.
 
-Both variants train the same samples in the same optimizer steps (the scheduler's ``verify`` and
-the CPU tests check that a split plan ends with the same adapters); in one launch the adapters'
-weights carry over from cell to cell, so the runs' losses are not compared here.
+Both variants train the same samples in the same optimizer steps (the scheduler's ``verify``
+checks every plan, and a CPU test that a split plan ends with the single-process trainer's adapters
+when LoRA dropout is off; with dropout, whose masks are drawn per microbatch, any other packing
+draws other masks). In one launch the adapters' weights carry over from cell to cell, so the runs'
+losses are not compared here.
 
     python packages/lorafusion-megatron/benchmarks/bench_split.py --preset qwen2.5-32b --stages 2 \\
         --capacity 8192 --out split_qwen2.5-32b_h200x2-capacity8192.json

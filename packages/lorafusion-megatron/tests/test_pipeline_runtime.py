@@ -16,7 +16,7 @@ import torch
 
 from lorafusion_megatron.config import TrainerConfig, parse_config
 from lorafusion_megatron.pipeline.options import ParallelConfig
-from lorafusion_megatron.testing import assert_same_adapters, saved_adapters, two_job_config
+from lorafusion_megatron.testing import assert_same_adapters, saved_adapters, two_job_config, write_profile
 from lorafusion_megatron.trainer import Trainer
 
 
@@ -356,6 +356,33 @@ def test_four_stages(four_layer_base: Path, tmp_path: Path, schedule: str) -> No
     summary = launch(config, parallel, backend="gloo")
     assert summary is not None
     assert len(summary["bubble_ratio_per_stage"]) == 4
+    _assert_same_adapters(Path(config.output_dir) / "adapters", Path(reference.output_dir) / "adapters")
+
+
+@pytest.mark.filterwarnings("ignore::lorafusion_sched.SchedWarning")  # the lone tail, on purpose
+def test_split_lone_global_batches_end_with_the_trainers_adapters(tiny_base: Path, tmp_path: Path) -> None:
+    """Two processes over gloo; the profile's cost model splits the long job's lone global batches.
+
+    A split changes only which microbatches hold a global batch's samples, so the adapters are the
+    single-process trainer's (which plans for one stage: nothing to split). Without dropout: its
+    masks are drawn per microbatch (:mod:`lorafusion_megatron.dropout_seeds`), so any other packing,
+    the two-stage plan's without a split included, draws others.
+    """
+    from lorafusion_megatron.pipeline.launch import launch
+    from lorafusion_megatron.planning import plan_from_json
+
+    def lopsided(output: Path) -> TrainerConfig:
+        mapping = two_job_config(tiny_base, output, max_grad_norm=0.05)
+        mapping["jobs"][0]["dataset"]["num_samples"] = 24  # 8 global batches against 4: 'first' ends alone
+        return parse_config(mapping)
+
+    reference = lopsided(tmp_path / "trainer")
+    Trainer(reference).train()
+    config = lopsided(tmp_path / "pipeline")
+    write_profile(config.output_dir, stages=2, fixed_s=1e-4)
+    assert launch(config, ParallelConfig(pipeline_stages=2), backend="gloo") is not None
+    plan = plan_from_json((Path(config.output_dir) / "plan.json").read_text(encoding="utf-8"))
+    assert plan.stats.split_batches > 0
     _assert_same_adapters(Path(config.output_dir) / "adapters", Path(reference.output_dir) / "adapters")
 
 

@@ -10,6 +10,7 @@ import lorafusion_sched
 from lorafusion_megatron.config import TrainerConfig, parse_config
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.planning import check_plan, make_plan
+from lorafusion_megatron.testing import write_profile
 from lorafusion_megatron.trainer import prepare_data
 
 
@@ -41,33 +42,6 @@ def test_no_milp_time_limit_plans_alike_on_every_run(config_dict, monkeypatch: p
     assert first.microbatches == second.microbatches
 
 
-def _write_profile(output_dir: str, *, stages: int, fixed_s: float) -> None:
-    """A ``profile.json`` whose forward takes ``fixed_s + 1e-5 s`` per token on every stage."""
-    from pathlib import Path
-
-    measurements = [
-        {
-            "stage": s,
-            "tokens": n,
-            "forward_s": fixed_s + 1e-5 * n,
-            "backward_s": 2 * (fixed_s + 1e-5 * n),
-            "peak_bytes": None,
-        }
-        for s in range(stages)
-        for n in (64, 128, 256, 512)
-    ]
-    report = {
-        "pipeline_stages": stages,
-        "measurements": measurements,
-        "cost_model": {"forward_fixed_s": 9.0, "forward_per_token_s": 1e-9},  # profile's line: unused below 2 counts
-        "recompute_models": None,
-        "chosen_capacity": 256,
-        "chosen_recomputed_layers": None,
-    }
-    Path(output_dir).mkdir(parents=True, exist_ok=True)
-    (Path(output_dir) / "profile.json").write_text(json.dumps(report))
-
-
 def _lopsided(config_dict) -> TrainerConfig:
     """'long' has four times the samples of 'short': its last global batches run alone."""
     jobs = [
@@ -86,7 +60,7 @@ def test_a_profile_of_the_pipeline_lets_the_planner_split_lone_global_batches(co
     assert profiled_cost_model(config, 2) is None
     assert make_plan(config, data, pipeline_stages=2).stats.split_batches == 0, "no profile: no cost model"
 
-    _write_profile(config.output_dir, stages=2, fixed_s=1e-4)
+    write_profile(config.output_dir, stages=2, fixed_s=1e-4)
     cost = profiled_cost_model(config, 2)
     assert cost is not None
     assert cost.forward_points is not None
@@ -104,7 +78,7 @@ def test_a_profile_of_the_pipeline_lets_the_planner_split_lone_global_batches(co
 def test_a_profile_whose_small_microbatches_cost_as_much_splits_nothing(config_dict) -> None:
     """Host-bound small microbatches (a large fixed cost): smaller microbatches would only add it."""
     config = _lopsided(config_dict)
-    _write_profile(config.output_dir, stages=2, fixed_s=1.0)
+    write_profile(config.output_dir, stages=2, fixed_s=1.0)
     assert make_plan(config, prepare_data(config).jobs, pipeline_stages=2).stats.split_batches == 0
 
 
@@ -116,7 +90,7 @@ def test_a_profile_missing_a_stage_gives_a_model_without_stage_factors(config_di
     from lorafusion_megatron.profiler.run import profiled_cost_model
 
     config = _lopsided(config_dict)
-    _write_profile(config.output_dir, stages=3, fixed_s=1e-4)
+    write_profile(config.output_dir, stages=3, fixed_s=1e-4)
     path = Path(config.output_dir) / "profile.json"
     report = json.loads(path.read_text())
     report["measurements"] = [m for m in report["measurements"] if m["stage"] < 2]

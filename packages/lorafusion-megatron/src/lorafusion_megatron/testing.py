@@ -39,6 +39,7 @@ __all__ = [
     "saved_adapters",
     "tiny_peft_model",
     "two_job_config",
+    "write_profile",
 ]
 
 INJECTED_FAILURE = "rank 1 fails in its first forward (injected by a test)"
@@ -96,6 +97,37 @@ def two_job_config(
         "runtime": {"device": "cpu", "seed": 0, "fused_kernels": fused_kernels},
         "logging": {"progress_bar": False},
     }
+
+
+def write_profile(output_dir: str | Path, *, stages: int, fixed_s: float) -> None:
+    """A ``profile.json`` in ``output_dir`` whose forward takes ``fixed_s + 1e-5 s`` per token on every stage.
+
+    Measured at 64 to 512 tokens; the report's own line (``cost_model``) is far from those times, so
+    a test sees which of the two the trainer uses.
+    """
+    import json
+
+    measurements = [
+        {
+            "stage": s,
+            "tokens": n,
+            "forward_s": fixed_s + 1e-5 * n,
+            "backward_s": 2 * (fixed_s + 1e-5 * n),
+            "peak_bytes": None,
+        }
+        for s in range(stages)
+        for n in (64, 128, 256, 512)
+    ]
+    report = {
+        "pipeline_stages": stages,
+        "measurements": measurements,
+        "cost_model": {"forward_fixed_s": 9.0, "forward_per_token_s": 1e-9},
+        "recompute_models": None,
+        "chosen_capacity": 256,
+        "chosen_recomputed_layers": None,
+    }
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    (Path(output_dir) / "profile.json").write_text(json.dumps(report), encoding="utf-8")
 
 
 def tiny_peft_model(
