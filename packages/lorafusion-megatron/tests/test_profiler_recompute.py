@@ -7,7 +7,7 @@ import math
 import pytest
 
 from lorafusion_megatron.profiler.capacity import choose_capacity
-from lorafusion_megatron.profiler.fit import fit_cost_model
+from lorafusion_megatron.profiler.fit import measured_cost_model
 from lorafusion_megatron.profiler.measure import Measurement
 from lorafusion_megatron.profiler.recompute import RecomputeModel, adjusted_cost, fewest_recomputed, fit_recompute
 from lorafusion_sched import AdapterJob
@@ -68,7 +68,7 @@ def test_fewest_recomputed_layers_fill_the_memory_left() -> None:
 
 def test_adjusted_cost_gives_each_stage_its_time_at_the_capacity() -> None:
     measurements = _with_all(0, 0.8) + _with_all(1, 1.2)
-    cost = fit_cost_model(measurements)
+    cost = measured_cost_model(measurements)
     models = [RecomputeModel(s, LAYERS, HELD, SAVED) for s in (0, 1)]
     tokens = 4096
     adjusted = adjusted_cost(cost, models, [LAYERS, 4], tokens)
@@ -83,7 +83,7 @@ def test_adjusted_cost_gives_each_stage_its_time_at_the_capacity() -> None:
 def test_auto_chooses_per_stage_counts_and_the_capacity_with_them() -> None:
     """Stage 0 of 2 holds two microbatches, stage 1 one: stage 0 recomputes more at the same capacity."""
     measurements = _with_all(0) + _with_all(1)
-    cost = fit_cost_model(measurements)
+    cost = measured_cost_model(measurements)
     models = [RecomputeModel(s, LAYERS, HELD, SAVED) for s in (0, 1)]
     jobs = [AdapterJob(name="a", sample_tokens=[512] * 64, global_batch_size=16)]
     limit = 12 * GIB
@@ -125,7 +125,7 @@ def test_a_stage_that_cannot_keep_any_layer_recomputes_all_of_them() -> None:
     jobs = [AdapterJob(name="a", sample_tokens=[512] * 64, global_batch_size=16)]
     _, [option] = choose_capacity(
         jobs,
-        fit_cost_model(measurements),
+        measured_cost_model(measurements),
         measurements,
         candidates=[4096],
         stages=2,

@@ -1,7 +1,11 @@
 """Choose the token capacity: the largest that fits memory with the best simulated throughput (torch-free).
 
-For every candidate capacity the jobs are planned (greedy packing, which lands within about 1.5% of
-the MILP) and the plan's pipeline simulated with the fitted cost model. Memory: one microbatch of
+For every candidate capacity the jobs are planned as ``train`` will plan them, with the measured
+cost model (:func:`~lorafusion_megatron.profiler.fit.measured_cost_model`), so that global batches
+a job runs alone are split where that is faster (greedy packing, which lands within about 1.5% of
+the MILP), and the plan's pipeline simulated with that model. A capacity whose lone global batches
+drain the pipeline is judged by its split plan, as it will run: on LLaMa-3.1-70B over 4 stages
+(H200) a lone job's plans at 4,096 and 8,192 tokens split into the same microbatches. Memory: one microbatch of
 ``n`` tokens peaks at ``static + activations * n`` on a stage (fitted to the measurements), and
 stage ``s`` of a 1F1B pipeline holds the activations of up to ``S - s`` microbatches at once. With
 ``activation_checkpointing: auto`` (:mod:`.recompute`) each candidate also gets the fewest
@@ -107,7 +111,7 @@ def choose_capacity(
 
     Args:
         jobs: The jobs' sample lengths and global batch sizes.
-        cost: The fitted cost model.
+        cost: The measured cost model: the plans' splits and their simulation.
         measurements: The profiler's measurements (for memory).
         candidates: Capacities to try (multiples of ``padding_multiple``).
         stages: Pipeline stages.
@@ -151,6 +155,7 @@ def choose_capacity(
                 padding_multiple=padding_multiple,
                 truncate=True,
                 use_milp=False,
+                cost_model=simulated_cost,
             ),
         )
         run = lorafusion_sched.simulate(plan, simulated_cost, baselines=False).runs[0]

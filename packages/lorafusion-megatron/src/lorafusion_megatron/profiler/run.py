@@ -94,12 +94,10 @@ def profiled_cost_model(config: TrainerConfig, pipeline_stages: int) -> CostMode
     """The cost model of a previous ``profile`` run in this output folder, for the planner's splits.
 
     The planner uses it to decide whether a global batch that runs alone goes faster in microbatches
-    smaller than the capacity, so it follows the measured times point by point
-    (:func:`~lorafusion_megatron.profiler.fit.measured_cost_model`): ``profile``'s line, through the
-    larger token counts, misses how slowly small microbatches run when the host's kernel launches
-    bound them (LLaMa-3.1-8B on an H100: 152 ms forward at 1,024 tokens, 163 ms at 4,096), and a
-    line through every count misses how fast they run where the GPU bounds them. With the recomputed
-    layers ``profile`` chose (``activation_checkpointing: auto``, resolved by
+    smaller than the capacity. It is the model ``profile`` simulated the capacities with, the
+    measured times point by point (:func:`~lorafusion_megatron.profiler.fit.measured_cost_model`),
+    made again from the report's measurements (a report of an earlier version holds a line). With
+    the recomputed layers ``profile`` chose (``activation_checkpointing: auto``, resolved by
     :func:`with_profiled_choices`) the backward is the one those counts give at the capacity.
 
     Returns:
@@ -231,14 +229,17 @@ def write_report(
             f"A microbatch of {out_of_memory_at} tokens ran out of device memory: larger ones were not measured.",
         ]
     one_count = len({m.tokens for m in measurements}) < 2
+    points = ", ".join(f"{n}: {seconds * 1e3:.2f} ms" for n, seconds in cost.forward_points)
+    factors = "none" if cost.stage_factors is None else ", ".join(f"{f:.3f}" for f in cost.stage_factors)
     lines += [
         "",
-        f"Cost model: forward = {cost.forward_fixed_s * 1e3:.3f} ms + "
-        f"{cost.forward_per_token_s * 1e6:.3f} us x tokens; "
-        f"backward = {cost.backward_factor:.2f} x forward; stage factors {cost.stage_factors}."
+        f"Cost model: forward per stage = the stage's factor x the measured forward, interpolated between "
+        f"{points} (line through them: {cost.forward_fixed_s * 1e3:.3f} ms + {cost.forward_per_token_s * 1e6:.3f} us "
+        f"x tokens); backward = {cost.backward_factor:.2f} x forward; stage factors {factors}. Each capacity is "
+        "planned as `train` plans it, with this model (lone global batches split where that is faster)."
         + (
-            " One token count was measured, so the forward time is taken as the same for every count "
-            "and the peak memory too: measure two or more (--capacities) to compare capacities."
+            " One token count was measured, so the peak memory is taken as the same for every count: "
+            "measure two or more (--capacities) to compare capacities."
             if one_count
             else ""
         ),
@@ -309,7 +310,7 @@ def profile_rank(
     from lorafusion_megatron.pipeline.partition import partition_model
     from lorafusion_megatron.pipeline.stage_model import build_stage_model
     from lorafusion_megatron.profiler.capacity import choose_capacity
-    from lorafusion_megatron.profiler.fit import fit_cost_model
+    from lorafusion_megatron.profiler.fit import measured_cost_model
     from lorafusion_megatron.profiler.measure import measure_stage
     from lorafusion_megatron.trainer import prepare_data
     from lorafusion_sched.models import AdapterJob
@@ -357,7 +358,7 @@ def profile_rank(
                 f"a microbatch of {min(candidates)} tokens, the smallest capacity profiled, runs out of device memory: "
                 "profile smaller ones (--capacities) or split the model over more pipeline stages"
             )
-        cost = fit_cost_model(measurements)
+        cost = measured_cost_model(measurements)
         scheduler = config.scheduler.model_copy(update={"capacity": max(candidates)})
         data = prepare_data(config.model_copy(update={"scheduler": scheduler})).jobs
         jobs = [
