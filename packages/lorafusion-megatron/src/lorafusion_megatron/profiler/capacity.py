@@ -5,11 +5,13 @@ cost model (:func:`~lorafusion_megatron.profiler.fit.measured_cost_model`), so t
 a job runs alone are split where that is faster (greedy packing, which lands within about 1.5% of
 the MILP), and the plan's pipeline simulated with that model. A capacity whose lone global batches
 drain the pipeline is judged by its split plan, as it will run: on LLaMa-3.1-70B over 4 stages
-(H200) a lone job's plans at 4,096 and 8,192 tokens split into the same microbatches. Memory: one microbatch of
-``n`` tokens peaks at ``static + activations * n`` on a stage (fitted to the measurements), and
-stage ``s`` of a 1F1B pipeline holds the activations of up to ``S - s`` microbatches at once. With
-``activation_checkpointing: auto`` (:mod:`.recompute`) each candidate also gets the fewest
-recomputed layers per stage that fit, and is simulated with what recomputing only those costs.
+(H200) a lone job's plans at 4,096 and 8,192 tokens split into the same microbatches.
+
+Memory: one microbatch of ``n`` tokens peaks at ``static + activations * n`` on a stage (fitted to
+the measurements), and stage ``s`` of a 1F1B pipeline holds the activations of up to ``S - s``
+microbatches at once. With ``activation_checkpointing: auto`` (:mod:`.recompute`) each candidate
+also gets the fewest recomputed layers per stage that fit, and is simulated with what recomputing
+only those costs.
 """
 
 from __future__ import annotations
