@@ -5,9 +5,9 @@ one stage of a 4-stage partition, at several token counts), plans the scheduler 
 lone-tail workloads without a cost model and with each of two: the measured points themselves, as
 the trainer hands them to the scheduler (``profiler.fit.measured_cost_model``), and the line
 through them (the form of the trainer's model before). Every plan is simulated under the measured
-points (interpolated between the counts measured, flat below the first, proportional above the
-last; one backward factor, their median ratio), so it shows what each model's splits gain on the
-measured stage:
+points (made non-decreasing and interpolated as the trainer's are: flat below the first count,
+proportional above the last; one backward factor, their median ratio), so it shows what each
+model's splits gain on the measured stage:
 
     python packages/lorafusion-megatron/benchmarks/split_on_stage_profiles.py \\
         results/profile_stage_llama-3.1-8b_h200-tokens.json:4096,8192 \\

@@ -82,6 +82,32 @@ def test_a_profile_whose_small_microbatches_cost_as_much_splits_nothing(config_d
     assert make_plan(config, prepare_data(config).jobs, pipeline_stages=2).stats.split_batches == 0
 
 
+@pytest.mark.parametrize(
+    "measurements",
+    [
+        [],
+        [{"stage": 0, "tokens": 64}],
+        [
+            {"stage": 0, "tokens": 64, "forward_s": 0.1, "backward_s": 0.2, "peak_bytes": None},
+            {"stage": 1, "tokens": 128, "forward_s": 0.1, "backward_s": 0.2, "peak_bytes": None},
+        ],
+    ],
+    ids=["none", "fields missing", "no count on both stages"],
+)
+def test_a_profile_without_usable_measurements_says_what_to_do(config_dict, measurements) -> None:
+    from pathlib import Path
+
+    from lorafusion_megatron.profiler.run import profiled_cost_model
+
+    config = _lopsided(config_dict)
+    write_profile(config.output_dir, stages=2, fixed_s=1e-4)
+    path = Path(config.output_dir) / "profile.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"measurements": measurements}))
+    message = r"profile\.json holds no usable measurements .*: run `lorafusion-megatron profile` again, or remove"
+    with pytest.raises(TrainerError, match=message):
+        profiled_cost_model(config, 2)
+
+
 @pytest.mark.filterwarnings("ignore::lorafusion_sched.SchedWarning")  # the lone tail, on purpose
 def test_a_profile_missing_a_stage_gives_a_model_without_stage_factors(config_dict) -> None:
     """Stage 2 of 3 ran out of memory at every count it tried: 2 stage factors for 3 stages are dropped."""

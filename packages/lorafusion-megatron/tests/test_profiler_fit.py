@@ -31,6 +31,19 @@ def test_the_measured_model_recovers_the_times_of_a_line_and_the_stage_factors()
         assert cost.forward_seconds(tokens, 1) == pytest.approx(1.2 * (1e-3 + 2e-6 * tokens))
 
 
+def test_a_count_measured_faster_than_a_smaller_one_takes_the_smaller_ones_time() -> None:
+    """LLaMa-3.1-8B over 2 stages on H200s (the stages' means): 2,048 tokens ran faster than 1,024."""
+    forward_ms = {1024: 102.0, 2048: 88.1, 4096: 104.2, 8192: 138.7}
+    cost = measured_cost_model([Measurement(0, n, ms / 1e3, 2 * ms / 1e3, None) for n, ms in forward_ms.items()])
+    assert cost.forward_points is not None
+    assert [seconds * 1e3 for _, seconds in cost.forward_points] == pytest.approx([102.0, 102.0, 104.2, 138.7])
+
+
+def test_measurements_without_a_count_every_stage_measured_make_no_model() -> None:
+    with pytest.raises(ValueError, match="no token count was measured on every stage"):
+        measured_cost_model([Measurement(0, 1024, 0.1, 0.2, None), Measurement(1, 2048, 0.2, 0.4, None)])
+
+
 def test_the_capacity_is_chosen_by_the_measured_times_with_the_splits_train_will_make() -> None:
     """LLaMa-3.1-70B over 4 stages on H200s (the stages' mean forward, every layer recomputed) and one
     lone job: 1,024-token microbatches are bound by the host, and at 4,096 and 8,192 tokens the
@@ -63,6 +76,18 @@ def test_the_capacity_is_chosen_by_the_measured_times_with_the_splits_train_will
     )
     by_capacity = {o.capacity: o for o in options}
     assert by_capacity[8192].microbatches > len(unsplit.microbatches), "split, as train will"
+    _, options = choose_capacity(
+        jobs,
+        cost,
+        measurements,
+        candidates=[8192],
+        stages=4,
+        data_parallel=1,
+        padding_multiple=64,
+        memory_limit_bytes=30e9,
+    )
+    assert not options[0].fits
+    assert options[0].microbatches == len(unsplit.microbatches), "not chosen: planned without the splits' search"
 
 
 def test_the_measured_model_follows_a_host_bound_then_gpu_bound_stage_point_by_point() -> None:

@@ -33,6 +33,8 @@ def test_plan_verify_simulate_round_trip(tmp_path: Path, capsys: pytest.CaptureF
     assert "verifies clean" in capsys.readouterr().out
     assert main(["simulate", str(out_plan), "--stage-factors", "1,1,1,1.3"]) == 0
     assert "bubble ratio" in capsys.readouterr().out
+    assert main(["simulate", str(out_plan), "--forward-points", "1024:0.17,4096:0.27,8192:0.52"]) == 0
+    assert "bubble ratio" in capsys.readouterr().out
 
     doc = json.loads(out_plan.read_text())
     doc["microbatches"] = [mb for mb in doc["microbatches"] if not mb["noop"]][1:]
@@ -49,6 +51,8 @@ def test_plan_verify_simulate_round_trip(tmp_path: Path, capsys: pytest.CaptureF
         (["demo", "--capacity", "1000"], "capacity = 1000 is not a multiple of padding_multiple = 64"),
         (["demo", "--workload", "het", "--samples", "2", "--adapters", "4"], "--samples 2 < --adapters 4"),
         (["demo", "--stage-factors", "1,x"], "--stage-factors = '1,x'"),
+        (["demo", "--forward-points", "1024=0.1"], "give comma-separated TOKENS:SECONDS pairs"),
+        (["demo", "--forward-points", "4096:0.2,1024:0.1"], "1024 tokens follows 4096: list the points by rising"),
         (["demo", "--png", "timeline.txt"], "name the file *.png"),
         (["demo", "-o", "no-such-folder/plan.json"], "the folder 'no-such-folder' does not exist"),
         (["simulate", "nope.json", "--png", "no-such-folder/t.png"], "the folder 'no-such-folder' does not exist"),

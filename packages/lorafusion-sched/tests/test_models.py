@@ -301,12 +301,12 @@ def test_a_cost_model_interpolates_its_measured_points_and_scales_them_by_stage(
 @pytest.mark.parametrize(
     ("points", "needle"),
     [
-        ([], "give at least one"),
+        ([], "no points: give at least one"),
         ([(2048, 0.1), (1024, 0.2)], "1024 tokens follows 2048: list the points by rising tokens"),
         ([(1024, 0.1), (1024, 0.2)], "1024 tokens follows 1024"),
         ([(0, 0.1)], "at least 1 token"),
-        ([(64, 0.0), (128, 0.0)], "every forward takes 0 s"),
-        ([(64, -0.1)], "greater than or equal to 0"),
+        ([(64, 0.2), (128, 0.0)], "greater than 0"),
+        ([(64, -0.1)], "greater than 0"),
         ([(64, math.inf)], "finite"),
         ([(64.5, 0.1)], "give a whole number, not a fraction"),
         ([("64", 0.1)], "not a string"),

@@ -186,11 +186,21 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
             factors = tuple(float(x) for x in args.stage_factors.split(","))
         except ValueError:
             raise SchedError(f"--stage-factors = {args.stage_factors!r}: give comma-separated numbers") from None
+    points = None
+    if args.forward_points:
+        try:
+            points = tuple((int(t), float(x)) for t, x in (pair.split(":") for pair in args.forward_points.split(",")))
+        except ValueError:
+            raise SchedError(
+                f"--forward-points = {args.forward_points!r}: give comma-separated TOKENS:SECONDS pairs, "
+                "e.g. 1024:0.17,4096:0.27"
+            ) from None
     return CostModel(
         forward_fixed_s=args.forward_fixed,
         forward_per_token_s=args.forward_per_token,
         backward_factor=args.backward_factor,
         stage_factors=factors,
+        forward_points=points,
     )
 
 
@@ -317,7 +327,7 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
         f"bubbles: [bold green]{ours.bubble_ratio:.1%}[/bold green] vs Megatron-style {megatron.bubble_ratio:.1%} "
         f"and mLoRA-style {mlora.bubble_ratio:.1%}; throughput [bold]{ours.tokens_per_s / megatron.tokens_per_s:.2f}x"
         f"[/bold] Megatron-style, {ours.tokens_per_s / mlora.tokens_per_s:.2f}x mLoRA-style "
-        "(simulated, linear cost model)"
+        "(simulated)"
     )
     if args.output:
         save_plan(plan, args.output)
@@ -329,11 +339,19 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
 
 def _add_cost_args(parser: argparse.ArgumentParser) -> None:
     defaults = CostModel()
-    group = parser.add_argument_group("cost model (seconds per stage; forward = fixed + per_token x padded tokens)")
+    group = parser.add_argument_group(
+        "cost model (seconds per stage; forward = fixed + per_token x padded tokens, or measured points)"
+    )
     group.add_argument("--forward-fixed", type=float, default=defaults.forward_fixed_s, metavar="S")
     group.add_argument("--forward-per-token", type=float, default=defaults.forward_per_token_s, metavar="S")
     group.add_argument("--backward-factor", type=float, default=defaults.backward_factor, metavar="X")
     group.add_argument("--stage-factors", default=None, metavar="F,F,...", help="one multiplier per stage")
+    group.add_argument(
+        "--forward-points",
+        default=None,
+        metavar="T:S,...",
+        help="measured forward seconds S at T tokens, interpolated; replace --forward-fixed and --forward-per-token",
+    )
 
 
 def _add_solver_args(parser: argparse.ArgumentParser) -> None:

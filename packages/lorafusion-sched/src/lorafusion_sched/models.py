@@ -213,7 +213,7 @@ class CostModel(BaseModel):
     stage_factors: tuple[Annotated[StrictFloat, Field(allow_inf_nan=False)], ...] | None = Field(
         default=None, description="One positive factor per stage."
     )
-    forward_points: tuple[tuple[WholeNumber, Annotated[StrictFloat, Field(ge=0, allow_inf_nan=False)]], ...] | None = (
+    forward_points: tuple[tuple[WholeNumber, Annotated[StrictFloat, Field(gt=0, allow_inf_nan=False)]], ...] | None = (
         Field(
             default=None,
             description=(
@@ -229,14 +229,12 @@ class CostModel(BaseModel):
         if value is None:
             return value
         if not value:
-            raise ValueError("forward_points is empty: give at least one (tokens, seconds) pair, or leave it out")
+            raise ValueError("no points: give at least one (tokens, seconds) pair, or leave forward_points out")
         for (before, _), (tokens, _) in itertools.pairwise(value):
             if tokens <= before:
-                raise ValueError(f"forward_points: {tokens} tokens follows {before}: list the points by rising tokens")
+                raise ValueError(f"{tokens} tokens follows {before}: list the points by rising tokens")
         if value[0][0] < 1:
-            raise ValueError(f"forward_points: {value[0][0]} tokens: a measured microbatch holds at least 1 token")
-        if all(seconds == 0 for _, seconds in value):
-            raise ValueError("forward_points: every forward takes 0 s, which leaves nothing to simulate")
+            raise ValueError(f"{value[0][0]} tokens: a measured microbatch holds at least 1 token")
         return value
 
     @field_validator("stage_factors")

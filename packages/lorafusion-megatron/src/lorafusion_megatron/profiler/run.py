@@ -103,6 +103,9 @@ def profiled_cost_model(config: TrainerConfig, pipeline_stages: int) -> CostMode
     Returns:
         ``None`` without a ``profile.json``, or with one measured on another number of pipeline
         stages (its stage times are for another partition of the layers).
+
+    Raises:
+        TrainerError: the ``profile.json`` has no measurements that make a model (e.g. edited by hand).
     """
     from lorafusion_megatron.profiler.fit import measured_cost_model
     from lorafusion_megatron.profiler.measure import Measurement
@@ -111,7 +114,13 @@ def profiled_cost_model(config: TrainerConfig, pipeline_stages: int) -> CostMode
     report = _report(config.output_dir)
     if report is None or report.get("pipeline_stages") != pipeline_stages:
         return None
-    cost = measured_cost_model([Measurement(**m) for m in report["measurements"]])
+    try:
+        cost = measured_cost_model([Measurement(**m) for m in report["measurements"]])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TrainerError(
+            f"{Path(config.output_dir) / PROFILE_REPORT} holds no usable measurements ({exc}): "
+            "run `lorafusion-megatron profile` again, or remove the file"
+        ) from None
     if cost.stage_factors is not None and len(cost.stage_factors) != pipeline_stages:
         # A stage that ran out of memory at every count measured nothing, and has no factor.
         cost = cost.model_copy(update={"stage_factors": None})
