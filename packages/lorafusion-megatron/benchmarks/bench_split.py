@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         "method": {"repeats": args.repeats, "warmup_samples": args.warmup_samples, "order": "warm-ups, then ABBA"},
         "profile_seconds": profile_seconds,
         "profile": json.loads(profile_file.read_text(encoding="utf-8")),
-        "cost_model": None if cost is None else cost.model_dump(),
+        "cost_model": cost.model_dump(),
         "runs": runs,
         "summary": summarise(runs),
     }
