@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from lorafusion_sched import AdapterJob, CostModel, Plan, PlanOptions, plan, simulate, verify
+from lorafusion_sched import AdapterJob, CostModel, Plan, PlanOptions, lone_batches, plan, simulate, verify
 from lorafusion_sched.lone_batches import Splitting, split_lone_batches, split_lone_tail
 from lorafusion_sched.sequence import Slot
 from lorafusion_sched.workloads import synthetic_jobs
@@ -191,13 +191,19 @@ def test_two_long_jobs_left_together_are_split_in_the_tail() -> None:
     assert _seconds(unsplit, SMALL_FIXED) > 1.3 * _seconds(split, SMALL_FIXED)
 
 
-def test_a_split_the_model_finds_less_than_min_gain_faster_is_not_made() -> None:
-    """With one replica the two long jobs leave few no-ops: splitting gains about 2%, under MIN_GAIN."""
+def test_a_split_the_model_finds_less_than_min_gain_faster_is_not_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one replica the two long jobs leave 3 no-ops: with a fixed cost of 500 tokens the tail's
+    split gains about 2%, under MIN_GAIN."""
     jobs = _two_long_jobs()
+    cost = CostModel(forward_fixed_s=5e-3, forward_per_token_s=1e-5)
     unsplit = plan(jobs, _options())
-    split = plan(jobs, _options(cost_model=SMALL_FIXED))
+    split = plan(jobs, _options(cost_model=cost))
     assert split.stats.split_batches == 0
     assert split.microbatches == unsplit.microbatches
+    monkeypatch.setattr(lone_batches, "MIN_GAIN", 1.0)
+    anyway = plan(jobs, _options(cost_model=cost))
+    assert anyway.stats.split_batches > 0
+    assert 1.0 < _seconds(unsplit, cost) / _seconds(anyway, cost) < 1.03
 
 
 def test_stage_factors_must_match_the_pipeline() -> None:
@@ -243,3 +249,18 @@ def test_measured_points_split_a_lone_batch_where_the_host_bound_floor_ends() ->
     assert sorted(mb.padded_tokens for mb in split.microbatches if not mb.noop) == [1024] * 4
     unsplit = plan([job], _options(capacity=4096))
     assert _seconds(unsplit, cost) / _seconds(split, cost) == pytest.approx(16 / 7)
+
+
+@pytest.mark.parametrize("data_parallel", [1, 2])
+def test_two_jobs_of_one_length_are_split_though_their_microbatches_mix(data_parallel: int) -> None:
+    """Two equal jobs alternate to the end; where one's global batch ends and the other's begins
+    they share a microbatch here and there, so the suffix that holds one adapter per microbatch is
+    short. Neither ended early, so the whole plan is their tail. With 2 replicas nearly half of its
+    slots were no-ops."""
+    jobs = synthetic_jobs("xsum", 512, num_adapters=2, global_batch_size=16, seed=9)
+    unsplit = plan(jobs, _options(data_parallel=data_parallel))
+    assert any(len(mb.segments) > 1 for mb in unsplit.microbatches[len(unsplit.microbatches) // 2 :])
+    split = plan(jobs, _options(data_parallel=data_parallel, cost_model=SMALL_FIXED))
+    assert verify(split) == []
+    assert split.stats.split_batches == sum(a.num_global_batches for a in split.adapters), "every global batch"
+    assert _seconds(unsplit, SMALL_FIXED) / _seconds(split, SMALL_FIXED) > (1.2 if data_parallel == 1 else 1.7)

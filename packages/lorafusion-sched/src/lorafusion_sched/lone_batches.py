@@ -22,10 +22,12 @@ plan simulate fastest, if at least :data:`MIN_GAIN` times faster than the plan a
   more microbatches and each drained pipeline simulated; the fastest count is kept
   (:func:`_fastest_split` says which counts are tried).
 * **The lone tail** (:func:`split_lone_tail`): the microbatches at the end of the plan that hold
-  one adapter each, where no-ops are spread between several adapters' batches and no single batch
-  is followed by a whole drain (two long jobs left by short ones, with 2 replicas, for one).
-  Every global batch there is dealt into microbatches of about ``capacity / n`` tokens, for the
-  ``n`` (1 to :data:`MAX_DIVISOR`) with which the tail's first global batches simulate fastest.
+  one adapter each, or that follow every adapter that ended early (the jobs left at the end,
+  whose microbatches may mix them), where no-ops are spread between several adapters' batches and
+  no single batch is followed by a whole drain (two long jobs left by short ones, with 2 replicas,
+  or two jobs of one length alone). Every global batch there is dealt into microbatches of about
+  ``capacity / n`` tokens, one adapter each, for the ``n`` (1 to :data:`MAX_DIVISOR`) with which
+  the tail's first global batches simulate fastest.
 
 Samples are dealt longest first, each to the least loaded microbatch, and a split that would put a
 microbatch over the capacity is not made. The split sequence is laid out again with the fewest
@@ -35,6 +37,7 @@ optimizer step: a global batch keeps its samples.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Iterator, Sequence
@@ -263,16 +266,17 @@ def split_lone_batches(slots: Sequence[Slot], how: Splitting) -> list[Slot]:
 
 
 def _tail_split(tail: Sequence[Slot], target: float, how: Splitting, keep: set[tuple[int, int]]) -> list[Slot]:
-    """``tail`` (one adapter per slot) with each global batch dealt into microbatches of about ``target`` tokens.
+    """``tail`` with each global batch dealt into microbatches of about ``target`` tokens.
 
     A batch's new microbatches take the places of its old ones in order, the extra ones after its
     last. A batch in ``keep``, one that would not fit the capacity so, or one already split finer,
-    stays as it is.
+    stays as it is. A microbatch that held several batches stays as it was if none of them is
+    split, and otherwise gives way to each batch's own new microbatches, one adapter each.
     """
     groups: dict[tuple[int, int], list[list[int]]] = {}
     for slot in tail:
-        [(adapter, (batch, samples))] = slot.items()
-        groups.setdefault((adapter, batch), []).append(samples)
+        for adapter, (batch, samples) in slot.items():
+            groups.setdefault((adapter, batch), []).append(samples)
     dealt: dict[tuple[int, int], list[list[int]]] = {}
     for (adapter, batch), old in groups.items():
         samples = sorted(s for group in old for s in group)
@@ -283,11 +287,16 @@ def _tail_split(tail: Sequence[Slot], target: float, how: Splitting, keep: set[t
     seen = dict.fromkeys(groups, 0)
     out: list[Slot] = []
     for slot in tail:
-        [(adapter, (batch, _samples))] = slot.items()
-        key = (adapter, batch)
-        taken, seen[key] = seen[key], seen[key] + 1
-        last = seen[key] == len(groups[key])
-        out.extend({adapter: (batch, group)} for group in dealt[key][taken : None if last else taken + 1])
+        pieces: list[Slot] = []
+        for adapter, (batch, _samples) in slot.items():
+            key = (adapter, batch)
+            taken, seen[key] = seen[key], seen[key] + 1
+            last = seen[key] == len(groups[key])
+            pieces.extend({adapter: (batch, group)} for group in dealt[key][taken : None if last else taken + 1])
+        if all(dealt[(adapter, batch)] is groups[(adapter, batch)] for adapter, (batch, _s) in slot.items()):
+            out.append(slot)
+        else:
+            out.extend(pieces)
     return out
 
 
@@ -323,12 +332,40 @@ def _window(tail: Sequence[Slot], batches: int) -> list[Slot]:
     return list(tail[: max(last[key] for key in started[:batches]) + 1])
 
 
+def _tail_start(compact: Sequence[Slot]) -> int:
+    """Where the plan's lone tail begins in ``compact`` (no no-ops): the earlier of two starts.
+
+    The microbatches at the end that hold one adapter each; and those after the last microbatch of
+    every adapter that ended early, one after whose end another adapter began two or more global
+    batches. The second start takes in the jobs left at the end whose microbatches hold several of
+    them: two jobs of one length, packed together where one's global batch ends and the other's
+    begins.
+    """
+    single = len(compact)
+    while single and len(compact[single - 1]) == 1:
+        single -= 1
+    last: dict[int, int] = {}
+    begins: dict[int, list[int]] = {}  # per adapter, where each global batch begins (they run in order)
+    for index, slot in enumerate(compact):
+        for adapter, (batch, _samples) in slot.items():
+            if len(begins.setdefault(adapter, [])) == batch:
+                begins[adapter].append(index)
+            last[adapter] = index
+    early = [
+        end
+        for adapter, end in last.items()
+        if any(len(starts) - bisect.bisect_right(starts, end) >= 2 for a, starts in begins.items() if a != adapter)
+    ]
+    return min(single, max(early) + 1 if early else 0)
+
+
 def split_lone_tail(slots: Sequence[Slot], how: Splitting) -> list[Slot]:
     """Split the global batches of the plan's lone tail into the microbatch size that simulates fastest.
 
-    The tail: the microbatches at the end of the plan that hold one adapter each; a global batch
-    that began before them keeps its microbatches. A tail whose no-ops all lie in the drains after
-    lone global batches is left to :func:`split_lone_batches`. The size is chosen on the tail's
+    The tail (:func:`_tail_start`): the microbatches at the end of the plan that hold one adapter
+    each, or the jobs left at the end; a global batch that began before it keeps its microbatches.
+    A tail whose no-ops all lie in the drains after lone global batches is left to
+    :func:`split_lone_batches`. The size is chosen on the tail's
     first :data:`TAIL_WINDOW` global batches (simulated after the rest of the plan, from the round
     of the tail's first microbatch): each is dealt into microbatches of about ``capacity / n``
     tokens for ``n = 1, 2, ..., MAX_DIVISOR`` (a batch already in more is kept), and the fastest
@@ -342,9 +379,7 @@ def split_lone_tail(slots: Sequence[Slot], how: Splitting) -> list[Slot]:
         The new sequence; ``slots`` unchanged (as a new list) when no split pays on the window.
     """
     compact = [slot for slot in slots if slot]
-    start = len(compact)
-    while start and len(compact[start - 1]) == 1:
-        start -= 1
+    start = _tail_start(compact)
     head, tail = compact[:start], compact[start:]
     if not tail or _only_drains(slots, len(head), how):
         return list(slots)
