@@ -1,4 +1,4 @@
-"""Jobs files: a key given twice is refused with its lines; .json is JSON; YAML booleans are true/false only."""
+"""Jobs files: a key given twice is refused with its lines; .json is JSON; YAML booleans and integers are YAML 1.2's."""
 
 from __future__ import annotations
 
@@ -103,4 +103,19 @@ def test_a_name_that_is_not_text_says_to_quote_it(tmp_path: Path, word: str, quo
     with pytest.raises(
         SchedError, match=rf"adapters\[0\].name = .*: Input should be a valid string; .*quotes \({quoted}\)"
     ):
+        load_jobs(path)
+
+
+@pytest.mark.parametrize(("text", "value"), [("016", 16), ("+010", 10), ("1_024", 1024), ("0o20", 16), ("0x10", 16)])
+def test_integers_are_yaml_12s(tmp_path: Path, text: str, value: int) -> None:
+    """YAML 1.1 read a leading zero as octal: ``016`` was 14, silently."""
+    adapter = f"{{name: a, sample_tokens: [5, {text}], global_batch_size: 1}}"
+    path = write(tmp_path, "jobs.yaml", f"adapters: [{adapter}]\noptions: {{capacity: 2048}}\n")
+    assert load_jobs(path)[0][0].sample_tokens == (5, value)
+
+
+def test_a_base_60_number_is_text_and_refused(tmp_path: Path) -> None:
+    """YAML 1.1 read ``1:30`` as 90."""
+    path = write(tmp_path, "jobs.yaml", f"adapters: [{ADAPTER}]\noptions: {{capacity: 1:30}}\n")
+    with pytest.raises(SchedError, match=r"options.capacity: capacity = '1:30': give a whole number, not a string"):
         load_jobs(path)

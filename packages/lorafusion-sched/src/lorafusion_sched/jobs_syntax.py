@@ -4,7 +4,8 @@ Both readers refuse a key given twice in one mapping and name its lines: ``json`
 the last silently, so a second ``options:`` block used to replace the first whole, and the plan was
 made for settings nobody wrote. The YAML reader also takes YAML 1.2's booleans and numbers where
 PyYAML follows YAML 1.1: only ``true`` and ``false`` are booleans (``yes``, ``no``, ``on`` and
-``off`` are text, as in JSON), and ``1e3`` is a number.
+``off`` are text, as in JSON), ``1e3`` is a number, and an integer with a leading zero is decimal
+(``global_batch_size: 016`` was octal, 14) while ``1:30`` is text (it was 90, base 60).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from lorafusion_sched.errors import SchedError
 __all__ = ["JobsLoader", "parse_jobs_text"]
 
 _BOOL_TAG = "tag:yaml.org,2002:bool"
+_INT_TAG = "tag:yaml.org,2002:int"
 _FLOAT_TAG = "tag:yaml.org,2002:float"
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
@@ -34,12 +36,13 @@ class _RepeatedKeyError(Exception):
 
 
 class JobsLoader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2's booleans and exponents, refusing a key given twice.
+    """PyYAML's safe loader with YAML 1.2's booleans, integers and exponents, refusing a key given twice.
 
     PyYAML follows YAML 1.1: ``yes``/``no``/``on``/``off`` are booleans there (so ``drop_last: on``
-    was ``true``, and an adapter named ``no`` was refused as not a string), and a float needs a dot
-    and a signed exponent (``1e3`` was a string, so a jobs file written as JSON was refused where a
-    lengths file takes the same number).
+    was ``true``, and an adapter named ``no`` was refused as not a string), a leading zero makes an
+    integer octal and colons make it base 60, and a float needs a dot and a signed exponent (``1e3``
+    was a string, so a jobs file written as JSON was refused where a lengths file takes the same
+    number).
     """
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
@@ -63,11 +66,25 @@ class JobsLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    """YAML 1.2's integer (with PyYAML's underscores): decimal whatever its leading zeros; ``0o``, ``0x``, ``0b``."""
+    text = str(loader.construct_scalar(node)).replace("_", "")
+    digits = text.lstrip("+-")
+    value = int(digits, 0) if digits[:2] in ("0o", "0x", "0b") else int(digits, 10)
+    return -value if text.startswith("-") else value
+
+
 JobsLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL_TAG]
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_BOOL_TAG, _INT_TAG)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 JobsLoader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+JobsLoader.add_implicit_resolver(
+    _INT_TAG,
+    re.compile(r"^[-+]?(?:0o[0-7_]+|0x[0-9a-fA-F_]+|0b[01_]+|[0-9][0-9_]*)$"),
+    list("-+0123456789"),
+)
+JobsLoader.add_constructor(_INT_TAG, _construct_int)
 JobsLoader.add_implicit_resolver(
     _FLOAT_TAG, re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
 )
