@@ -140,6 +140,8 @@ def test_validate_refuses_more_stages_than_layers(capsys: pytest.CaptureFixture[
     assert main(["validate", config, "--set", "parallel.pipeline_stages=3"]) == 2
     assert "pipeline_stages = 3 must be between 1 and the model's 2 decoder layers" in capsys.readouterr().err
     assert main(["validate", config, "--set", "parallel.pipeline_stages=2"]) == 0
+    assert main(["validate", config, "--set", "parallel.pipeline_stages=010"]) == 2
+    assert "pipeline_stages = 10 must be between" in capsys.readouterr().err, "YAML 1.2: decimal, not octal 8"
 
 
 def test_plan_prints_statistics_and_writes_json(

@@ -235,6 +235,18 @@ def test_yaml_duplicate_key_is_an_error(tmp_path: Path) -> None:
         load_config(path)
 
 
+def test_integers_are_read_as_yaml_12_reads_them(tmp_path: Path) -> None:
+    """PyYAML's YAML 1.1 read ``016`` as octal (14) and ``1:30`` as 90, silently."""
+    path = tmp_path / "c.yaml"
+    jobs = "jobs: [{name: one, dataset: {synthetic: xsum}, global_batch_size: 016, max_steps: 0x10}]\n"
+    path.write_text("output_dir: out\nbase_model: {model_name_or_path: tiny}\n" + jobs)
+    [job] = load_config(path).jobs
+    assert (job.global_batch_size, job.max_steps) == (16, 16)
+    path.write_text(path.read_text().replace("0x10", "1:30"))
+    with pytest.raises(TrainerError, match=r"jobs\.0\.max_steps"):
+        load_config(path)
+
+
 def test_a_key_beside_a_merge_overrides_the_anchors(tmp_path: Path) -> None:
     """YAML's merge key: the mapping's own keys win. The duplicate check counted merged keys as its own."""
     path = tmp_path / "c.yaml"

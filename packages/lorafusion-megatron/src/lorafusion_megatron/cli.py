@@ -40,12 +40,14 @@ _console = Console(stderr=True)
 
 
 def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
+    from lorafusion_megatron.config_yaml import UniqueKeyLoader
+
     parsed = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise TrainerError(f"--set {pair!r}: write KEY=VALUE, e.g. --set jobs.0.learning_rate=2e-4")
-        parsed[key] = yaml.safe_load(value)
+        parsed[key] = yaml.load(value, Loader=UniqueKeyLoader)  # a SafeLoader subclass: YAML 1.2's integers
     return parsed
 
 

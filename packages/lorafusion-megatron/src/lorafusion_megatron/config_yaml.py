@@ -1,4 +1,8 @@
-"""The YAML loader of config files: PyYAML's safe loader, refusing a key given twice in one mapping."""
+"""The YAML loader of config files: PyYAML's safe loader, refusing a key given twice in one mapping.
+
+It reads integers as YAML 1.2 does (``lorafusion_sched.jobs_syntax.read_yaml_12_integers``): a
+leading zero is decimal (``global_batch_size: 016`` was octal, 14) and ``1:30`` is text (it was 90).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from typing import Any
 import yaml
 
 from lorafusion_megatron.errors import TrainerError
+from lorafusion_sched.jobs_syntax import read_yaml_12_integers
 
 __all__ = ["UniqueKeyLoader"]
 
@@ -71,6 +76,9 @@ class UniqueKeyLoader(yaml.SafeLoader):
                 raise TrainerError(f"line {key_node.start_mark.line + 1}: key {key!r} appears twice in one mapping")
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+read_yaml_12_integers(UniqueKeyLoader)
 
 
 def _key_identity(key: yaml.Node) -> object:

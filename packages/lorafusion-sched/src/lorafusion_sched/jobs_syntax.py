@@ -19,7 +19,7 @@ import yaml
 
 from lorafusion_sched.errors import SchedError
 
-__all__ = ["JobsLoader", "parse_jobs_text"]
+__all__ = ["JobsLoader", "parse_jobs_text", "read_yaml_12_integers"]
 
 _BOOL_TAG = "tag:yaml.org,2002:bool"
 _INT_TAG = "tag:yaml.org,2002:int"
@@ -74,17 +74,28 @@ def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
     return -value if text.startswith("-") else value
 
 
+def read_yaml_12_integers(loader: type[yaml.SafeLoader]) -> None:
+    """Make ``loader`` (a ``SafeLoader`` subclass) read plain integers as YAML 1.2 does.
+
+    A leading zero is decimal (PyYAML's YAML 1.1 reads ``016`` as octal, 14); ``0o``, ``0x`` and
+    ``0b`` give other bases; ``1:30`` is text (YAML 1.1's base 60 read it as 90).
+    """
+    loader.yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag != _INT_TAG]
+        for first, resolvers in loader.yaml_implicit_resolvers.items()
+    }
+    loader.add_implicit_resolver(
+        _INT_TAG, re.compile(r"^[-+]?(?:0o[0-7_]+|0x[0-9a-fA-F_]+|0b[01_]+|[0-9][0-9_]*)$"), list("-+0123456789")
+    )
+    loader.add_constructor(_INT_TAG, _construct_int)
+
+
 JobsLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_BOOL_TAG, _INT_TAG)]
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL_TAG]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 JobsLoader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
-JobsLoader.add_implicit_resolver(
-    _INT_TAG,
-    re.compile(r"^[-+]?(?:0o[0-7_]+|0x[0-9a-fA-F_]+|0b[01_]+|[0-9][0-9_]*)$"),
-    list("-+0123456789"),
-)
-JobsLoader.add_constructor(_INT_TAG, _construct_int)
+read_yaml_12_integers(JobsLoader)
 JobsLoader.add_implicit_resolver(
     _FLOAT_TAG, re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
 )
