@@ -255,20 +255,27 @@ class CostModel(BaseModel):
 
     def forward_seconds(self, padded_tokens: int, stage: int) -> float:
         """Forward seconds of one microbatch on ``stage`` (0 for a no-op)."""
+        factor = self.stage_factors[stage] if self.stage_factors else 1.0
+        return factor * self.unscaled_forward_seconds(padded_tokens)
+
+    def unscaled_forward_seconds(self, padded_tokens: int) -> float:
+        """Forward seconds of one microbatch before its stage's factor (0 for a no-op).
+
+        The simulator computes it once per microbatch and scales it for each stage.
+        """
         if padded_tokens == 0:
             return 0.0
-        factor = self.stage_factors[stage] if self.stage_factors else 1.0
         points = self.forward_points
         if points is None:
-            return factor * (self.forward_fixed_s + self.forward_per_token_s * padded_tokens)
+            return self.forward_fixed_s + self.forward_per_token_s * padded_tokens
         j = bisect.bisect_left(points, padded_tokens, key=operator.itemgetter(0))
         if j == 0:
-            return factor * points[0][1]
+            return points[0][1]
         if j == len(points):
             tokens, seconds = points[-1]
-            return factor * seconds * padded_tokens / tokens
+            return seconds * padded_tokens / tokens
         (x0, y0), (x1, y1) = points[j - 1], points[j]
-        return factor * (y0 + (y1 - y0) * (padded_tokens - x0) / (x1 - x0))
+        return y0 + (y1 - y0) * (padded_tokens - x0) / (x1 - x0)
 
 
 MAX_PIPELINE_STAGES = 1024

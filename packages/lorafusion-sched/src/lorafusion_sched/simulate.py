@@ -71,7 +71,9 @@ def _one_f_one_b(
     if n == 0:
         return start, busy
     backward_factor = cost.backward_factor
-    forward = [[cost.forward_seconds(it.tokens, s) for it in items] for s in range(stages)]
+    unscaled = [cost.unscaled_forward_seconds(it.tokens) for it in items]  # interpolated once, not once per stage
+    factors = cost.stage_factors or (1.0,) * stages
+    forward = [[factor * seconds for seconds in unscaled] for factor in factors]
     backward = [[backward_factor * seconds for seconds in row] for row in forward]
     orders: list[list[int]] = []
     for s in range(stages):
