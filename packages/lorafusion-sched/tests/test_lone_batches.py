@@ -146,6 +146,12 @@ def test_no_split_goes_over_the_capacity() -> None:
     assert how.deal(unit, 3) == [{0: (0, [0])}, {0: (0, [1])}, {0: (0, [2])}]
 
 
+FOUR_ADAPTERS_S3 = Splitting(
+    [[1000] * 4, [1000] * 8, [1000] * 8, [1000]], capacity=4096, padding=1, stages=3, replicas=1, cost=SMALL_FIXED
+)
+"""The tail tests' adapters: 0 with 4 samples, 1 and 2 with 8, 3 with 1; 1,000 tokens each; S = 3."""
+
+
 def test_the_tail_is_split_but_a_global_batch_begun_before_it_is_kept() -> None:
     """S = 3: adapters 1 and 2 fill part of each other's waits; the no-op between them is no drain.
 
@@ -160,8 +166,7 @@ def test_the_tail_is_split_but_a_global_batch_begun_before_it_is_kept() -> None:
         {1: (1, [4, 5, 6, 7])},
         {2: (1, [4, 5, 6, 7])},
     ]
-    lengths = [[1000] * 4, [1000] * 8, [1000] * 8, [1000]]
-    how = Splitting(lengths, capacity=4096, padding=1, stages=3, replicas=1, cost=SMALL_FIXED)
+    how = FOUR_ADAPTERS_S3
     per_batch = split_lone_batches(slots, how)
     assert per_batch[:6] == slots[:6], "only the plan's last global batch is followed by a drain (the end)"
     out = split_lone_tail(slots, how)
@@ -231,8 +236,7 @@ def test_a_global_batch_begun_before_the_tail_is_kept_wherever_its_microbatches_
         {1: (1, [4, 5, 6, 7])},
         {2: (1, [4, 5, 6, 7])},
     ]
-    lengths = [[1000] * 4, [1000] * 8, [1000] * 8, [1000]]
-    how = Splitting(lengths, capacity=4096, padding=1, stages=3, replicas=1, cost=SMALL_FIXED)
+    how = FOUR_ADAPTERS_S3
     out = split_lone_tail(slots, how)
     assert out != slots, "adapters 1 and 2 are split"
     assert [slot for slot in out if 0 in slot] == [slots[0], slots[2]]

@@ -21,7 +21,7 @@ def make_plan(
     """Plan the run: every job's samples packed into microbatches of at most the capacity.
 
     With a ``profile.json`` of ``pipeline_stages`` stages in the output folder, the planner gets its
-    fitted cost model and splits the global batches that run alone where that model finds smaller
+    measured cost model and splits the global batches that run alone where that model finds smaller
     microbatches faster (``lorafusion_sched.lone_batches``; the training is the same).
 
     Args:

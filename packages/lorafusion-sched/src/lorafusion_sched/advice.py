@@ -92,9 +92,9 @@ def noop_advice(plan: Plan, *, cost_model_given: bool = False) -> str | None:
     if not cost_model_given:
         remedies.insert(
             0,
-            "give the planner a cost model (options cost_model, as `lorafusion-megatron profile` fits one): it then "
-            "splits the global batches that run alone into smaller microbatches where that is faster, which does "
-            "not change the training",
+            "give the planner a cost model (options cost_model, as `lorafusion-megatron profile` measures one): it "
+            "then splits the global batches that run alone into smaller microbatches where that is faster, which "
+            "does not change the training",
         )
     if d > 1:
         remedies.append("plan for fewer data-parallel replicas")

@@ -1,6 +1,6 @@
-"""``lorafusion-megatron profile``: every rank measures its own stage, rank 0 fits and chooses.
+"""``lorafusion-megatron profile``: every rank measures its own stage, rank 0 models and chooses.
 
-Writes ``<output_dir>/profile.json`` (measurements, the fitted cost model, every candidate
+Writes ``<output_dir>/profile.json`` (measurements, the cost model through them, every candidate
 capacity's predicted memory and simulated throughput, the choice) and ``profile.md``, the same as a
 readable table. :func:`with_profiled_choices` reads the choice back, for ``capacity: auto`` and
 ``activation_checkpointing: auto``.
