@@ -3,9 +3,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lorafusion_sched import AdapterJob, CostModel, Plan, PlanOptions, SchedError, plan, simulate, verify
-from lorafusion_sched.simulate import Event, _Item, run_sequences, timeline
+from lorafusion_sched.simulate import Event, _Item, _one_f_one_b, run_sequences, timeline
 from lorafusion_sched.workloads import synthetic_jobs
 
 UNIT = CostModel(forward_fixed_s=0.0, forward_per_token_s=1.0, backward_factor=2.0)
@@ -33,6 +35,58 @@ def test_events_respect_dependencies() -> None:
     for evs in per_stage.values():
         evs.sort(key=lambda e: e.start)
         assert all(a.end <= b.start + 1e-12 for a, b in itertools.pairwise(evs))
+
+
+def _reference_1f1b(
+    forward: list[list[float]], backward: list[list[float]], start: float
+) -> dict[tuple[str, int, int], float]:
+    """Every op's end, plainly: sweep the stages, each running its next ops while their inputs have ended."""
+    stages, n = len(forward), len(forward[0])
+    orders = []
+    for s in range(stages):
+        warmup = min(stages - 1 - s, n)
+        steady = [op for j in range(n - warmup) for op in (("F", warmup + j), ("B", j))]
+        orders.append([("F", i) for i in range(warmup)] + steady + [("B", i) for i in range(n - warmup, n)])
+    end: dict[tuple[str, int, int], float] = {}
+    clock = [start] * stages
+    while len(end) < 2 * stages * n:
+        for s, order in enumerate(orders):
+            for kind, i in order[sum(1 for key in end if key[1] == s) :]:
+                if kind == "F":
+                    inputs = ("F", s - 1, i) if s > 0 else None
+                else:
+                    inputs = ("B", s + 1, i) if s < stages - 1 else ("F", s, i)
+                if inputs is not None and inputs not in end:
+                    break
+                ready = end[inputs] if inputs is not None else start
+                clock[s] = max(clock[s], ready) + (forward if kind == "F" else backward)[s][i]
+                end[(kind, s, i)] = clock[s]
+    return end
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    stages=st.integers(1, 6),
+    tokens=st.lists(st.sampled_from([0, 1, 2, 5]), max_size=14),
+    factors=st.lists(st.sampled_from([0.5, 1.0, 1.5]), min_size=6, max_size=6),
+    start=st.sampled_from([0.0, 2.5]),
+)
+def test_the_simulated_ops_end_where_a_plain_sweep_ends_them(
+    stages: int, tokens: list[int], factors: list[float], start: float
+) -> None:
+    cost = CostModel(
+        forward_fixed_s=0.0, forward_per_token_s=1.0, backward_factor=2.0, stage_factors=tuple(factors[:stages])
+    )
+    forward = [[factor * t for t in tokens] for factor in factors[:stages]]
+    expected = _reference_1f1b(forward, [[2.0 * x for x in row] for row in forward], start) if tokens else {}
+    events: list[Event] = []
+    items = [_Item(t, "a") for t in tokens]
+    assert _one_f_one_b(items, stages, cost, start, events) == max(expected.values(), default=start)
+    assert {(e.kind, e.stage, e.microbatch): e.end for e in events} == {
+        key: value for key, value in expected.items() if forward[key[1]][key[2]] > 0
+    }
+    _, busy = run_sequences([[items]], stages, cost)
+    assert busy == pytest.approx([3.0 * factor * sum(tokens) for factor in factors[:stages]])
 
 
 def test_four_adapters_beat_both_baselines() -> None:

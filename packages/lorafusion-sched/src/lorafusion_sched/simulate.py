@@ -26,9 +26,10 @@ A plan is verified before it is simulated, and refused if it has violations.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from lorafusion_sched.errors import InvalidPlanError, SchedError
@@ -58,70 +59,108 @@ class _Item:
     label: str
 
 
-def _one_f_one_b(
-    items: Sequence[_Item], stages: int, cost: CostModel, start: float, events: list[Event] | None
-) -> tuple[float, list[float]]:
-    """Simulate one 1F1B pipeline from ``start``; returns (end time, busy seconds per stage).
+@dataclass(frozen=True, slots=True)
+class _Ops:
+    """Every op of one simulated 1F1B pipeline: per stage and microbatch, durations, inputs' ends and ends."""
 
-    Each stage's order is a list of microbatch indices, ``i`` for a forward and ``~i`` (negative)
-    for a backward; stages are swept in turn, each running its ops while their inputs are ready.
+    forward: list[list[float]]
+    backward: list[list[float]]
+    f_input: list[list[float]]
+    b_input: list[list[float]]
+    f_end: list[list[float]]
+    b_end: list[list[float]]
+    end: float
+
+
+def _simulate_ops(tokens: Sequence[int], stages: int, cost: CostModel, start: float) -> _Ops:
+    """Simulate one 1F1B pipeline of microbatches of these padded sizes from ``start``.
+
+    Stage ``s`` of ``S`` runs ``w = min(S - 1 - s, n)`` forwards, then alternates forward ``w + j``
+    and backward ``j``, then runs the remaining backwards. Each op starts at
+    ``max(end of the op before it on its stage, end of its input)``. The ops are computed in order of
+    a key under which every op comes after its input and after the op before it on its stage: its
+    start in the same schedule with every op taking one unit of time,
+
+    * forward ``i`` on ``s``: ``s + i`` in the warm-up (``i < S - 1 - s``), else ``2 i + s``;
+    * backward ``i`` on ``s``: ``2 S - 1 - s + 2 i``.
+
+    The warm-ups (keys below ``S - 1``) need only one another; from key ``S - 1`` on, the stages
+    whose index has the key's parity run a forward and the others a backward.
     """
-    n = len(items)
-    busy = [0.0] * stages
-    if n == 0:
-        return start, busy
-    backward_factor = cost.backward_factor
-    unscaled = [cost.unscaled_forward_seconds(it.tokens) for it in items]  # interpolated once, not once per stage
+    n = len(tokens)
+    last = stages - 1
+    unscaled = [cost.unscaled_forward_seconds(t) for t in tokens]  # interpolated once, not once per stage
     factors = cost.stage_factors or (1.0,) * stages
     forward = [[factor * seconds for seconds in unscaled] for factor in factors]
-    backward = [[backward_factor * seconds for seconds in row] for row in forward]
-    orders: list[list[int]] = []
+    backward = [[cost.backward_factor * seconds for seconds in row] for row in forward]
+    f_end = [[0.0] * n for _ in range(stages)]
+    b_end = [[0.0] * n for _ in range(stages)]
+    f_input = [[start] * n, *f_end[:last]]  # forward i on s starts after f_input[s][i]
+    b_input = [*b_end[1:], f_end[last]]  # backward i on s starts after b_input[s][i]
+    clock = [start] * stages
     for s in range(stages):
-        warmup = min(stages - 1 - s, n)
-        ops = list(range(warmup))
-        for i in range(n - warmup):
-            ops.append(warmup + i)
-            ops.append(~i)
-        ops.extend(~i for i in range(n - warmup, n))
-        orders.append(ops)
-    f_end = [[-1.0] * n for _ in range(stages)]
-    b_end = [[-1.0] * n for _ in range(stages)]
-    free = [start] * stages
-    position = [0] * stages
-    remaining = 2 * n * stages
-    last = stages - 1
-    while remaining:
-        progressed = False
-        for s in range(stages):
-            ops, p, clock = orders[s], position[s], free[s]
-            f_here, b_here = f_end[s], b_end[s]
-            f_before = f_end[s - 1] if s > 0 else None
-            b_after = b_end[s + 1] if s < last else None
-            stop = len(ops)
-            while p < stop:
-                op = ops[p]
-                if op >= 0:
-                    i, ends, duration = op, f_here, forward[s][op]
-                    ready = f_before[i] if f_before is not None else start
-                else:
-                    i, ends, duration = ~op, b_here, backward[s][~op]
-                    ready = b_after[i] if b_after is not None else f_here[i]
-                if ready < 0:
-                    break
-                begin = clock if clock > ready else ready
-                clock = begin + duration
-                ends[i] = clock
-                busy[s] += duration
-                p += 1
-                if events is not None and duration > 0:
-                    events.append(Event(s, "F" if op >= 0 else "B", i, begin, clock, items[i].label))
-            if p != position[s]:
-                remaining -= p - position[s]
-                position[s], free[s] = p, clock
-                progressed = True
-        if not progressed:  # 1F1B orders are deadlock-free; this guards the invariant
-            raise RuntimeError("1F1B simulation made no progress")
-    return max(free), busy
+        c, ends, inputs, durations = start, f_end[s], f_input[s], forward[s]
+        for i in range(min(last - s, n)):
+            ready = inputs[i]
+            c = (c if c > ready else ready) + durations[i]
+            ends[i] = c
+        clock[s] = c
+    for t in range(last, 2 * (n + last)):
+        low = max(2 * last - t, t - 2 * n + 2, 0)  # forward i = (t - s) / 2 with S - 1 - s <= i < n
+        for s in range(low + ((t - low) & 1), stages, 2):
+            i = (t - s) >> 1
+            ready, c = f_input[s][i], clock[s]
+            f_end[s][i] = clock[s] = (c if c > ready else ready) + forward[s][i]
+        low = max(2 * last + 1 - t, 0)  # backward i = (t + s + 1 - 2 S) / 2 with 0 <= i < n
+        for s in range(low + ((t - low + 1) & 1), min(stages, 2 * (n + last) - t), 2):
+            i = (t + s + 1 - 2 * stages) >> 1
+            ready, c = b_input[s][i], clock[s]
+            b_end[s][i] = clock[s] = (c if c > ready else ready) + backward[s][i]
+    return _Ops(forward, backward, f_input, b_input, f_end, b_end, max(clock))
+
+
+@functools.lru_cache(maxsize=64)
+def _pipeline_end(tokens: tuple[int, ...], stages: int, cost: CostModel, start: float) -> float:
+    """End of one 1F1B pipeline (:func:`_simulate_ops`), remembered.
+
+    ``simulate`` of a plan planned with a cost model then runs no simulation the planner ran.
+    """
+    return _simulate_ops(tokens, stages, cost, start).end
+
+
+def _one_f_one_b(
+    items: Sequence[_Item], stages: int, cost: CostModel, start: float, events: list[Event] | None
+) -> float:
+    """Simulate one 1F1B pipeline from ``start``; returns its end time and appends its ops to ``events``."""
+    if not items:
+        return start
+    if events is None:
+        return _pipeline_end(tuple(it.tokens for it in items), stages, cost, start)
+    ops = _simulate_ops([it.tokens for it in items], stages, cost, start)
+    for s in range(stages):
+        clock = start
+        for kind, i in _stage_order(s, stages, len(items)):
+            ends, ready, duration = (
+                (ops.f_end[s], ops.f_input[s][i], ops.forward[s][i])
+                if kind == "F"
+                else (ops.b_end[s], ops.b_input[s][i], ops.backward[s][i])
+            )
+            if duration > 0:
+                events.append(Event(s, kind, i, max(clock, ready), ends[i], items[i].label))
+            clock = ends[i]
+    return ops.end
+
+
+def _stage_order(stage: int, stages: int, n: int) -> Iterator[tuple[str, int]]:
+    """Stage ``stage``'s ops in 1F1B order: ``("F", i)`` and ``("B", i)``."""
+    warmup = min(stages - 1 - stage, n)
+    for i in range(warmup):
+        yield "F", i
+    for j in range(n - warmup):
+        yield "F", warmup + j
+        yield "B", j
+    for i in range(n - warmup, n):
+        yield "B", i
 
 
 def run_sequences(
@@ -130,19 +169,21 @@ def run_sequences(
     """Run pipelines one after another (a flush between them); each has one sequence per replica.
 
     Returns:
-        Makespan and busy seconds per stage (averaged over replicas).
+        Makespan and busy seconds per stage (averaged over replicas): stage ``s`` is busy for
+        ``factor_s (1 + backward_factor) forward(tokens)`` per microbatch.
     """
     clock = 0.0
-    busy = [0.0] * stages
+    work = 0.0  # unscaled forward seconds per replica
     for per_replica in pipelines:
-        ends = []
-        for r, items in enumerate(per_replica):
-            end, used = _one_f_one_b(items, stages, cost, clock, events if r == 0 else None)
-            ends.append(end)
-            for s in range(stages):
-                busy[s] += used[s] / len(per_replica)
+        ends = [
+            _one_f_one_b(items, stages, cost, clock, events if r == 0 else None) for r, items in enumerate(per_replica)
+        ]
+        work += sum(cost.unscaled_forward_seconds(it.tokens) for items in per_replica for it in items) / len(
+            per_replica
+        )
         clock = max([clock, *ends])
-    return clock, busy
+    factors = cost.stage_factors or (1.0,) * stages
+    return clock, [factor * (1.0 + cost.backward_factor) * work for factor in factors]
 
 
 def sequence_seconds(padded_tokens: Sequence[int], stages: int, replicas: int, cost: CostModel) -> float:

@@ -7,7 +7,8 @@ the MILP), and the plan's pipeline simulated with that model. A capacity whose l
 drain the pipeline is judged by its split plan, as it will run: on LLaMa-3.1-70B over 4 stages
 (H200) a lone job's plans at 4,096 and 8,192 tokens split into the same microbatches. A capacity
 that does not fit is planned without splits, which cost planning time (a lone job of 25,600
-samples on 16 stages x 8 replicas: about 13 s per capacity with them, 2 s without).
+samples on 16 stages x 8 replicas, planned and simulated: about 9 s per capacity with them, 4 s
+without).
 
 Memory: one microbatch of ``n`` tokens peaks at ``static + activations * n`` on a stage (fitted to
 the measurements), and stage ``s`` of a 1F1B pipeline holds the activations of up to ``S - s``
