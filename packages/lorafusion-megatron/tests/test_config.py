@@ -247,6 +247,22 @@ def test_integers_are_read_as_yaml_12_reads_them(tmp_path: Path) -> None:
         load_config(path)
 
 
+def test_booleans_and_floats_are_read_as_yaml_12_reads_them(tmp_path: Path) -> None:
+    """YAML 1.1 read ``no`` as false (a job named ``no`` was refused) and ``1.5e3`` as text."""
+    path = tmp_path / "c.yaml"
+    job = "{name: no, dataset: {synthetic: xsum, shuffle: off}, global_batch_size: 1.6e1, learning_rate: 2e-4}"
+    path.write_text(
+        f"output_dir: out\nbase_model: {{model_name_or_path: tiny}}\nscheduler: {{drop_last: yes}}\njobs: [{job}]\n"
+    )
+    config = load_config(path)
+    [job_config] = config.jobs
+    assert (job_config.name, job_config.global_batch_size, job_config.learning_rate) == ("no", 16, 2e-4)
+    assert (job_config.dataset.shuffle, config.scheduler.drop_last) == (False, True)
+    path.write_text(path.read_text() + "runtime: {activation_checkpointing: on}\n")
+    with pytest.raises(TrainerError, match=r"activation_checkpointing: .*; on is text in a config file \(YAML 1\.2\)"):
+        load_config(path)
+
+
 def test_a_key_beside_a_merge_overrides_the_anchors(tmp_path: Path) -> None:
     """YAML's merge key: the mapping's own keys win. The duplicate check counted merged keys as its own."""
     path = tmp_path / "c.yaml"

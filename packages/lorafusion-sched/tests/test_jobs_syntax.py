@@ -89,6 +89,16 @@ def test_true_and_false_are_switches(tmp_path: Path, word: str, value: bool) -> 
     assert load_jobs(path)[1].truncate is value
 
 
+@pytest.mark.parametrize(("text", "value"), [("1e1", 10), ("1.5e1", 15), ("+2.0E1", 20), ("3.", 3)])
+def test_floats_with_an_unsigned_exponent_or_no_digits_after_the_dot_are_numbers(
+    tmp_path: Path, text: str, value: int
+) -> None:
+    """YAML 1.1 needs a dot and a signed exponent: ``1.5e1`` was text, refused as a sample length."""
+    adapter = f"{{name: a, sample_tokens: [{text}], global_batch_size: 1}}"
+    path = write(tmp_path, "jobs.yaml", f"adapters: [{adapter}]\noptions: {{capacity: 64}}\n")
+    assert load_jobs(path)[0][0].sample_tokens == (value,)
+
+
 @pytest.mark.parametrize("word", ["no", "yes", "on", "off"])
 def test_an_adapter_may_be_named_no(tmp_path: Path, word: str) -> None:
     """YAML 1.1 read these names as booleans and refused them as 'not a valid string'."""

@@ -47,7 +47,7 @@ def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise TrainerError(f"--set {pair!r}: write KEY=VALUE, e.g. --set jobs.0.learning_rate=2e-4")
-        parsed[key] = yaml.load(value, Loader=UniqueKeyLoader)  # a SafeLoader subclass: YAML 1.2's integers
+        parsed[key] = yaml.load(value, Loader=UniqueKeyLoader)  # a SafeLoader subclass: YAML 1.2's booleans and numbers
     return parsed
 
 

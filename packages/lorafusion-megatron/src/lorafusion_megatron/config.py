@@ -380,9 +380,11 @@ class RuntimeConfig(ConfigSection):
         counts = isinstance(value, list) and all(type(c) is int and c >= 0 for c in value)
         if isinstance(value, bool) or value in ("balanced", "auto") or (counts and value):
             return value
+        yaml_11 = isinstance(value, str) and value.lower() in ("yes", "no", "on", "off", "y", "n")
         raise ValueError(
             "give true, false, balanced, auto, or a list with one count of recomputed layers per pipeline "
             "stage (e.g. [20, 18])"
+            + (f"; {value} is text in a config file (YAML 1.2): write true or false" if yaml_11 else "")
         )
 
 

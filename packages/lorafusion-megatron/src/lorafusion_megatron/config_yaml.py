@@ -1,7 +1,10 @@
 """The YAML loader of config files: PyYAML's safe loader, refusing a key given twice in one mapping.
 
-It reads integers as YAML 1.2 does (``lorafusion_sched.jobs_syntax.read_yaml_12_integers``): a
-leading zero is decimal (``global_batch_size: 016`` was octal, 14) and ``1:30`` is text (it was 90).
+It reads booleans and numbers as YAML 1.2 does (``lorafusion_sched.jobs_syntax.read_yaml_12_scalars``):
+a leading zero is decimal (``global_batch_size: 016`` was octal, 14), ``1:30`` is text (it was 90),
+``1e-4`` and ``2.0e4`` are numbers (they were text), and only ``true`` and ``false`` are booleans:
+a job named ``no`` is text (it was ``false``, refused as not a string); a switch still takes ``yes``
+or ``off``, which the config's models read as ``true`` and ``false``.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from typing import Any
 import yaml
 
 from lorafusion_megatron.errors import TrainerError
-from lorafusion_sched.jobs_syntax import read_yaml_12_integers
+from lorafusion_sched.jobs_syntax import read_yaml_12_scalars
 
 __all__ = ["UniqueKeyLoader"]
 
@@ -78,7 +81,7 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-read_yaml_12_integers(UniqueKeyLoader)
+read_yaml_12_scalars(UniqueKeyLoader)
 
 
 def _key_identity(key: yaml.Node) -> object:

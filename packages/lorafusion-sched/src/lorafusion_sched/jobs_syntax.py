@@ -19,7 +19,7 @@ import yaml
 
 from lorafusion_sched.errors import SchedError
 
-__all__ = ["JobsLoader", "parse_jobs_text", "read_yaml_12_integers"]
+__all__ = ["JobsLoader", "parse_jobs_text", "read_yaml_12_scalars"]
 
 _BOOL_TAG = "tag:yaml.org,2002:bool"
 _INT_TAG = "tag:yaml.org,2002:int"
@@ -36,13 +36,11 @@ class _RepeatedKeyError(Exception):
 
 
 class JobsLoader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2's booleans, integers and exponents, refusing a key given twice.
+    """PyYAML's safe loader with YAML 1.2's booleans and numbers, refusing a key given twice.
 
-    PyYAML follows YAML 1.1: ``yes``/``no``/``on``/``off`` are booleans there (so ``drop_last: on``
-    was ``true``, and an adapter named ``no`` was refused as not a string), a leading zero makes an
-    integer octal and colons make it base 60, and a float needs a dot and a signed exponent (``1e3``
-    was a string, so a jobs file written as JSON was refused where a lengths file takes the same
-    number).
+    Under PyYAML's YAML 1.1, ``drop_last: on`` was ``true``, an adapter named ``no`` was refused as
+    not a string, and ``1e3`` was a string, so a jobs file written as JSON was refused where a
+    lengths file takes the same number.
     """
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
@@ -74,31 +72,39 @@ def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
     return -value if text.startswith("-") else value
 
 
-def read_yaml_12_integers(loader: type[yaml.SafeLoader]) -> None:
-    """Make ``loader`` (a ``SafeLoader`` subclass) read plain integers as YAML 1.2 does.
+_YAML_12_FLOAT = (
+    r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?"
+    r"|[0-9][0-9_]*[eE][-+]?[0-9]+|\.(?:inf|Inf|INF))$|^\.(?:nan|NaN|NAN)$"
+)
+"""YAML 1.2's floats (with PyYAML's underscores): a dot or an exponent, signed or not; infinities, NaN."""
 
-    A leading zero is decimal (PyYAML's YAML 1.1 reads ``016`` as octal, 14); ``0o``, ``0x`` and
-    ``0b`` give other bases; ``1:30`` is text (YAML 1.1's base 60 read it as 90).
+
+def read_yaml_12_scalars(loader: type[yaml.SafeLoader]) -> None:
+    """Make ``loader`` (a ``SafeLoader`` subclass) read plain booleans and numbers as YAML 1.2 does.
+
+    PyYAML follows YAML 1.1, where
+
+    * ``yes``/``no``/``on``/``off`` are booleans (YAML 1.2: only ``true`` and ``false``, in three
+      spellings; the others are text);
+    * a leading zero makes an integer octal (``016`` was 14) and colons base 60 (``1:30`` was 90):
+      YAML 1.2 reads decimal whatever the leading zeros, ``0o``, ``0x`` and ``0b`` give other bases,
+      and ``1:30`` is text;
+    * a float needs a dot and a signed exponent (``1e3`` and ``1.5e3`` were text).
     """
+    replaced = {_BOOL_TAG, _INT_TAG, _FLOAT_TAG}
     loader.yaml_implicit_resolvers = {
-        first: [(tag, regexp) for tag, regexp in resolvers if tag != _INT_TAG]
+        first: [(tag, regexp) for tag, regexp in resolvers if tag not in replaced]
         for first, resolvers in loader.yaml_implicit_resolvers.items()
     }
-    loader.add_implicit_resolver(
+    loader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+    loader.add_implicit_resolver(  # before the floats, which would take a whole number too
         _INT_TAG, re.compile(r"^[-+]?(?:0o[0-7_]+|0x[0-9a-fA-F_]+|0b[01_]+|[0-9][0-9_]*)$"), list("-+0123456789")
     )
     loader.add_constructor(_INT_TAG, _construct_int)
+    loader.add_implicit_resolver(_FLOAT_TAG, re.compile(_YAML_12_FLOAT), list("-+0123456789."))
 
 
-JobsLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL_TAG]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-JobsLoader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
-read_yaml_12_integers(JobsLoader)
-JobsLoader.add_implicit_resolver(
-    _FLOAT_TAG, re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
-)
+read_yaml_12_scalars(JobsLoader)
 
 
 def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
