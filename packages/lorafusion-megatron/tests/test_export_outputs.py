@@ -1,4 +1,4 @@
-"""What ``export --output`` may replace: an earlier merged model, never a run's folder or an adapter.
+"""What ``export --output`` may replace: an earlier merged model, never a run's folder, an adapter or other files.
 
 ``--overwrite`` used to replace whatever ``--output`` named: a run's folder with its checkpoints,
 plan and summary (also under a run training there, whose lock it ignored), or another job's
@@ -86,6 +86,53 @@ def test_an_earlier_merged_model_is_replaced_and_no_lock_file_stays(
     assert (merged / "config.json").is_file()
     assert not (merged / LOCK_FILE).exists(), "the export's lock went with the folder it replaced"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "merged"]
+
+
+def test_the_merged_model_comes_with_a_manifest_of_its_files(tmp_path: Path, adapter: Path, tiny_base: Path) -> None:
+    import json
+
+    from lorafusion_megatron.export import MANIFEST
+
+    merged = tmp_path / "merged"
+    assert main(_export(adapter, merged, tiny_base, "--dtype", "float32")) == 0
+    manifest = json.loads((merged / MANIFEST).read_text())
+    assert manifest["files"] == sorted(set(_files(merged)) - {MANIFEST})
+    assert {"config.json", "model.safetensors"} <= set(manifest["files"])
+    assert (manifest["adapter"], manifest["base"], manifest["dtype"]) == (
+        str(adapter.resolve()),
+        str(tiny_base.resolve()),
+        "float32",
+    )
+
+
+@pytest.mark.parametrize("kind", ["a-project-folder", "another-model", "an-export-with-a-file-added"])
+def test_overwrite_never_deletes_what_no_export_wrote(
+    tmp_path: Path, adapter: Path, tiny_base: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    """``--overwrite`` replaced any folder that was not a run's or an adapter's: a project's data, another model."""
+    import shutil
+
+    output = tmp_path / "out"
+    if kind == "a-project-folder":
+        output.mkdir()
+        (output / "jobs.yaml").write_text("adapters: []\n")
+        (output / "data").mkdir()
+        (output / "data" / "train.jsonl").write_text("{}\n")
+    elif kind == "another-model":
+        shutil.copytree(tiny_base, output)
+    else:
+        assert main(_export(adapter, output, tiny_base)) == 0
+        (output / "notes").mkdir()
+        (output / "notes" / "README.md").write_text("mine")
+    before = _files(output)
+    capsys.readouterr()
+    assert main(_export(adapter, output, tiny_base, "--overwrite")) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    if kind == "an-export-with-a-file-added":
+        assert "holds files its earlier export did not write (notes/README.md), which --overwrite would delete" in err
+    else:
+        assert "was not written by `lorafusion-megatron export` (it holds no readable lorafusion-export.json)" in err
+    assert _files(output) == before
 
 
 def test_a_run_that_starts_into_the_output_meanwhile_refuses_the_export(

@@ -4,10 +4,12 @@ The trainer keeps PEFT's own module layout (separate ``q_proj``/``k_proj``/``v_p
 fused-QKV parameterisation), so its adapters already load with ``PeftModel.from_pretrained`` and
 need no renaming; merging gives a plain transformers checkpoint for tools that know no LoRA.
 
-``--overwrite`` replaces an earlier export (or another folder of files), never a training run's
-folder (one holding the run lock file, ``checkpoints/``, ``plan.json``, a summary or
-``eval_history.json``, also further down) nor a trained adapter (``adapter_config.json``): a merged
-model is no substitute for either, and checkpoints may be a run's only copy of its training state.
+Every export writes :data:`MANIFEST` beside the model: the adapter, the base, the dtype and the
+files written. ``--overwrite`` replaces only such an earlier export, and only while the folder holds
+nothing but the files its manifest lists: never a folder of other files (a project's data, another
+model, a home folder), a training run's folder (one holding the run lock file, ``checkpoints/``,
+``plan.json``, a summary or ``eval_history.json``, also further down) or a trained adapter
+(``adapter_config.json``); checkpoints may be a run's only copy of its training state.
 While the merged model is written, ``export`` holds the locks a run would take on the folder
 (:func:`~lorafusion_megatron.run_lock.export_locks`): no run starts into it meanwhile, and a run
 that holds them refuses the export.
@@ -30,7 +32,14 @@ from lorafusion_megatron.run_layout import CHECKPOINTS, EVAL_HISTORY, LOCK_FILE,
 from lorafusion_megatron.run_lock import export_locks
 from lorafusion_megatron.write_errors import clear_write_errors
 
-__all__ = ["merge_adapter"]
+__all__ = ["MANIFEST", "merge_adapter"]
+
+MANIFEST = "lorafusion-export.json"
+"""What an export writes beside the merged model: ``adapter``, ``base``, ``dtype`` and ``files``
+(the other files written, relative to the folder, sorted)."""
+
+_SHOWN = 3
+"""Unlisted files an error message names."""
 
 _ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -98,6 +107,38 @@ def _refuse_run_or_adapter(output: Path, *, own_lock: bool = False) -> None:
         folders.sort()
 
 
+def _written_files(folder: Path) -> list[str]:
+    """Every file under ``folder`` (relative, ``/``-separated, sorted), but the manifest and a run lock file on top."""
+    return sorted(
+        path.relative_to(folder).as_posix()
+        for path in folder.rglob("*")
+        if not path.is_dir() and path.relative_to(folder).as_posix() not in (MANIFEST, LOCK_FILE)
+    )
+
+
+def _refuse_all_but_an_export(output: Path) -> None:
+    """Refuse to replace ``output`` unless it is an earlier export holding only the files its manifest lists.
+
+    Raises:
+        TrainerError: No readable manifest, or files the export did not write (naming a few).
+    """
+    try:
+        manifest = json.loads((output / MANIFEST).read_text(encoding="utf-8"))
+        listed = set(manifest["files"])
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        raise TrainerError(
+            f"--output {output} was not written by `lorafusion-megatron export` (it holds no readable {MANIFEST}): "
+            "--overwrite replaces only an earlier merged model; choose another --output (an empty or new folder)"
+        ) from None
+    others = [name for name in _written_files(output) if name not in listed]
+    if others:
+        shown = ", ".join(others[:_SHOWN]) + (f" and {len(others) - _SHOWN} more" if len(others) > _SHOWN else "")
+        raise TrainerError(
+            f"--output {output} holds files its earlier export did not write ({shown}), which --overwrite would "
+            "delete: move them out of the folder, or choose another --output"
+        )
+
+
 def merge_adapter(
     adapter: Path, output: Path, *, base: str | None = None, dtype: str = "float32", overwrite: bool = False
 ) -> Path:
@@ -108,9 +149,9 @@ def merge_adapter(
         output: Folder for the merged model (and the base's tokenizer files, if any).
         base: Base model folder; default: the adapter's ``base_model_name_or_path``.
         dtype: Dtype to load and save the merged weights in.
-        overwrite: Replace a non-empty ``output``, such as an earlier merged model (the new model is
-            written beside it, then renamed into place, so ``output`` is never half-written); never
-            a training run's folder or a trained adapter.
+        overwrite: Replace an earlier merged model in ``output`` (the new model is written beside
+            it, then renamed into place, so ``output`` is never half-written): only a folder that
+            an export wrote and that holds nothing else.
 
     Returns:
         ``output``.
@@ -118,8 +159,9 @@ def merge_adapter(
     Raises:
         TrainerError: The adapter or base folder is missing or damaged, the base is a random-weight
             preset or of other shapes than the adapter, ``output`` is a file, (without ``overwrite``)
-            a non-empty folder, is or holds the adapter or the base, a training run's folder or a
-            trained adapter, or is locked by a run; or ``output`` cannot be written (a full disk, a
+            a non-empty folder, (with it) a folder an export did not write or that holds files it did
+            not write, is or holds the adapter or the base, a training run's folder or a trained
+            adapter, or is locked by a run; or ``output`` cannot be written (a full disk, a
             read-only file system: ``CannotWriteError``, nothing half-written left).
     """
     import torch
@@ -149,6 +191,8 @@ def merge_adapter(
     _refuse_run_or_adapter(output)  # before the advice to pass --overwrite, which would not help
     if holds_files(output) and not overwrite:
         raise TrainerError(f"--output {output} is not empty: choose another folder, or pass --overwrite to replace it")
+    if holds_files(output):
+        _refuse_all_but_an_export(output)
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype))
     try:
         with quiet_peft_deprecations():
@@ -163,13 +207,19 @@ def merge_adapter(
     with clear_write_errors(output), export_locks(output):
         # Again under the locks: a run may have started into the folder, or written it, since the checks.
         _refuse_run_or_adapter(output, own_lock=True)
-        if not overwrite and any(entry.name != LOCK_FILE for entry in output.iterdir()):
-            raise TrainerError(f"--output {output} is not empty: choose another folder, or pass --overwrite")
+        if any(entry.name != LOCK_FILE for entry in output.iterdir()):
+            if not overwrite:
+                raise TrainerError(f"--output {output} is not empty: choose another folder, or pass --overwrite")
+            _refuse_all_but_an_export(output)
         with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.tmp-") as tmp:
             staging = Path(tmp) / "model"
             merged.save_pretrained(staging)
             for name in _TOKENIZER_FILES:
                 if (base_path / name).is_file():
                     shutil.copy2(base_path / name, staging / name)
+            manifest = {"adapter": str(adapter.resolve()), "base": str(base_path.resolve()), "dtype": dtype}
+            (staging / MANIFEST).write_text(
+                json.dumps(manifest | {"files": _written_files(staging)}, indent=2, sort_keys=True), encoding="utf-8"
+            )
             replace_dir(staging, output)
     return output

@@ -178,9 +178,8 @@ def run_sequences(
         ends = [
             _one_f_one_b(items, stages, cost, clock, events if r == 0 else None) for r, items in enumerate(per_replica)
         ]
-        work += sum(cost.unscaled_forward_seconds(it.tokens) for items in per_replica for it in items) / len(
-            per_replica
-        )
+        forwards = [cost.unscaled_forward_seconds(it.tokens) for items in per_replica for it in items]
+        work += sum(forwards) / len(per_replica)
         clock = max([clock, *ends])
     factors = cost.stage_factors or (1.0,) * stages
     return clock, [factor * (1.0 + cost.backward_factor) * work for factor in factors]
