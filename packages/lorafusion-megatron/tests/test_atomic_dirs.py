@@ -47,6 +47,25 @@ def test_replace_dir_leaves_only_the_new_folder(
     assert _content(tmp_path / "fresh") == "first write"
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_the_folder_gets_the_permissions_of_the_users_own_files(tmp_path: Path, umask: int) -> None:
+    """``safetensors`` writes 0600 files: adapters, checkpoints and exports were unreadable to the user's group."""
+    source = tmp_path / ".job.tmp"
+    (source / "inner").mkdir(parents=True)
+    weights = source / "inner" / "adapter_model.safetensors"
+    weights.write_bytes(b"x")
+    weights.chmod(0o600)
+    source.chmod(0o700)
+    old = os.umask(umask)
+    try:
+        replace_dir(source, tmp_path / "job")
+    finally:
+        os.umask(old)
+    target = tmp_path / "job"
+    assert (target.stat().st_mode & 0o777, (target / "inner").stat().st_mode & 0o777) == (0o777 & ~umask,) * 2
+    assert (target / "inner" / "adapter_model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="renameat2 is Linux's")
 def test_replace_dir_swaps_in_one_step_on_linux(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "probe-a").mkdir()

@@ -134,6 +134,33 @@ def test_set_overrides_and_bad_override(capsys: pytest.CaptureFixture[str]) -> N
     assert "write KEY=VALUE" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("jobs.0.target_modules=[q_proj", "expected ',' or ']'"),
+        ("output_dir=@runs", "found character '@' that cannot start any token"),
+        ("output_dir=*runs", "found undefined alias 'runs'"),
+    ],
+)
+def test_a_set_value_that_is_not_yaml_says_what_to_write(
+    capsys: pytest.CaptureFixture[str], value: str, problem: str
+) -> None:
+    """A PyYAML traceback and status 3 ("crashed") before."""
+    assert main(["validate", str(EXAMPLES / "tiny-synthetic.yaml"), "--set", value]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    key = value.partition("=")[0]
+    assert f"--set {value!r}: the value is not valid YAML ({problem}" in err
+    assert f"""put text in quotes (--set '{key}="..."')""" in err
+
+
+def test_a_seed_the_scheduler_cannot_take_is_refused_by_validate(capsys: pytest.CaptureFixture[str]) -> None:
+    """``validate`` passed 2**31; ``plan`` and ``train`` then crashed in the scheduler's options (status 3)."""
+    config = str(EXAMPLES / "tiny-synthetic.yaml")
+    assert main(["validate", config, "--set", f"runtime.seed={2**31}"]) == 2
+    assert "runtime.seed: Input should be less than or equal to 2147483647" in capsys.readouterr().err
+    assert main(["validate", config, "--set", f"runtime.seed={2**31 - 1}"]) == 0
+
+
 def test_validate_refuses_more_stages_than_layers(capsys: pytest.CaptureFixture[str]) -> None:
     """``plan`` and ``train`` refused it; ``validate`` passed it."""
     config = str(EXAMPLES / "tiny-synthetic.yaml")

@@ -189,6 +189,15 @@ def test_yaml_booleans_are_not_numbers(config_dict, where: str, value: bool) -> 
     assert f"{where}: a boolean, which this key does not take" in _error(data)
 
 
+def test_a_job_name_too_long_for_a_file_name_is_refused(config_dict) -> None:
+    """A 250-character name passed validate and crashed train (OSError: File name too long, status 3)."""
+    data = config_dict()
+    data["jobs"][0]["name"] = "j" * 100
+    assert parse_config(data).jobs[0].name == "j" * 100
+    data["jobs"][0]["name"] = "j" * 250
+    assert "jobs.0.name: job name jjjjjjjjjjjjjjjjjjjj... is 250 characters long: use at most 100" in _error(data)
+
+
 def test_boolean_keys_still_take_booleans(config_dict) -> None:
     data = config_dict(runtime={"device": "cpu", "seed": 0, "activation_checkpointing": True})
     data["scheduler"]["drop_last"] = True

@@ -11,7 +11,9 @@ goes, its files flushed to disk, and only then takes the target's place:
   back (the next :func:`replace_dir` calls it, and so does a run's start, under its locks).
 
 Nothing but the target and the two hidden names that this module owns is ever renamed or deleted
-(a user's ``<name>.old`` stays untouched).
+(a user's ``<name>.old`` stays untouched). The folder's files and folders get the permissions a
+file or folder the user creates gets (the umask's): ``safetensors`` creates its files readable by
+their owner only, and a temporary folder is its owner's only.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def replace_dir(source: Path, target: Path) -> None:
     """
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, "a file is where the folder goes", str(target))
+    _give_default_permissions(source)
     _sync_tree(source)
     restore_interrupted_replace(target)
     if target.is_dir() and _exchange(source, target):
@@ -95,6 +98,30 @@ def _replace_in_two_renames(source: Path, target: Path) -> None:
         raise
     if replaced.exists():
         shutil.rmtree(replaced)
+
+
+def _umask() -> int:
+    """The process's umask: read from ``/proc`` where Linux offers it, else set and restored at once."""
+    try:
+        for line in Path("/proc/self/status").read_text(encoding="ascii").splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _give_default_permissions(folder: Path) -> None:
+    """``chmod`` ``folder`` and everything under it to ``0o777`` (folders) or ``0o666`` (files) less the umask."""
+    mask = _umask()
+    for parent, _, files in os.walk(folder):
+        os.chmod(parent, 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(parent, name)
+            if not os.path.islink(path):  # a link's own mode means nothing; its target is not ours
+                os.chmod(path, 0o666 & ~mask)
 
 
 def _sync_tree(folder: Path) -> None:

@@ -47,7 +47,14 @@ def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise TrainerError(f"--set {pair!r}: write KEY=VALUE, e.g. --set jobs.0.learning_rate=2e-4")
-        parsed[key] = yaml.load(value, Loader=UniqueKeyLoader)  # a SafeLoader subclass: YAML 1.2's booleans and numbers
+        try:
+            parsed[key] = yaml.load(value, Loader=UniqueKeyLoader)  # a SafeLoader subclass: YAML 1.2's scalars
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise TrainerError(
+                f"--set {pair!r}: the value is not valid YAML ({problem}): close its brackets, or put text in "
+                f"quotes (--set '{key}=\"...\"')"
+            ) from None
     return parsed
 
 

@@ -48,6 +48,7 @@ from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.pipeline.options import ParallelConfig
 from lorafusion_megatron.presets import PRESETS
 from lorafusion_megatron.run_layout import CHECKPOINTS, RUN_OUTPUTS
+from lorafusion_sched.models import HIGHS_INT_MAX
 
 __all__ = [
     "SYNTHETIC_DATASETS",
@@ -68,6 +69,9 @@ SYNTHETIC_DATASETS = ("xsum", "cnndm", "wikisum", "mixed")
 """Synthetic length distributions of ``lorafusion_sched.workloads`` a job can train on."""
 
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+
+_MAX_JOB_NAME = 100
+"""The longest job name: it names files and folders (``.NAME.lorafusion-run.lock`` among them)."""
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -241,6 +245,11 @@ class JobConfig(ConfigSection):
                 f"job name {value!r} must start with a letter or digit and hold only letters, digits, '_' and '-' "
                 "(it names the PEFT adapter and its folder)"
             )
+        if len(value) > _MAX_JOB_NAME:
+            raise ValueError(
+                f"job name {value[:20]}... is {len(value)} characters long: use at most {_MAX_JOB_NAME} (it names "
+                "files and folders, such as the job folder's lock file, and a file system allows 255 bytes per name)"
+            )
         if value in "lora_":
             raise ValueError(
                 f"job name {value!r} is part of PEFT's parameter prefix 'lora_', which makes PEFT re-initialise the "
@@ -371,8 +380,9 @@ class RuntimeConfig(ConfigSection):
     ``scheduler.capacity: auto``; stage ``s`` of ``S`` holds up to ``S - s`` microbatches); every
     layer while there is no profile (the CPU). May change on ``--resume`` (the adapters come out the same)."""
 
-    seed: int = Field(default=0, ge=0)
-    """Seed for LoRA initialisation, dropout, shuffling and synthetic data."""
+    seed: int = Field(default=0, ge=0, le=HIGHS_INT_MAX)
+    """Seed for LoRA initialisation, dropout, shuffling, synthetic data and the scheduler's MILP solver
+    (whose seed is a 32-bit signed integer: at most 2,147,483,647)."""
 
     @field_validator("activation_checkpointing", mode="before")
     @classmethod
