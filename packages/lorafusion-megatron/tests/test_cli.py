@@ -442,11 +442,26 @@ def test_a_job_folder_of_other_files_is_never_replaced(
     notes.parent.mkdir()
     notes.write_text('{"text": "mine"}\n')
     config = _write(tmp_path / "run.yaml", data)
-    for flags in ([], ["--overwrite"]):
-        assert main(["train", str(config), *flags]) == 2
+    for command in (["train", str(config)], ["train", str(config), "--overwrite"], ["validate", str(config)]):
+        assert main(command) == 2, "validate said valid where train refused"
         err = " ".join(capsys.readouterr().err.split())
         assert "holds files that are not a PEFT adapter (no adapter_config.json)" in err
     assert notes.read_text() == '{"text": "mine"}\n'
+
+
+def test_overwrite_says_which_earlier_adapters_it_leaves(
+    tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A fresh run with fewer jobs kept the earlier run's other adapters beside its own, silently."""
+    config = _write(tmp_path / "run.yaml", config_dict())
+    earlier = tmp_path / "run" / "adapters" / "gone"
+    earlier.mkdir(parents=True)
+    (earlier / "adapter_config.json").write_text("{}")
+    (tmp_path / "run" / "summary.json").write_text("{}")
+    assert main(["train", str(config), "--overwrite"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{earlier} hold(s) an earlier run's adapter that none of this run's jobs writes" in err
+    assert (earlier / "adapter_config.json").read_text() == "{}"
 
 
 def test_a_job_folder_that_is_a_file_is_refused_before_training(

@@ -198,6 +198,13 @@ def test_a_job_name_too_long_for_a_file_name_is_refused(config_dict) -> None:
     assert "jobs.0.name: job name jjjjjjjjjjjjjjjjjjjj... is 250 characters long: use at most 100" in _error(data)
 
 
+@pytest.mark.parametrize("inside", ["", "runs"])
+def test_the_run_never_writes_into_the_model_folder(config_dict, tiny_base: Path, inside: str) -> None:
+    """``output_dir`` could be the base model's folder: plan, summary, checkpoints and adapters went into it."""
+    data = config_dict(base_model={"model_name_or_path": str(tiny_base)}, output_dir=str(tiny_base / inside))
+    assert f"output_dir: {tiny_base / inside} is, or lies inside, the base model ({tiny_base})" in _error(data)
+
+
 def test_boolean_keys_still_take_booleans(config_dict) -> None:
     data = config_dict(runtime={"device": "cpu", "seed": 0, "activation_checkpointing": True})
     data["scheduler"]["drop_last"] = True

@@ -27,7 +27,9 @@ __all__ = [
     "check_fresh_run",
     "check_run_outputs",
     "check_writable",
+    "earlier_runs_adapters",
     "holds_files",
+    "holds_other_files",
     "probe_write",
     "replace_adapter",
     "save_adapter",
@@ -131,6 +133,18 @@ def check_fresh_run(config: TrainerConfig, *, resume: bool, overwrite: bool) -> 
         f"{found[0]}{more} holds results of an earlier run: choose another output_dir, delete them, "
         "or pass --overwrite to replace them"
     )
+
+
+def earlier_runs_adapters(config: TrainerConfig) -> list[Path]:
+    """Adapter folders in ``output_dir/adapters/`` that none of the config's jobs writes: an earlier run's.
+
+    A fresh run with ``--overwrite`` replaces its own jobs' folders only; these stay beside them.
+    """
+    folder = Path(config.output_dir) / "adapters"
+    if not folder.is_dir():
+        return []
+    ours = {config.job_output_dir(job).resolve() for job in config.jobs}
+    return sorted(p for p in folder.iterdir() if (p / "adapter_config.json").is_file() and p.resolve() not in ours)
 
 
 _RESULTS = (SUMMARY, PIPELINE_SUMMARY, EVAL_HISTORY)

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lorafusion_megatron.adapters_io import holds_other_files
 from lorafusion_megatron.config import DatasetConfig, TrainerConfig
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.presets import LORA_TARGETS, PRESETS
@@ -202,6 +203,12 @@ def _problems(config: TrainerConfig, pipeline_stages: int) -> list[str]:
         folder = config.job_output_dir(job)
         if folder.exists() and not folder.is_dir():
             problems.append(f"{where}.output_dir: {folder} is a file; the job writes an adapter folder there")
+        elif holds_other_files(folder):
+            problems.append(
+                f"{where}.output_dir: {folder} holds files that are not a PEFT adapter (no adapter_config.json); "
+                "the run replaces the job's folder whole, so it never writes there: give the job an empty or new "
+                "output_dir"
+            )
         elif not _writable_ancestor(folder):
             problems.append(f"{where}.output_dir: {folder} cannot be created or written")
     if not _writable_ancestor(Path(config.output_dir)):

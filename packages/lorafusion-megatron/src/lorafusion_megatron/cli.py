@@ -33,6 +33,7 @@ from lorafusion_megatron.__about__ import __version__
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.interrupts import signal_of, sigterm_interrupts
 from lorafusion_megatron.pipeline.commands import add_parallel_arguments, at_least_one, parallel_from_args
+from lorafusion_megatron.run_layout import CHECKPOINTS
 
 __all__ = ["main"]
 
@@ -176,8 +177,57 @@ def _resume_command(args: argparse.Namespace) -> str:
     return shlex.join(["lorafusion-megatron", *words, *([] if "--resume" in words else ["--resume"])])
 
 
+def _after_interrupt(args: argparse.Namespace) -> str:
+    """The rest of the line that an interrupt prints: what it left, and the command that goes on from there.
+
+    ``--resume`` is named only where a checkpoint exists to continue from: one that came before the
+    first checkpoint (while the data was tokenised or the model loaded) leaves none.
+    """
+    if args.handler is _cmd_train:
+        again = shlex.join(["lorafusion-megatron", *(word for word in args.argv if word != "--resume")])
+        return _run_to_continue(_checkpoint_dir(args), again=again, resume=_resume_command(args))
+    if args.handler is not _cmd_demo:
+        return ": outputs are written whole or not at all, so none was left half-written"
+    output = Path(args.output).resolve()
+    if not (output / "demo.yaml").is_file():  # renamed into place with the rest, once all is written
+        again = shlex.join(["lorafusion-megatron", *args.argv])
+        return f" before the demo was built: its half-built files were deleted, so `{again}` builds it afresh"
+    train = ["lorafusion-megatron", "train", str(output / "demo.yaml"), *_parallel_flags(args)]
+    return _run_to_continue(output / CHECKPOINTS, again=shlex.join(train), resume=shlex.join([*train, "--resume"]))
+
+
+def _run_to_continue(checkpoint_dir: Path | None, *, again: str, resume: str) -> str:
+    """How a run stopped at once goes on: ``resume`` from its newest checkpoint, else ``again`` from the start."""
+    from lorafusion_megatron.checkpoint import latest_checkpoint
+
+    newest = None if checkpoint_dir is None else latest_checkpoint(checkpoint_dir)
+    if newest is None:
+        return f" at once; no checkpoint was written, so there is nothing to resume: `{again}` starts the run again"
+    return f" at once: checkpoints are written whole or not at all, so {newest} is intact; `{resume}` continues from it"
+
+
+def _checkpoint_dir(args: argparse.Namespace) -> Path | None:
+    """The checkpoint folder of ``train``'s config, read again; ``None`` where it cannot be read (no run started)."""
+    from lorafusion_megatron.config import load_config
+
+    try:
+        return load_config(args.config, _overrides(args.set)).checkpoint_dir
+    except TrainerError:
+        return None
+
+
+def _parallel_flags(args: argparse.Namespace) -> list[str]:
+    """The parallelism flags given on the command line, as words (a pipeline run resumes only with the same)."""
+    words = []
+    for key in ("pipeline_stages", "data_parallel", "schedule", "baseline_microbatch_samples"):
+        value = getattr(args, key, None)
+        if value is not None:
+            words += [f"--{key.replace('_', '-')}", str(value)]
+    return words
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
-    from lorafusion_megatron.adapters_io import check_fresh_run, check_run_outputs
+    from lorafusion_megatron.adapters_io import check_fresh_run, check_run_outputs, earlier_runs_adapters
     from lorafusion_megatron.host_checks import tensorboard_missing
     from lorafusion_megatron.model import resolve_device
     from lorafusion_megatron.pipeline.launch import under_torchrun
@@ -193,6 +243,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     parallel = parallel_from_args(args, config.parallel)
     config.check_evaluation_supported(parallel, under_torchrun=under_torchrun())
     check_fresh_run(config, resume=args.resume, overwrite=args.overwrite)
+    stale = earlier_runs_adapters(config) if args.overwrite and not args.resume else []
+    if stale:
+        _warn(
+            f"{', '.join(map(str, stale))} hold(s) an earlier run's adapter that none of this run's jobs writes: "
+            "--overwrite leaves it as it is, beside this run's adapters (delete it if it is not wanted)"
+        )
     device_type = resolve_device(config.runtime.device).type
     # Under torchrun the ranks are already started: profiling needs its own launch (`profile` first).
     if not under_torchrun() and profile_due(config, device_type=device_type, resume=args.resume):
@@ -353,16 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM before training started, or a second one during it
         stopped_by = signal_of(exc)
         by = "" if stopped_by == signal.SIGINT else f" by {stopped_by.name}"
-        trains = args.handler in (_cmd_train, _cmd_demo)
-        _console.print(
-            f"[bold red]interrupted[/]{by} at once: checkpoints are written whole or not at all, so the newest one "
-            "(if any) is intact; `train ... --resume` continues from it"
-            if trains
-            else f"[bold red]interrupted[/]{by}: outputs are written whole or not at all, so none was left "
-            "half-written",
-            highlight=False,
-            soft_wrap=True,
-        )
+        _console.print(f"[bold red]interrupted[/]{by}{escape(_after_interrupt(args))}", highlight=False, soft_wrap=True)
         return 128 + stopped_by
     except Exception:  # a bug (or the host's): its own status, as 1 means "interrupted, checkpoint written"
         _console.print_exception()

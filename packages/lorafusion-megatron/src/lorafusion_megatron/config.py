@@ -507,7 +507,8 @@ class TrainerConfig(ConfigSection):
         """A job's adapter folder is replaced whole at the end: it must hold nothing else the run reads or writes.
 
         Nor be, or lie inside, one of the files and folders the run writes in ``output_dir``
-        (:data:`~lorafusion_megatron.run_layout.RUN_OUTPUTS`).
+        (:data:`~lorafusion_megatron.run_layout.RUN_OUTPUTS`). And ``output_dir`` must not be, or lie
+        inside, a folder the run reads (the model, the tokenizer, a dataset saved as a folder).
         """
 
         def place(path: str | Path) -> Path:
@@ -517,13 +518,21 @@ class TrainerConfig(ConfigSection):
             return folder == path or folder in path.parents
 
         run = place(self.output_dir)
-        inputs = [("the base model", self.base_model.model_name_or_path)] if not self.base_model.is_preset else []
+        reads = [("the base model", self.base_model.model_name_or_path)] if not self.base_model.is_preset else []
         if self.base_model.tokenizer_name_or_path is not None:
-            inputs.append(("the tokenizer", self.base_model.tokenizer_name_or_path))
+            reads.append(("the tokenizer", self.base_model.tokenizer_name_or_path))
         for job in self.jobs:
             for what, dataset in (("dataset", job.dataset), ("eval_dataset", job.eval_dataset)):
                 if dataset is not None and dataset.path is not None:
-                    inputs.append((f"job {job.name!r}'s {what}", dataset.path))
+                    reads.append((f"job {job.name!r}'s {what}", dataset.path))
+        for what, path in reads:
+            if holds(place(path), run):
+                raise KeyedValueError(
+                    ("output_dir",),
+                    f"{run} is, or lies inside, {what} ({place(path)}): the run would write its plan, summary, "
+                    "checkpoints and adapters there; give the run a folder of its own",
+                )
+        inputs = reads.copy()
         if self.logging.tensorboard_dir is not None:
             inputs.append(("logging.tensorboard_dir", self.logging.tensorboard_dir))
         seen: dict[Path, str] = {}
