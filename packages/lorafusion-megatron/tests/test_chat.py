@@ -78,9 +78,9 @@ def test_a_tokenizer_without_a_chat_template_is_refused() -> None:
 @pytest.mark.parametrize(
     ("chat", "message"),
     [
-        ("hi", "record 0: the chat is 'hi', expected a non-empty list"),
+        ("hi", "record 1 of 1: the chat is 'hi', expected a non-empty list"),
         ([], "expected a non-empty list"),
-        ([{"role": "user"}], r"record 0, turn 0: \{'role': 'user'\} needs a text `role` and a text `content`"),
+        ([{"role": "user"}], r"record 1 of 1, turn 1: \{'role': 'user'\} needs a text `role` and a text `content`"),
         ([{"role": "assistant", "content": "x"}], "starts with an assistant turn"),
     ],
 )
@@ -96,13 +96,13 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(chat_tokenizer) -> No
         "{% if loop.last %}{{ m['content'] | upper }}{% else %}{{ m['content'] }}{% endif %}</s>\n{% endfor %}"
         "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
     )
-    with pytest.raises(TrainerError, match="does not render the turns before and up to assistant turn 2 as a prefix"):
+    with pytest.raises(TrainerError, match="does not render the turns before and up to assistant turn 3 as a prefix"):
         tokenize_chats([CHAT], chat_tokenizer, source="t")
 
 
 def test_template_errors_name_the_record(chat_tokenizer) -> None:
     chat_tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
-    with pytest.raises(TrainerError, match="record 0: the tokenizer's chat template refused the chat: roles must"):
+    with pytest.raises(TrainerError, match="record 1 of 1: the tokenizer's chat template refused the chat: roles must"):
         tokenize_chats([CHAT], chat_tokenizer, source="t")
 
 

@@ -165,10 +165,15 @@ def test_validate_refuses_more_stages_than_layers(capsys: pytest.CaptureFixture[
     """``plan`` and ``train`` refused it; ``validate`` passed it."""
     config = str(EXAMPLES / "tiny-synthetic.yaml")
     assert main(["validate", config, "--set", "parallel.pipeline_stages=3"]) == 2
-    assert "pipeline_stages = 3 must be between 1 and the model's 2 decoder layers" in capsys.readouterr().err
+    assert (
+        "parallel.pipeline_stages (or --pipeline-stages) = 3 must be between 1 and the model's 2 decoder layers"
+        in capsys.readouterr().err
+    )
     assert main(["validate", config, "--set", "parallel.pipeline_stages=2"]) == 0
     assert main(["validate", config, "--set", "parallel.pipeline_stages=010"]) == 2
-    assert "pipeline_stages = 10 must be between" in capsys.readouterr().err, "YAML 1.2: decimal, not octal 8"
+    assert "parallel.pipeline_stages (or --pipeline-stages) = 10 must be between" in capsys.readouterr().err, (
+        "YAML 1.2: decimal, not octal 8"
+    )
 
 
 def test_plan_prints_statistics_and_writes_json(
@@ -430,6 +435,18 @@ def test_fresh_train_refuses_an_earlier_runs_results(
     assert "adapters/second holds results of an earlier run" in err
     assert "--overwrite" in err
     assert adapter.read_text() == "{}"
+    (tmp_path / "run" / "summary.json").write_text("{}")
+    assert main(["train", str(config)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{tmp_path / 'run' / 'summary.json'}, {adapter.parent} hold results of an earlier run" in err
+
+
+def test_a_file_where_a_folder_belongs_says_so(tmp_path: Path, config_dict, capsys: pytest.CaptureFixture[str]) -> None:
+    """It said "cannot be created or written"."""
+    (tmp_path / "tb").write_text("mine")
+    config = _write(tmp_path / "run.yaml", config_dict(logging={"tensorboard_dir": str(tmp_path / "tb")}))
+    assert main(["validate", str(config)]) == 2
+    assert f"logging.tensorboard_dir: {tmp_path / 'tb'} is a file: name a folder" in capsys.readouterr().err
 
 
 def test_a_job_folder_of_other_files_is_never_replaced(

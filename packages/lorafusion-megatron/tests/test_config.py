@@ -235,6 +235,17 @@ def test_a_string_where_a_list_or_mapping_goes_says_how_to_write_it(
 def test_capacity_must_be_a_multiple_of_padding(config_dict) -> None:
     message = _error(config_dict(scheduler={"capacity": 100, "padding_multiple": 64}))
     assert "capacity = 100 is not a multiple of padding_multiple = 64: use 64 or 128" in message
+    message = _error(config_dict(scheduler={"capacity": 256, "padding_multiple": 1000}))
+    assert "padding_multiple = 1000: use 1000 (or a smaller padding_multiple)" in message, "was: use 1000 or 1000"
+
+
+@pytest.mark.parametrize("value", [16, 7.5, None])
+def test_text_that_yaml_read_as_a_number_says_to_quote_it(config_dict, value: object) -> None:
+    """``output_dir: 016`` or ``name: 007``: "Input should be a valid string (got 16)", no hint what to write."""
+    message = _error(config_dict(output_dir=value))
+    assert f"output_dir: Input should be a valid string (got {value!r}); put it in quotes to keep it as written" in (
+        message
+    )
 
 
 def test_missing_required_keys(config_dict) -> None:

@@ -54,7 +54,7 @@ def test_first_record_reads_only_up_to_it_and_none_when_empty(tmp_path: Path) ->
     [
         ("missing.jsonl", None, "does not exist"),
         ("bad.jsonl", '{"prompt": 1}\nnot json\n', r"bad.jsonl:2 is not a JSON object: Expecting value \(column 1\)"),
-        ("list.jsonl", "[1, 2]\n", r"list.jsonl record 0 \(counted from 0\) is int"),
+        ("list.jsonl", "[1, 2]\n", r"list.jsonl record 1 of 2 is int"),
         ("lines.jsonl", '{"prompt": "a"}\n\n5\n', "lines.jsonl:3 is int, not an object"),
         ("data.csv", "a,b\n", "unknown kind '.csv'"),
         ("empty-folder", "", "not a folder written by datasets' save_to_disk"),
@@ -127,8 +127,11 @@ def _tokenize_default_fields(records: list[dict[str, object]]) -> object:
     ("records", "expected"),
     [
         ([{"q": "x"}], r"records need `messages`, `prompt` and `response`, or `text`; the first has \['q'\]"),
-        ([{"prompt": "a", "response": "b"}, {"prompt": "a"}], r"record 1: has no `response` \(it has \['prompt'\]\)"),
-        ([{"prompt": "a", "response": "b"}, {"prompt": "a", "response": None}], "record 1: `response` is None"),
+        (
+            [{"prompt": "a", "response": "b"}, {"prompt": "a"}],
+            r"record 2 of 2: has no `response` \(it has \['prompt'\]\)",
+        ),
+        ([{"prompt": "a", "response": "b"}, {"prompt": "a", "response": None}], "record 2 of 2: `response` is None"),
     ],
 )
 def test_records_without_the_fields_are_refused(records, expected) -> None:

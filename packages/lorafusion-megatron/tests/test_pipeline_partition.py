@@ -56,7 +56,7 @@ def test_layers_need_not_divide_by_stages_and_the_head_counts() -> None:
 
 
 def test_more_stages_than_layers_is_refused() -> None:
-    with pytest.raises(TrainerError, match="pipeline_stages = 3"):
+    with pytest.raises(TrainerError, match=r"pipeline_stages \(or --pipeline-stages\) = 3"):
         balanced_partition([1.0, 1.0], 3)
 
 

@@ -121,16 +121,19 @@ def check_fresh_run(config: TrainerConfig, *, resume: bool, overwrite: bool) -> 
     found += [f for f in map(config.job_output_dir, config.jobs) if holds_files(f) or replaced_name(f).is_dir()]
     if not found:
         return
-    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    shown = ", ".join(map(str, found[:_SHOWN_RESULTS])) + (
+        f" and {len(found) - _SHOWN_RESULTS} more" if len(found) > _SHOWN_RESULTS else ""
+    )
+    verb = "holds" if len(found) == 1 else "hold"
     kept = config.checkpoint_dir
     if holds_files(kept):
         raise TrainerError(
-            f"{found[0]}{more} holds results of an earlier run, and {kept} its checkpoints, which --overwrite never "
+            f"{shown} {verb} results of an earlier run, and {kept} its checkpoints, which --overwrite never "
             f"deletes: to train afresh in this folder, delete {kept}, then pass --overwrite to replace the results; "
             "to continue the earlier run (if it did not finish), pass --resume; or choose another output_dir"
         )
     raise TrainerError(
-        f"{found[0]}{more} holds results of an earlier run: choose another output_dir, delete them, "
+        f"{shown} {verb} results of an earlier run: choose another output_dir, delete them, "
         "or pass --overwrite to replace them"
     )
 
@@ -149,6 +152,9 @@ def earlier_runs_adapters(config: TrainerConfig) -> list[Path]:
 
 _RESULTS = (SUMMARY, PIPELINE_SUMMARY, EVAL_HISTORY)
 """A finished run's files in its output folder that a fresh run with ``--overwrite`` replaces."""
+
+_SHOWN_RESULTS = 3
+"""An earlier run's results that a refusal names (then how many more)."""
 
 
 def replace_adapter(source: Path, target: Path, job: str) -> None:

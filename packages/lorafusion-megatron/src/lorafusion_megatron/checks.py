@@ -211,10 +211,11 @@ def _problems(config: TrainerConfig, pipeline_stages: int) -> list[str]:
             )
         elif not _writable_ancestor(folder):
             problems.append(f"{where}.output_dir: {folder} cannot be created or written")
-    if not _writable_ancestor(Path(config.output_dir)):
-        problems.append(f"output_dir: {config.output_dir} cannot be created or written")
-    if config.logging.tensorboard_dir is not None and not _writable_ancestor(Path(config.logging.tensorboard_dir)):
-        problems.append(f"logging.tensorboard_dir: {config.logging.tensorboard_dir} cannot be created or written")
+    for key, name in (("output_dir", config.output_dir), ("logging.tensorboard_dir", config.logging.tensorboard_dir)):
+        if name is not None and Path(name).is_file():
+            problems.append(f"{key}: {name} is a file: name a folder")
+        elif name is not None and not _writable_ancestor(Path(name)):
+            problems.append(f"{key}: {name} cannot be created or written")
     partition = _partition_problem(config, pipeline_stages)
     if partition is not None:
         problems.append(partition)

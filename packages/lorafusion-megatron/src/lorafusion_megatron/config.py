@@ -62,6 +62,7 @@ __all__ = [
     "config_fingerprint",
     "fingerprinted_config",
     "load_config",
+    "nearest_multiples",
     "parse_config",
 ]
 
@@ -76,6 +77,12 @@ _MAX_JOB_NAME = 100
 Dtype = Literal["float32", "bfloat16", "float16"]
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
+
+
+def nearest_multiples(value: int, multiple: int) -> str:
+    """What to write instead of ``value``, which is not a multiple of ``multiple``: the one or two nearest multiples."""
+    lower = value - value % multiple
+    return f"use {lower} or {lower + multiple}" if lower else f"use {multiple} (or a smaller padding_multiple)"
 
 
 class KeyedValueError(ValueError):
@@ -333,10 +340,9 @@ class SchedulerConfig(ConfigSection):
     @model_validator(mode="after")
     def _capacity_multiple(self) -> SchedulerConfig:
         if isinstance(self.capacity, int) and self.capacity % self.padding_multiple:
-            lower = self.capacity - self.capacity % self.padding_multiple
             raise ValueError(
                 f"capacity = {self.capacity} is not a multiple of padding_multiple = {self.padding_multiple}: "
-                f"use {lower or self.padding_multiple} or {lower + self.padding_multiple}"
+                f"{nearest_multiples(self.capacity, self.padding_multiple)}"
             )
         return self
 
@@ -670,7 +676,13 @@ def _format_error(error: Any) -> str:
         return f"{_location(loc)}: required key is missing"
     if isinstance(error["input"], dict | list):  # a section's own check: its message names the keys
         return f"{_location(loc)}: {message}"
-    return f"{_location(loc)}: {message} (got {error['input']!r})"
+    value = error["input"]
+    if error["type"] == "string_type" and (value is None or isinstance(value, bool | int | float)):
+        # YAML read the text as a number (007 is 7), a boolean or null: quotes keep it as written.
+        return (
+            f"{_location(loc)}: {message} (got {value!r}); put it in quotes to keep it as written (YAML reads 007 as 7)"
+        )
+    return f"{_location(loc)}: {message} (got {value!r})"
 
 
 def _error_lines(errors: list[Any]) -> list[str]:

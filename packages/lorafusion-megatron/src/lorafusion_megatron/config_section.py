@@ -37,7 +37,7 @@ class ConfigSection(BaseModel):
         field = cls.model_fields.get(info.field_name or "")
         if isinstance(value, bool) and field is not None and not _takes_bool(field.annotation):
             raise ValueError(
-                "a boolean, which this key does not take (YAML reads yes, no, on, off, true and false as "
-                "booleans): write the number or text it takes"
+                "a boolean, which this key does not take: write the number or text it takes (text that reads "
+                "true or false goes in quotes)"
             )
         return value

@@ -49,7 +49,7 @@ def _turns(chat: Any, where: str) -> list[dict[str, Any]]:
     """``chat`` checked to be a non-empty list of turns with text ``role`` and ``content``."""
     if not isinstance(chat, list) or not chat:
         raise TrainerError(f"{where}: the chat is {chat!r}, expected a non-empty list of {{role, content}} turns")
-    for number, turn in enumerate(chat):
+    for number, turn in enumerate(chat, start=1):
         if not (isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str)):
             raise TrainerError(f"{where}, turn {number}: {turn!r} needs a text `role` and a text `content`")
     return chat
@@ -88,7 +88,7 @@ def _pieces(tokenizer: PreTrainedTokenizerBase, turns: list[dict[str, Any]], whe
         ):
             raise TrainerError(
                 f"{where}: the tokenizer's chat template does not render the turns before and up to {TRAINED_ROLE} "
-                f"turn {index} as a prefix of the whole chat (it rewrites earlier turns), so the {TRAINED_ROLE} "
+                f"turn {index + 1} as a prefix of the whole chat (it rewrites earlier turns), so the {TRAINED_ROLE} "
                 "tokens cannot be located; use a template that renders turns in place, or prompt/response fields"
             )
         pieces.extend([(whole[done : len(reply_start)], False), (whole[len(reply_start) : len(reply_end)], True)])
@@ -116,10 +116,10 @@ def tokenize_chats(chats: Sequence[Any], tokenizer: PreTrainedTokenizerBase, *, 
     if getattr(tokenizer, "chat_template", None) is None:
         name = getattr(tokenizer, "name_or_path", "") or "a byte-level tokenizer"
         raise TrainerError(no_chat_template_message(source, name))
-    per_chat = [
-        _pieces(tokenizer, _turns(chat, f"dataset {source} record {index}"), f"dataset {source} record {index}")
-        for index, chat in enumerate(chats)
-    ]
+    per_chat = []
+    for number, chat in enumerate(chats, start=1):
+        where = f"dataset {source} record {number} of {len(chats)}"
+        per_chat.append(_pieces(tokenizer, _turns(chat, where), where))
     texts = [text for pieces in per_chat for text, _ in pieces]
     encoded: list[list[int]] = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     samples = []

@@ -56,7 +56,7 @@ def _read_json_array(path: Path, text: str) -> list[dict[str, Any]]:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise TrainerError(f"{path} is not valid JSON: {exc}") from None
-    return [_as_record(row, f"{path} record {i} (counted from 0)") for i, row in enumerate(data)]
+    return [_as_record(row, f"{path} record {i} of {len(data)}") for i, row in enumerate(data, start=1)]
 
 
 def _as_record(row: Any, where: str) -> dict[str, Any]:

@@ -142,11 +142,11 @@ def tokenize_records(
     columns = []
     for field in fields:
         column = []
-        for i, record in enumerate(records):
+        for i, record in enumerate(records, start=1):
             value = record.get(field)
             if not isinstance(value, str):
                 found = f"`{field}` is {value!r}" if field in record else f"has no `{field}` (it has {sorted(record)})"
-                raise TrainerError(f"dataset {source} record {i}: {found}, expected text")
+                raise TrainerError(f"dataset {source} record {i} of {len(records)}: {found}, expected text")
             column.append(value)
         columns.append(column)
     eos = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]

@@ -113,7 +113,10 @@ def balanced_partition(layer_costs: Sequence[float], stages: int, *, last_extra:
     """
     n = len(layer_costs)
     if not 1 <= stages <= n:
-        raise TrainerError(f"pipeline_stages = {stages} must be between 1 and the model's {n} decoder layers")
+        raise TrainerError(
+            f"parallel.pipeline_stages (or --pipeline-stages) = {stages} must be between 1 and the model's {n} "
+            "decoder layers"
+        )
     prefix = [0.0]
     for c in layer_costs:
         prefix.append(prefix[-1] + c)

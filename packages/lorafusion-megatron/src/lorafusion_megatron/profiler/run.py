@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lorafusion_megatron.atomic_files import write_json_atomically, write_text_atomically
+from lorafusion_megatron.config import nearest_multiples
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.pipeline.options import ParallelConfig
 from lorafusion_megatron.run_layout import PROFILE_REPORT, PROFILE_TABLE
@@ -67,10 +68,9 @@ def checked_candidates(candidates: list[int], padding_multiple: int) -> tuple[in
         if not 1 <= capacity <= MAX_CANDIDATE:
             raise TrainerError(f"--capacities {capacity}: give token counts from 1 to {MAX_CANDIDATE:,}")
         if capacity % padding_multiple:
-            lower = capacity - capacity % padding_multiple
             raise TrainerError(
                 f"--capacities {capacity} is not a multiple of scheduler.padding_multiple = {padding_multiple}: "
-                f"use {lower or padding_multiple} or {lower + padding_multiple}"
+                f"{nearest_multiples(capacity, padding_multiple)}"
             )
     return tuple(sorted(set(candidates)))
 
