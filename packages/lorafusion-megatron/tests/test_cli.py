@@ -539,7 +539,8 @@ def test_a_ctrl_c_outside_training_is_a_message_not_a_traceback(
     monkeypatch.setattr(trainer_module, "prepare_data", interrupted)
     assert main(["train", str(_write(tmp_path / "run.yaml", config_dict()))]) == 130
     err = " ".join(capsys.readouterr().err.split())
-    assert "interrupted at once: checkpoints are written whole or not at all" in err
+    assert "interrupted at once; no checkpoint was written, so there is nothing to resume" in err
+    assert "--resume" not in err, "no checkpoint to resume from"
     assert "Traceback" not in err
 
 
@@ -716,7 +717,7 @@ def test_a_sigterm_before_training_is_taken_like_ctrl_c(
     monkeypatch.setattr(trainer_module, "prepare_data", terminated)
     assert main(["train", str(_write(tmp_path / "run.yaml", config_dict()))]) == 143
     err = " ".join(capsys.readouterr().err.split())
-    assert "interrupted by SIGTERM at once: checkpoints are written whole or not at all" in err
+    assert "interrupted by SIGTERM at once; no checkpoint was written" in err
     assert "Traceback" not in err
 
 

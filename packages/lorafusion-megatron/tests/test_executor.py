@@ -56,13 +56,14 @@ def test_start_and_stop_positions() -> None:
     assert [e for e in hooks.events if e[0] == "done"] == [("done", 1, ""), ("done", 2, "")]
 
 
-def test_sigterm_requests_a_stop_too() -> None:
+def test_sigterm_requests_a_stop_too(caplog: pytest.LogCaptureFixture) -> None:
     """What a scheduler sends before preempting a job: a checkpoint, as for the first Ctrl-C."""
     before = signal.getsignal(signal.SIGTERM)
     with StopSignal() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop()
     assert signal.getsignal(signal.SIGTERM) is before
+    assert "SIGTERM: finishing this microbatch, then a checkpoint; send SIGTERM again (or press Ctrl-C)" in caplog.text
 
 
 def test_first_ctrl_c_requests_a_stop_and_the_second_aborts() -> None:

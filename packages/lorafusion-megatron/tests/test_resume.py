@@ -136,19 +136,79 @@ def test_a_run_resumed_from_an_earlier_versions_checkpoint_is_complete_once_fini
     assert _files(Path(config.output_dir)) == before
 
 
-def test_a_finished_run_whose_adapter_is_gone_resumes_from_its_checkpoint(
-    make_config, caplog: pytest.LogCaptureFixture
+def _delete_folder(folder: Path) -> None:
+    shutil.rmtree(folder)
+
+
+def _delete_weights(folder: Path) -> None:
+    (folder / "adapter_model.safetensors").unlink()
+
+
+def _truncate_weights(folder: Path) -> None:
+    weights = folder / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1])
+
+
+_ADAPTER_DAMAGE = {
+    "folder-gone": (_delete_folder, "is not in its folder (gone, or the job's output_dir changed)"),
+    "weights-gone": (_delete_weights, "has no weights (adapter_model.safetensors is missing)"),
+    "weights-cut-short": (
+        _truncate_weights,
+        "has weights that cannot be read (adapter_model.safetensors: Error while deserializing header",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", list(_ADAPTER_DAMAGE))
+def test_a_finished_run_whose_adapter_is_gone_or_damaged_resumes_from_its_checkpoint(
+    make_config, caplog: pytest.LogCaptureFixture, damage: str
 ) -> None:
-    """Not reported complete: the newest checkpoint writes the adapter again, the same bits."""
+    """Not reported complete: the newest checkpoint writes the adapter again, the same bits. With its weights
+    file deleted or cut short (adapter_config.json kept), the run was reported complete, its adapter unusable."""
     config = make_config(save_steps=2)
     Trainer(config).train()
     folder = config.job_output_dir(config.jobs[1])
-    before = load_file(folder / "adapter_model.safetensors")
-    shutil.rmtree(folder)
+    # Copied: the loaded tensors may map the file, which cutting it short in place would change.
+    before = {key: tensor.clone() for key, tensor in load_file(folder / "adapter_model.safetensors").items()}
+    spoil, problem = _ADAPTER_DAMAGE[damage]
+    spoil(folder)
     with caplog.at_level("WARNING"):
         Trainer(config).train(resume=True)
-    assert "records a finished run, but the adapter of job second is not in its folder" in caplog.text
+    said = " ".join(caplog.text.split())
+    assert f"records a finished run, but the adapter of job second {problem}" in said
+    assert "resuming from the newest checkpoint, which writes the adapters there" in said
     assert_same_adapters({"second": load_file(folder / "adapter_model.safetensors")}, {"second": before})
+
+
+def test_a_finished_runs_damaged_adapter_without_a_checkpoint_says_what_to_do(make_config) -> None:
+    """With no checkpoint to write it again, --resume said the run was complete (or "no checkpoint")."""
+    config = make_config(save_steps=None)
+    Trainer(config).train()
+    _delete_weights(config.job_output_dir(config.jobs[0]))
+    with pytest.raises(
+        TrainerError,
+        match=r"records a finished run, but the adapter of job first has no weights \(adapter_model\.safetensors is "
+        r"missing\), and no checkpoint is left to write it again .*: restore the adapter, or train again with "
+        r"--overwrite",
+    ):
+        Trainer(config).train(resume=True)
+
+
+def test_a_hand_edited_summary_resumes_from_the_newest_checkpoint(
+    make_config, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Counters that are still JSON but no run writes gave a traceback; now the newest checkpoint writes it again."""
+    config = make_config(save_steps=2)
+    Trainer(config).train()
+    summary = Path(config.output_dir) / "summary.json"
+    record = json.loads(summary.read_text())
+    record["jobs"][0]["steps_done"] = "all"
+    summary.write_text(json.dumps(record))
+    with caplog.at_level("WARNING"):
+        result = Trainer(config).train(resume=True)
+    assert "summary.json holds what no run writes (jobs[first].steps_done: 'all' is not a whole number" in caplog.text
+    assert result.state.total_optimizer_steps == 8
+    assert json.loads(summary.read_text())["jobs"][0]["steps_done"] == 5
 
 
 def test_a_finished_run_is_judged_by_the_folders_its_config_names(
@@ -460,6 +520,12 @@ def test_a_finished_pipeline_run_resumes_from_its_checkpoint_unless_its_summary_
     for edit in ({"run_id": None}, {"checkpoint": str(latest_checkpoint(config.checkpoint_dir))}):
         path.write_text(json.dumps({**summary, **edit}))
         assert check_resumable(config, parallel) is None, edit
+    state_file = latest_checkpoint(config.checkpoint_dir) / "trainer_state.json"
+    saved_state = state_file.read_text()
+    state_file.write_text(json.dumps({**json.loads(saved_state), "position": -1}))  # a hand edit
+    with pytest.raises(TrainerError, match=r"is damaged: trainer_state.json holds what no run writes \(position: -1"):
+        check_resumable(config, parallel)
+    state_file.write_text(saved_state)
     path.write_text(written)
     expected = saved_adapters(config)
     shutil.rmtree(config.job_output_dir(config.jobs[1]))

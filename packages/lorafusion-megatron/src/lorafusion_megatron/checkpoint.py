@@ -15,16 +15,20 @@ Layout of ``<output_dir>/checkpoints/checkpoint-<total optimizer steps>/``::
     adapters/<job>/        each adapter in PEFT format, for use without resuming
 
 The folder is written under a temporary name and renamed when complete, so a crash while saving
-never leaves a checkpoint that looks complete but is not.
+never leaves a checkpoint that looks complete but is not; an old one is renamed to a hidden name
+before it is deleted (:func:`prune_checkpoints`), so a crash while deleting does not either.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 import re
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +40,7 @@ from lorafusion_megatron.base_fingerprint import PRESET_WEIGHTS, base_weights_fi
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.planning import plan_from_json
 from lorafusion_megatron.run_layout import PROFILE_REPORT
-from lorafusion_megatron.state import RunState
+from lorafusion_megatron.state import InvalidStateError, RunState
 from lorafusion_megatron.write_errors import CannotWriteError, clear_write_errors
 
 if TYPE_CHECKING:
@@ -56,6 +60,7 @@ __all__ = [
     "checkpoint_to_resume",
     "config_match",
     "config_refusal",
+    "damaged_message",
     "latest_checkpoint",
     "load_checkpoint",
     "load_torch_file",
@@ -70,7 +75,12 @@ __all__ = [
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _FORMAT = 1
+_DELETING = ".deleting"
+"""Suffix of the hidden name an old checkpoint is renamed to before it is deleted: ``.checkpoint-<n>.deleting``."""
+_STATE = "trainer_state.json"
 _T = TypeVar("_T")
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -127,7 +137,7 @@ def _checkpoints(directory: Path) -> list[tuple[int, Path]]:
     found = []
     for child in directory.iterdir():
         match = _NAME.match(child.name)
-        if match and (child / "trainer_state.json").is_file():
+        if match and (child / _STATE).is_file():
             found.append((int(match.group(1)), child))
     return sorted(found)
 
@@ -162,32 +172,79 @@ def recover_interrupted_writes(config: TrainerConfig) -> None:
     A checkpoint is written as ``.checkpoint-<n>.tmp-*`` and renamed when complete, so such a
     folder that is left is incomplete and never read: it is deleted. A folder replace that a crash
     cut between its two renames (:mod:`lorafusion_megatron.atomic_dirs`, where the file system
-    cannot swap folders) is finished, for the checkpoints and the jobs' adapter folders. Call it
-    only under the run locks (:func:`lorafusion_megatron.run_lock.run_locks`): then no other run is
-    writing there.
+    cannot swap folders) is finished, for the checkpoints and the jobs' adapter folders. What a
+    deletion of an old checkpoint left is deleted (:func:`_delete_leftovers`). Call it only under
+    the run locks (:func:`lorafusion_megatron.run_lock.run_locks`): then no other run is writing there.
     """
     directory = config.checkpoint_dir
     for folder in directory.glob(".checkpoint-*.tmp-*"):
         shutil.rmtree(folder, ignore_errors=True)
     for replaced in directory.glob(".checkpoint-*.replaced"):
         restore_interrupted_replace(directory / replaced.name[1 : -len(".replaced")])
+    _delete_leftovers(directory)
     for job in config.jobs:
         restore_interrupted_replace(config.job_output_dir(job))
 
 
 def prune_checkpoints(directory: Path, keep: int) -> None:
-    """Delete all but the ``keep`` newest complete checkpoints in ``directory``."""
+    """Delete all but the ``keep`` newest complete checkpoints in ``directory``, and what killed deletions left."""
+    _delete_leftovers(directory)
     for _, old in _checkpoints(directory)[:-keep]:
-        shutil.rmtree(old)
+        _delete_checkpoint(old)
+
+
+def _delete_checkpoint(folder: Path) -> None:
+    """Delete checkpoint ``folder`` so that it is never half there under its own name.
+
+    Deleting it in place, a kill in the middle left a ``checkpoint-<n>`` holding some of its files:
+    without ``trainer_state.json`` it was no checkpoint to a resume, yet never pruned either; with
+    it, it looked complete, and a damaged newer checkpoint's message pointed at it. So it is renamed
+    to ``.checkpoint-<n>.deleting`` first (one atomic step), which no resume reads and the next
+    start or pruning deletes (:func:`_delete_leftovers`).
+    """
+    doomed = folder.with_name(f".{folder.name}{_DELETING}")
+    if doomed.exists():  # an earlier deletion under this name was killed, and not yet tidied
+        shutil.rmtree(doomed)
+    os.replace(folder, doomed)
+    shutil.rmtree(doomed)
+
+
+def _delete_leftovers(directory: Path) -> None:
+    """Delete what deletions of old checkpoints that a kill cut short left in ``directory``.
+
+    That is every ``.checkpoint-<n>.deleting`` folder (:func:`_delete_checkpoint`), and each husk an
+    earlier version left, which deleted in place: a ``checkpoint-<n>`` folder without
+    ``trainer_state.json`` older than the newest complete checkpoint (pruning deletes the oldest and
+    keeps the newest). A newer such folder is no pruning's leftover and is left alone: its
+    ``trainer_state.json`` may have been moved away by hand, to be restored.
+    """
+    for folder in directory.glob(f".checkpoint-*{_DELETING}"):
+        shutil.rmtree(folder, ignore_errors=True)  # hidden: what is left is never read, and tried again next time
+    complete = _checkpoints(directory)
+    if not complete:
+        return
+    for child in directory.iterdir():
+        if _is_husk(child, before=complete[-1][0]):
+            _log.info("deleting %s: a checkpoint whose deletion a kill cut short (it holds no %s)", child, _STATE)
+            _delete_checkpoint(child)
+
+
+def _is_husk(folder: Path, *, before: int) -> bool:
+    """Whether ``folder`` is a ``checkpoint-<n>`` folder with ``n < before`` and no ``trainer_state.json``."""
+    match = _NAME.match(folder.name)
+    if match is None or int(match.group(1)) >= before:
+        return False
+    return folder.is_dir() and not folder.is_symlink() and not (folder / _STATE).is_file()
 
 
 def read_checkpoint_file(checkpoint: Path, name: str, read: Callable[[Path], _T]) -> _T:
     """``read(checkpoint / name)``; a file that cannot be read raises what to do about it.
 
     Checkpoints are renamed into place only when complete, so a file that is missing, cut short or
-    does not parse was damaged since (a full disk, a copy, a hand edit): the message names it and
-    the checkpoint to resume from instead. A file this user may not read, and a plan this version
-    does not read (written by another version), are said to be that: deleting would not help.
+    does not parse, or whose content no run writes (``read`` raises :class:`InvalidStateError`), was
+    damaged since (a full disk, a copy, a hand edit): the message names it and the checkpoint to
+    resume from instead. A file this user may not read, and a plan this version does not read
+    (written by another version), are said to be that: deleting would not help.
 
     Raises:
         TrainerError: Naming the file and the reader's error.
@@ -207,24 +264,28 @@ def read_checkpoint_file(checkpoint: Path, name: str, read: Callable[[Path], _T]
                 f"checkpoint {checkpoint}: {name} is not a document this version of lorafusion-megatron reads "
                 f"({found}); resume with the version that wrote it"
             ) from None
-        raise TrainerError(_damaged(checkpoint, name, exc.errors()[0]["msg"])) from None
+        raise TrainerError(damaged_message(checkpoint, f"{name} cannot be read ({exc.errors()[0]['msg']})")) from None
+    except InvalidStateError as exc:
+        raise TrainerError(damaged_message(checkpoint, f"{name} holds what no run writes ({exc})")) from None
     except (MemoryError, RecursionError):
         raise
     except Exception as exc:  # safetensors, pickle, zip, JSON and other OS errors alike: the file is bad
         text = str(exc).strip()
         first = text.splitlines()[0][:200] if text else ""  # a parser's error may quote the whole file
-        raise TrainerError(_damaged(checkpoint, name, f"{type(exc).__name__}: {first}")) from None
+        raise TrainerError(
+            damaged_message(checkpoint, f"{name} cannot be read ({type(exc).__name__}: {first})")
+        ) from None
 
 
-def _damaged(checkpoint: Path, name: str, detail: str) -> str:
-    """The message for a damaged file: what the reader said and how to go on."""
+def damaged_message(checkpoint: Path, problem: str) -> str:
+    """The message for a damaged checkpoint: what is wrong with which file (``problem``), and how to go on."""
     before = [folder for _, folder in _checkpoints(checkpoint.parent) if folder != checkpoint]
     go_on = (
         f"delete that folder, and --resume continues from {before[-1].name}"
         if before
         else "it is the only checkpoint: restore the file, or train without --resume into a new output_dir"
     )
-    return f"checkpoint {checkpoint} is damaged: {name} cannot be read ({detail}); {go_on}"
+    return f"checkpoint {checkpoint} is damaged: {problem}; {go_on}"
 
 
 def checkpoint_run_id(checkpoint: Path, meta: Mapping[str, Any] | None = None) -> str:
@@ -243,7 +304,7 @@ def checkpoint_run_id(checkpoint: Path, meta: Mapping[str, Any] | None = None) -
         TrainerError: As :func:`read_checkpoint_file`.
     """
     if meta is None:
-        meta = read_checkpoint_file(checkpoint, "trainer_state.json", _read_json)
+        meta = _read_meta(checkpoint)
     run_id = meta.get("run_id")
     if isinstance(run_id, str):
         return run_id
@@ -270,7 +331,7 @@ def read_checkpoint_meta(path: Path, *, fingerprint: RunFingerprint) -> dict[str
         TrainerError: The file is unreadable, or the checkpoint was written for other data or a
             different config (naming the changed keys when the checkpoint stores its config).
     """
-    meta: dict[str, Any] = read_checkpoint_file(path, "trainer_state.json", _read_json)
+    meta = _read_meta(path)
     stored_data = str(meta.get("fingerprint")).partition("/")[2]
     data_part = fingerprint.value.partition("/")[2]
     match = config_match(meta, fingerprint)
@@ -296,14 +357,17 @@ def check_resume_config(path: Path, config: TrainerConfig) -> None:
 
     Called before the data is tokenised and the base model built (minutes for a large model): a
     changed config, other base weights under the same path, or a pipeline run's checkpoint are
-    refused at once. The data's hash needs the tokenised data, so :func:`load_checkpoint` checks
-    that later (and the config again).
+    refused at once, and so is a ``trainer_state.json`` whose position or counters no run writes
+    (:func:`_resumed_state`). The data's hash needs the tokenised data, so :func:`load_checkpoint`
+    checks that later (and the config again).
 
     Raises:
-        TrainerError: As :func:`read_checkpoint_meta`, or the checkpoint is a pipeline run's.
+        TrainerError: As :func:`read_checkpoint_meta` or :func:`_resumed_state`, or the checkpoint is
+            a pipeline run's.
     """
     meta = read_checkpoint_meta(path, fingerprint=run_fingerprint(config, None))
     _refuse_pipeline_checkpoint(path, meta)
+    _resumed_state(path, meta, read_checkpoint_plan(path))
 
 
 def _refuse_pipeline_checkpoint(path: Path, meta: Mapping[str, Any]) -> None:
@@ -425,7 +489,7 @@ def _profile_hint(checkpoint: Path) -> str:
     """Why an unchanged config may differ: a ``profile.json`` written after the checkpoint (``capacity: auto``)."""
     profile = checkpoint.parent.parent / PROFILE_REPORT
     try:
-        newer = profile.stat().st_mtime > (checkpoint / "trainer_state.json").stat().st_mtime
+        newer = profile.stat().st_mtime > (checkpoint / _STATE).stat().st_mtime
     except OSError:
         return ""
     if not newer:
@@ -497,7 +561,7 @@ def save_checkpoint(
                 for adapter in adapter_parameters:
                     save_adapter(model, adapter, staging / "adapters" / adapter)
                 meta = {"format": _FORMAT, **fingerprint.to_meta(), "state": state.to_json(), "run_id": run_id}
-                (staging / "trainer_state.json").write_text(json.dumps(meta, indent=2, sort_keys=True), "utf-8")
+                (staging / _STATE).write_text(json.dumps(meta, indent=2, sort_keys=True), "utf-8")
                 replace_dir(staging, target)
     except CannotWriteError as failed:  # also one of its adapters' (named by its staging folder: say the checkpoint)
         raise CannotWriteError(target, failed.reason, _after_failed_checkpoint(directory)) from failed
@@ -530,7 +594,7 @@ def load_checkpoint(
     """Restore weights, gradients, optimizer states and RNG from a checkpoint.
 
     Raises:
-        TrainerError: The checkpoint was written for a different config, or is unreadable.
+        TrainerError: The checkpoint was written for a different config, or is unreadable or damaged.
     """
     import torch
     from safetensors.torch import load_file
@@ -541,6 +605,7 @@ def load_checkpoint(
     states = read_checkpoint_file(path, "optimizer.pt", load_torch_file)
     rng = read_checkpoint_file(path, "rng.pt", load_torch_file)
     plan = read_checkpoint_plan(path)
+    state = _resumed_state(path, meta, plan)
     with torch.no_grad():
         for params in adapter_parameters.values():
             for name, param in params.items():
@@ -552,8 +617,80 @@ def load_checkpoint(
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(rng["cuda"]))
-    state = RunState.from_json(meta["state"])
     return LoadedCheckpoint(path=path, state=state, plan=plan, run_id=checkpoint_run_id(path, meta))
+
+
+def _resumed_state(checkpoint: Path, meta: Mapping[str, Any], plan: Plan) -> RunState:
+    """The position and counters a single-process checkpoint's ``meta`` holds, checked against its ``plan``.
+
+    A hand-edited ``trainer_state.json`` that is still valid JSON was trusted: a position past the
+    plan's end wrote the checkpoint's weights as the finished adapters, and counters of jobs the
+    plan lacks, or more steps than a job has, failed with a traceback deep in the run.
+
+    Raises:
+        TrainerError: Naming the file, the entry and what is wrong with it, and the checkpoint to
+            resume from instead (as for a file that cannot be read).
+    """
+    try:
+        state = RunState.from_json(meta.get("state"))
+        _check_against_plan(state, plan)
+    except InvalidStateError as exc:
+        raise TrainerError(damaged_message(checkpoint, f"{_STATE} holds what no run writes ({exc})")) from None
+    return state
+
+
+def _check_against_plan(state: RunState, plan: Plan) -> None:
+    """Refuse a state that executing ``plan`` up to ``state.position`` does not reach.
+
+    A checkpoint is written after a microbatch and before the plan's end; by then each job has
+    taken exactly the steps that the plan's microbatches before the position take.
+
+    Raises:
+        InvalidStateError: Naming the first entry that differs.
+    """
+    count = len(plan.microbatches)
+    if state.position >= count:
+        raise InvalidStateError(f"state.position: {state.position} is past the plan's last microbatch, {count - 1}")
+    names, planned = sorted(state.jobs), sorted(adapter.name for adapter in plan.adapters)
+    if names != planned:
+        raise InvalidStateError(f"state.jobs: the counters of jobs {names}, where the plan trains {planned}")
+    taken = Counter(name for microbatch in plan.microbatches[: state.position] for name in microbatch.step_after)
+    for adapter in plan.adapters:
+        job, where = state.jobs[adapter.name], f"state.jobs[{adapter.name}]"
+        if job.total_steps != adapter.num_global_batches:
+            raise InvalidStateError(
+                f"{where}.total_steps: {job.total_steps}, where the plan gives the job {adapter.num_global_batches}"
+            )
+        if job.steps_done != taken[adapter.name]:
+            raise InvalidStateError(
+                f"{where}.steps_done: {job.steps_done}, where the plan's microbatches before position "
+                f"{state.position} take {taken[adapter.name]}"
+            )
+    if state.total_optimizer_steps != sum(taken.values()):
+        raise InvalidStateError(
+            f"state.total_optimizer_steps: {state.total_optimizer_steps}, where the jobs' steps add up to "
+            f"{sum(taken.values())}"
+        )
+
+
+def _read_meta(checkpoint: Path) -> dict[str, Any]:
+    """``trainer_state.json`` of ``checkpoint``: an object with the run's fingerprint, as every checkpoint writes.
+
+    Raises:
+        TrainerError: As :func:`read_checkpoint_file` (a list, say, or no ``fingerprint``: a hand edit).
+    """
+    return read_checkpoint_file(checkpoint, _STATE, _read_meta_file)
+
+
+def _read_meta_file(path: Path) -> dict[str, Any]:
+    meta = _read_json(path)
+    if not isinstance(meta, dict):
+        raise InvalidStateError(f"a {type(meta).__name__} at the top level, not an object")
+    if "fingerprint" not in meta:
+        raise InvalidStateError("'fingerprint' is missing")
+    if not isinstance(meta["fingerprint"], str):
+        raise InvalidStateError(f"'fingerprint': {meta['fingerprint']!r} is not a fingerprint (a string)")
+    return meta
 
 
 def _read_text(path: Path) -> str:

@@ -4,11 +4,18 @@ Everything is built locally: the ``tiny`` preset with random weights is saved to
 with a byte-level BPE tokenizer trained on the demo's own text, exactly as a downloaded checkpoint
 would sit in a folder. Each job learns a small text task; their sample lengths follow the four
 synthetic distributions of the paper's heterogeneous (Het) workload, scaled down to the tiny model.
-The run then goes through the same path as ``lorafusion-megatron train`` with a generated config.
+The files are built in a hidden folder beside ``DIR`` and renamed to ``DIR`` once complete, so a
+build cut short (Ctrl-C, SIGTERM, an error) leaves nothing half-built that would block running the
+same command again. The run then goes through the same path as ``lorafusion-megatron train`` with a
+generated config.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import secrets
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +24,8 @@ import numpy as np
 import yaml
 
 from lorafusion_megatron.config import parse_config
+from lorafusion_megatron.errors import TrainerError
+from lorafusion_megatron.run_lock import absent_folders, removed_if_unused_on_error
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -107,19 +116,37 @@ def _save_base(directory: Path, texts: list[str], seed: int) -> None:
 def build_demo(output: Path, *, samples_per_job: int = 128, epochs: int = 2, seed: int = 0) -> TrainerConfig:
     """Write the demo's base model, datasets and config under ``output``; return the config.
 
+    The files are built in a hidden folder beside ``output`` and renamed to ``output`` once all are
+    written, so an interrupt or an error while they are built leaves ``output`` as it was (absent,
+    or an empty folder) and no folder this created: the same command can simply run again.
+
     Args:
-        output: Demo folder: ``base/``, ``data/``, ``demo.yaml``, and later ``adapters/``.
+        output: Demo folder, absent or empty: ``base/``, ``data/``, ``demo.yaml``, and later ``adapters/``.
         samples_per_job: Records per job.
         epochs: Passes over each job's data.
         seed: Seed of the data, the base weights and the run.
+
+    Raises:
+        TrainerError: ``output`` came to hold files while the demo was built (nothing is replaced).
     """
     output = output.resolve()
-    records = {task.name: demo_records(task, samples_per_job, seed + i) for i, task in enumerate(DEMO_JOBS)}
-    for name, rows in records.items():
-        _write_jsonl(output / "data" / f"{name}.jsonl", rows)
-    texts = [row[field] for rows in records.values() for row in rows for field in ("prompt", "response")]
-    _save_base(output / "base", texts, seed)
-    document: dict[str, Any] = {
+    document = _demo_document(output, epochs, seed)
+    with removed_if_unused_on_error(absent_folders(output.parent)):
+        output.parent.mkdir(parents=True, exist_ok=True)
+        staging = output.with_name(f".{output.name}.tmp-{secrets.token_hex(4)}")
+        try:
+            staging.mkdir()  # not mkdtemp's 0700: the folder keeps its mode once renamed to ``output``
+            _write_demo_files(staging, document, samples_per_job=samples_per_job, seed=seed)
+            _place(staging, output)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    return parse_config(document, source=str(output / "demo.yaml"))
+
+
+def _demo_document(output: Path, epochs: int, seed: int) -> dict[str, Any]:
+    """The demo's config as a mapping: the four jobs on ``output/base``, their data in ``output/data``."""
+    return {
         "output_dir": str(output),
         "base_model": {"model_name_or_path": str(output / "base"), "dtype": "float32", "attn_implementation": "sdpa"},
         "jobs": [
@@ -140,6 +167,35 @@ def build_demo(output: Path, *, samples_per_job: int = 128, epochs: int = 2, see
         "runtime": {"device": "cpu", "seed": seed},
         "logging": {"logging_steps": 8},
     }
-    header = f"# lorafusion-megatron train {output / 'demo.yaml'}\n# Written by `lorafusion-megatron demo`.\n"
-    (output / "demo.yaml").write_text(header + yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
-    return parse_config(document, source=str(output / "demo.yaml"))
+
+
+def _write_demo_files(folder: Path, document: dict[str, Any], *, samples_per_job: int, seed: int) -> None:
+    """Write the datasets, the base model and ``demo.yaml`` into ``folder`` (whose paths the document names)."""
+    records = {task.name: demo_records(task, samples_per_job, seed + i) for i, task in enumerate(DEMO_JOBS)}
+    for name, rows in records.items():
+        _write_jsonl(folder / "data" / f"{name}.jsonl", rows)
+    texts = [row[field] for rows in records.values() for row in rows for field in ("prompt", "response")]
+    _save_base(folder / "base", texts, seed)
+    config_file = Path(document["output_dir"]) / "demo.yaml"
+    header = f"# lorafusion-megatron train {config_file}\n# Written by `lorafusion-megatron demo`.\n"
+    (folder / "demo.yaml").write_text(header + yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
+
+
+def _place(staging: Path, output: Path) -> None:
+    """Rename the finished ``staging`` folder to ``output``, which must be absent or an empty folder.
+
+    ``rename`` itself refuses a folder that holds anything (and a file), so whatever another process
+    wrote to ``output`` meanwhile is kept, never replaced.
+
+    Raises:
+        TrainerError: ``output`` holds files or is a file by now.
+    """
+    try:
+        os.rename(staging, output)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise
+        raise TrainerError(
+            f"{output} came to hold files while the demo was built there, so the demo was not put in place: "
+            "choose a new folder, or delete that one"
+        ) from None

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Protocol
 
-from lorafusion_megatron.interrupts import Interrupted
+from lorafusion_megatron.interrupts import Interrupted, repeat_hint
 
 if TYPE_CHECKING:
     from lorafusion_sched.models import Microbatch
@@ -99,7 +99,7 @@ class StopSignal:
         signals: Sequence[signal.Signals] = (signal.SIGINT, signal.SIGTERM),
         *,
         repeat_aborts: bool = True,
-        message: str | None = "{signal}: finishing this microbatch, then a checkpoint; press Ctrl-C again to abort",
+        message: str | None = "{signal}: finishing this microbatch, then a checkpoint; {again} to abort",
     ) -> None:
         self.signals = tuple(signals)
         self.repeat_aborts = repeat_aborts
@@ -133,7 +133,7 @@ class StopSignal:
         self._requested = True
         self.received = signal.Signals(signum)
         if self.message is not None:
-            _log.warning(self.message.format(signal=self.received.name))
+            _log.warning(self.message.format(signal=self.received.name, again=repeat_hint(self.received)))
 
     def __enter__(self) -> StopSignal:
         self._requested = False

@@ -56,8 +56,9 @@ def _read_adapter_config(adapter: Path) -> dict[str, object]:
         raise TrainerError(f"{adapter} holds no adapter_config.json: pass a folder written by `train`")
     if not any((adapter / name).is_file() for name in _ADAPTER_WEIGHTS):
         raise TrainerError(
-            f"{adapter} holds no adapter weights ({' or '.join(_ADAPTER_WEIGHTS)}): pass a folder written by "
-            "`train`, or copy the weights from the run's latest checkpoint"
+            f"{adapter} holds no adapter weights ({' or '.join(_ADAPTER_WEIGHTS)}): if a run wrote it, "
+            "`lorafusion-megatron train CONFIG --resume` writes it again from the run's newest checkpoint; "
+            "otherwise pass a folder written by `train`"
         )
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))

@@ -37,7 +37,7 @@ from lorafusion_megatron.checkpoint import (
 )
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.run_layout import PIPELINE_SUMMARY, SUMMARY
-from lorafusion_megatron.state import JobProgress, RunState
+from lorafusion_megatron.state import InvalidStateError, JobProgress, RunState
 
 if TYPE_CHECKING:
     from lorafusion_megatron.config import TrainerConfig
@@ -48,6 +48,9 @@ _log = logging.getLogger(__name__)
 
 _COUNTERS = {field.name for field in dataclasses.fields(JobProgress)}
 """The keys of a job's entry in ``summary.json`` that are its counters (``eval_loss`` is not)."""
+
+_WEIGHTS = "adapter_model.safetensors"
+"""A finished adapter's weights file, as PEFT names it (both runtimes write safetensors)."""
 
 _REMEDY = "nothing to resume; to train this config, train without --resume into a new output_dir"
 
@@ -138,17 +141,19 @@ def finished_run(config: TrainerConfig, *, pipeline: bool = False) -> FinishedRu
     """The run in ``config.output_dir`` if it finished after its newest checkpoint was written, else ``None``.
 
     ``None`` also for a summary of an earlier version (no ``run_id``) or of a pipeline run stopped
-    early, and, with a warning, for one that cannot be read or whose adapters are not where
-    ``config`` puts them (gone, or a job's ``output_dir`` changed since): the run then resumes from
-    its newest checkpoint and writes them there. The adapters are looked for where ``config`` puts
-    them, not where the summary recorded them, so a project moved elsewhere reports its own folders.
+    early, and, with a warning, for one that cannot be read (or holds counters no run writes) or
+    whose adapters are not where ``config`` puts them (gone, or a job's ``output_dir`` changed
+    since) or have weights that are missing or cannot be read: the run then resumes from its newest
+    checkpoint and writes them there. The adapters are looked for where ``config`` puts them, not
+    where the summary recorded them, so a project moved elsewhere reports its own folders.
 
     Args:
         config: The run.
         pipeline: Read the pipeline runtime's ``pipeline_summary.json`` instead of ``summary.json``.
 
     Raises:
-        TrainerError: The newest checkpoint's ``trainer_state.json`` cannot be read.
+        TrainerError: The newest checkpoint's ``trainer_state.json`` cannot be read, or an adapter
+            is missing or damaged and no checkpoint is left to write it again.
     """
     path = Path(config.output_dir) / (PIPELINE_SUMMARY if pipeline else SUMMARY)
     try:
@@ -161,23 +166,59 @@ def finished_run(config: TrainerConfig, *, pipeline: bool = False) -> FinishedRu
     run_id = record.get("run_id") if isinstance(record, dict) else None
     if not isinstance(run_id, str):
         return None
-    state = _final_state(record, pipeline=pipeline)
+    try:
+        state = _final_state(record, pipeline=pipeline)
+    except InvalidStateError as exc:
+        _log.warning(
+            "%s holds what no run writes (%s): resuming from the newest checkpoint, which writes it again", path, exc
+        )
+        return None
     if state is None:
         return None
     newest = latest_checkpoint(config.checkpoint_dir)
     if newest is not None and checkpoint_run_id(newest) != run_id:
         return None
     adapters = {job.name: config.job_output_dir(job) for job in config.jobs}
-    missing = [name for name, folder in adapters.items() if not (folder / "adapter_config.json").is_file()]
-    if missing:
-        _log.warning(
-            "%s records a finished run, but the adapter of job %s is not in its folder (gone, or the job's "
-            "output_dir changed): resuming from the newest checkpoint, which writes the adapters there",
-            path,
-            ", ".join(missing),
+    problems = "; ".join(
+        f"the adapter of job {name} {problem}"
+        for name, folder in adapters.items()
+        if (problem := _adapter_problem(folder)) is not None
+    )
+    if not problems:
+        return FinishedRun(summary=path, record=record, state=state, adapters=adapters)
+    if newest is None:
+        raise TrainerError(
+            f"{path} records a finished run, but {problems}, and no checkpoint is left to write it again (none "
+            "was due: see save_steps, or they were deleted): restore the adapter, or train again with --overwrite "
+            "(instead of --resume), which replaces the run's results"
         )
-        return None
-    return FinishedRun(summary=path, record=record, state=state, adapters=adapters)
+    _log.warning(
+        "%s records a finished run, but %s: resuming from the newest checkpoint, which writes the adapters there",
+        path,
+        problems,
+    )
+    return None
+
+
+def _adapter_problem(folder: Path) -> str | None:
+    """What is wrong with the finished adapter in ``folder`` (``None``: nothing found).
+
+    The weights' safetensors header is read, which also finds a file cut short (its header says how
+    long it is); the tensors are not.
+    """
+    if not (folder / "adapter_config.json").is_file():
+        return "is not in its folder (gone, or the job's output_dir changed)"
+    from safetensors import SafetensorError, safe_open
+
+    weights = folder / _WEIGHTS
+    if not weights.is_file():
+        return f"has no weights ({_WEIGHTS} is missing)"
+    try:
+        with safe_open(str(weights), framework="numpy"):  # no tensor is made, so no need to import torch
+            pass
+    except (OSError, SafetensorError) as exc:
+        return f"has weights that cannot be read ({_WEIGHTS}: {exc})"
+    return None
 
 
 def _final_state(record: Mapping[str, Any], *, pipeline: bool) -> RunState | None:
@@ -186,8 +227,20 @@ def _final_state(record: Mapping[str, Any], *, pipeline: bool) -> RunState | Non
     ``summary.json`` is written only when the run ends, its counters at the top level, each job's
     beside its eval loss. ``pipeline_summary.json`` is written also when Ctrl-C stopped the run (it
     then names the checkpoint written); the counters are under ``run_state``.
+
+    Raises:
+        InvalidStateError: The counters are not what a run writes (the summary was edited by hand).
     """
     if pipeline:
-        return None if record.get("checkpoint") is not None else RunState.from_json(record["run_state"])
-    jobs = [{key: value for key, value in job.items() if key in _COUNTERS} for job in record["jobs"]]
-    return RunState.from_json({**record, "jobs": jobs})
+        return (
+            None
+            if record.get("checkpoint") is not None
+            else RunState.from_json(record.get("run_state"), where="run_state")
+        )
+    jobs = record.get("jobs")
+    if isinstance(jobs, list):  # else from_json says what is wrong
+        jobs = [
+            {key: value for key, value in job.items() if key in _COUNTERS} if isinstance(job, dict) else job
+            for job in jobs
+        ]
+    return RunState.from_json({**record, "jobs": jobs}, where="")

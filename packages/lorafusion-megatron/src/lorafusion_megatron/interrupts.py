@@ -18,7 +18,7 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
-__all__ = ["Interrupted", "signal_of", "sigterm_interrupts"]
+__all__ = ["Interrupted", "repeat_hint", "signal_of", "sigterm_interrupts"]
 
 
 class Interrupted(KeyboardInterrupt):
@@ -53,3 +53,8 @@ def sigterm_interrupts() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def repeat_hint(received: signal.Signals) -> str:
+    """How to send the second signal that aborts: as the first came (``press Ctrl-C again``, ``send SIGTERM again``)."""
+    return "press Ctrl-C again" if received == signal.SIGINT else f"send {received.name} again (or press Ctrl-C)"

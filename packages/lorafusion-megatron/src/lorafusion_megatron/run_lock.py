@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from lorafusion_megatron.config import TrainerConfig
 
 __all__ = [
+    "absent_folders",
     "export_locks",
     "new_run_folders",
     "remove_unused_folders",
@@ -52,8 +53,8 @@ _log = logging.getLogger(__name__)
 _LOCKS_UNSUPPORTED = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP})
 
 
-def _absent_folders(path: Path) -> list[Path]:
-    """``path`` and its ancestors that do not exist (what creating ``path`` creates)."""
+def absent_folders(path: Path) -> list[Path]:
+    """``path`` and its ancestors that do not exist, deepest first (what creating ``path`` creates)."""
     absent = []
     for folder in (path, *path.parents):
         if folder.exists() or folder.is_symlink():
@@ -71,7 +72,7 @@ def new_run_folders(config: TrainerConfig) -> list[Path]:
     paths = [Path(config.output_dir), *(config.job_output_dir(job).parent for job in config.jobs)]
     if config.logging.tensorboard_dir is not None:
         paths.append(Path(config.logging.tensorboard_dir))
-    absent = {folder.absolute() for path in paths for folder in _absent_folders(path.absolute())}
+    absent = {folder.absolute() for path in paths for folder in absent_folders(path.absolute())}
     return sorted(absent, key=lambda folder: (-len(folder.parts), str(folder)))
 
 
@@ -184,7 +185,7 @@ def export_locks(output: Path) -> Iterator[None]:
     Raises:
         TrainerError: A run holds one of them (naming it and its process id).
     """
-    created = _absent_folders(output.absolute())
+    created = absent_folders(output.absolute())
     remedy = "wait for it to end, or choose another --output"
     with ExitStack() as held:
         with removed_if_unused_on_error(created, unless=TrainerError):  # a TrainerError: a run's lock file

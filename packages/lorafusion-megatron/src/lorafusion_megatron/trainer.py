@@ -57,8 +57,8 @@ __all__ = ["PreparedData", "TrainResult", "Trainer", "prepare_data"]
 _log = logging.getLogger(__name__)
 
 _FINAL_WRITE_STOP = (
-    "{signal}: the run is done; writing the remaining adapters and summary.json, then exiting; press Ctrl-C "
-    "again to abort at once (each adapter is written whole or not at all)"
+    "{signal}: the run is done; writing the remaining adapters and summary.json, then exiting; {again} to abort "
+    "at once (each adapter is written whole or not at all)"
 )
 
 

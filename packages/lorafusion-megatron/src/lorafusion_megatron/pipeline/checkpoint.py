@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from lorafusion_megatron.atomic_dirs import replace_dir
 from lorafusion_megatron.checkpoint import (
     RunFingerprint,
+    damaged_message,
     load_torch_file,
     prune_checkpoints,
     read_checkpoint_file,
@@ -160,6 +161,13 @@ def read_run_state(path: Path, *, fingerprint: RunFingerprint, parallel: Paralle
             f"checkpoint {path} was written with parallel settings {meta.get('parallel')}; this run has "
             f"{parallel.layout_settings()}: resume with the same stages, replicas and schedule"
         )
+    for key in ("position", "total_optimizer_steps"):  # what a hand edit could break: the rank files are binary
+        value = meta.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            problem = (
+                f"trainer_state.json holds what no run writes ({key}: {value!r} is not a whole number of at least 0)"
+            )
+            raise TrainerError(damaged_message(path, problem))
     return meta
 
 

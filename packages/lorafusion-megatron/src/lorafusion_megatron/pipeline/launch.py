@@ -35,7 +35,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from lorafusion_megatron.errors import TrainerError
-from lorafusion_megatron.interrupts import Interrupted
+from lorafusion_megatron.interrupts import Interrupted, repeat_hint
 from lorafusion_megatron.pipeline.options import ParallelConfig
 from lorafusion_megatron.run_layout import PIPELINE_SUMMARY, PROFILE_REPORT
 from lorafusion_sched.planner import default_workers as cpu_cores  # the CPU cores this process may run on
@@ -195,8 +195,9 @@ class _SignalForwarder:
             self.first = signal.Signals(signum)
             _log.warning(
                 "%s: the ranks stop at their next optimizer step, drain the pipeline and write a checkpoint; "
-                "press Ctrl-C again to abort without one",
+                "%s to abort without one",
                 signal.Signals(signum).name,
+                repeat_hint(signal.Signals(signum)),
             )
             for process in alive:
                 process.terminate()  # SIGTERM
