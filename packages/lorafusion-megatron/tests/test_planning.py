@@ -28,6 +28,9 @@ def test_a_plan_made_for_other_settings_is_refused(config_dict) -> None:
     smaller = parse_config(config_dict(scheduler={"capacity": 128, "padding_multiple": 32}))
     with pytest.raises(TrainerError, match=r"capacity = 256.*capacity 128[\s\S]*padding_multiple = 16"):
         check_plan(plan, data, smaller, pipeline_stages=2, data_parallel=2)
+    first = dict(list(data.items())[:1])
+    with pytest.raises(TrainerError, match=r"\[jobs\] the plan is for adapters \['first', 'second'\], the runtime's"):
+        check_plan(plan, first, config, pipeline_stages=2, data_parallel=2)
 
 
 def test_no_milp_time_limit_plans_alike_on_every_run(config_dict, monkeypatch: pytest.MonkeyPatch) -> None:

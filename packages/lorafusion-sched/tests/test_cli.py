@@ -31,6 +31,15 @@ def test_plan_verify_simulate_round_trip(tmp_path: Path, capsys: pytest.CaptureF
     assert "MILP wins" in capsys.readouterr().out
     assert main(["verify", str(out_plan)]) == 0
     assert "verifies clean" in capsys.readouterr().out
+    assert main(["verify", str(out_plan), "--jobs", str(tmp_path / "jobs.json")]) == 0
+    assert f"is for the jobs of {tmp_path / 'jobs.json'}" in " ".join(capsys.readouterr().out.split())
+    jobs["adapters"][1]["sample_tokens"][0] = 65
+    (tmp_path / "other.json").write_text(json.dumps(jobs))
+    assert main(["verify", str(out_plan), "--jobs", str(tmp_path / "other.json")]) == 1
+    assert (
+        "violation [jobs] adapter 'b': sample_tokens[0] = 64, the job's sample is 65 tokens long"
+        in capsys.readouterr().out
+    )
     assert main(["simulate", str(out_plan), "--stage-factors", "1,1,1,1.3"]) == 0
     assert "bubble ratio" in capsys.readouterr().out
     assert main(["simulate", str(out_plan), "--forward-points", "1024:0.17,4096:0.27,8192:0.52"]) == 0

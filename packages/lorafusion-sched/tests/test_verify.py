@@ -195,3 +195,59 @@ def test_settings_violations_come_first_one_per_setting(good: Plan) -> None:
 def test_runtime_settings_are_whole_numbers_of_at_least_one(fields: dict[str, object]) -> None:
     with pytest.raises(ValidationError, match=next(iter(fields))):
         RuntimeSettings.model_validate(fields)
+
+
+def _jobs() -> list[AdapterJob]:
+    return [make_job("a", [300, 200, 500, 100, 250, 50], gbs=2), make_job("b", [700, 800, 120, 90], gbs=2)]
+
+
+def test_a_plan_is_checked_against_the_runtimes_jobs(good: Plan) -> None:
+    """A plan edited consistently (an adapter removed, the header to match) passed: only the jobs tell."""
+    assert verify(good, jobs=_jobs()) == []
+    trimmed = plan([_jobs()[0]], PlanOptions(capacity=1024, pipeline_stages=2, padding_multiple=64, use_milp=False))
+    assert verify(trimmed) == [], "a plan of job a alone is valid on its own"
+    [violation] = verify(trimmed, jobs=_jobs())
+    assert violation.kind == "jobs"
+    assert (
+        violation.message
+        == "the plan is for adapters ['a'], the runtime's jobs are ['a', 'b']: plan the runtime's jobs"
+    )
+
+
+@pytest.mark.parametrize(
+    ("job", "needle"),
+    [
+        (make_job("b", [700, 800, 120, 90], gbs=4), "global_batch_size = 2, the job's is 4"),
+        (make_job("b", [700, 800, 120], gbs=2), "4 samples, the job has 3"),
+        (make_job("b", [700, 801, 120, 90], gbs=2), "sample_tokens[1] = 800, the job's sample is 801 tokens long"),
+    ],
+)
+def test_a_plan_for_other_samples_is_a_jobs_violation(good: Plan, job: AdapterJob, needle: str) -> None:
+    [violation] = verify(good, jobs=[_jobs()[0], job])
+    assert (violation.kind, violation.adapter) == ("jobs", "b")
+    assert violation.message == f"adapter 'b': {needle}: plan the runtime's jobs"
+
+
+def test_truncated_samples_match_the_jobs_lengths() -> None:
+    job = make_job("a", [100, 5000, 300], gbs=3)
+    p = plan([job], PlanOptions(capacity=1024, truncate=True, use_milp=False))
+    assert p.adapters[0].sample_tokens == (100, 1024, 300)
+    assert verify(p, jobs=[job]) == []
+    tampered = p.model_copy(update={"adapters": (p.adapters[0].model_copy(update={"truncated_samples": 0}),)})
+    assert [v.message for v in verify(tampered, jobs=[job])] == [
+        "adapter 'a': truncated_samples = 0, but 1 of the job's samples exceed capacity 1024: plan the runtime's jobs"
+    ]
+
+
+def test_the_runtimes_drop_last_sets_the_global_batch_counts() -> None:
+    job = make_job("a", [100, 200, 300, 400, 500, 600, 700], gbs=3)
+    kept = plan([job], PlanOptions(capacity=1024, use_milp=False))
+    dropped = plan([job], PlanOptions(capacity=1024, drop_last=True, use_milp=False))
+    assert verify(kept, runtime=RuntimeSettings(drop_last=False)) == []
+    assert verify(dropped, runtime=RuntimeSettings(drop_last=True)) == []
+    [violation] = verify(kept, runtime=RuntimeSettings(drop_last=True))
+    assert violation.kind == "settings"
+    assert violation.message == (
+        "num_global_batches = 3: 7 samples in global batches of 3 make 2 with the runtime's drop_last = true; plan "
+        "again with drop_last = true"
+    )

@@ -10,7 +10,7 @@ from lorafusion_megatron.errors import TrainerError
 if TYPE_CHECKING:
     from lorafusion_megatron.config import TrainerConfig
     from lorafusion_megatron.data.job_data import JobData
-    from lorafusion_sched.models import Plan
+    from lorafusion_sched.models import AdapterJob, Plan
 
 __all__ = ["check_plan", "make_plan", "plan_from_json"]
 
@@ -36,12 +36,9 @@ def make_plan(
     import lorafusion_sched
     from lorafusion_megatron.profiler.run import profiled_cost_model
     from lorafusion_sched.errors import SchedError
-    from lorafusion_sched.models import AdapterJob, PlanOptions
+    from lorafusion_sched.models import PlanOptions
 
-    jobs = [
-        AdapterJob(name=name, sample_tokens=job.sample_tokens, global_batch_size=job.global_batch_size)
-        for name, job in data.items()
-    ]
+    jobs = _scheduler_jobs(data)
     options = PlanOptions(
         capacity=config.scheduler.resolved_capacity,
         pipeline_stages=pipeline_stages,
@@ -58,6 +55,16 @@ def make_plan(
         raise TrainerError(f"the scheduler refused the jobs: {exc}") from None
     check_plan(plan, data, config, pipeline_stages=pipeline_stages, data_parallel=data_parallel)
     return plan
+
+
+def _scheduler_jobs(data: Mapping[str, JobData]) -> list[AdapterJob]:
+    """The jobs as the scheduler takes them: name, sample lengths in training order, global batch size."""
+    from lorafusion_sched.models import AdapterJob
+
+    return [
+        AdapterJob(name=name, sample_tokens=job.sample_tokens, global_batch_size=job.global_batch_size)
+        for name, job in data.items()
+    ]
 
 
 def plan_from_json(text: str) -> Plan:
@@ -80,7 +87,7 @@ def check_plan(
         data_parallel: The replicas that execute the plan.
 
     Raises:
-        TrainerError: Naming each violation, or the adapter whose samples do not match.
+        TrainerError: Naming each violation (``[jobs]``: the plan is not for these jobs' samples).
     """
     import lorafusion_sched
     from lorafusion_sched.models import RuntimeSettings
@@ -90,22 +97,11 @@ def check_plan(
         pipeline_stages=pipeline_stages,
         data_parallel=data_parallel,
         padding_multiple=config.scheduler.padding_multiple,
+        drop_last=config.scheduler.drop_last,
     )
-    drop_last = config.scheduler.drop_last
-    violations = lorafusion_sched.verify(plan, runtime=runtime)
+    jobs = _scheduler_jobs(data)
+    violations = lorafusion_sched.verify(plan, runtime=runtime, jobs=jobs)
     if violations:
         listed = "\n".join(f"  - {v}" for v in violations[:20])
         more = f"\n  ... and {len(violations) - 20} more" if len(violations) > 20 else ""
         raise TrainerError(f"the plan breaks {len(violations)} invariant(s):\n{listed}{more}")
-    planned = {adapter.name: adapter for adapter in plan.adapters}
-    if set(planned) != set(data):
-        raise TrainerError(f"the plan is for adapters {sorted(planned)}, the config has jobs {sorted(data)}")
-    for name, job in data.items():
-        info = planned[name]
-        if info.sample_tokens != job.sample_tokens or info.global_batch_size != job.global_batch_size:
-            raise TrainerError(f"the plan's samples or global batch size of job {name} do not match its data")
-        if info.num_global_batches != job.num_global_batches(drop_last=drop_last):
-            raise TrainerError(
-                f"the plan gives job {name} {info.num_global_batches} global batches, its data has "
-                f"{job.num_global_batches(drop_last=drop_last)}"
-            )

@@ -235,17 +235,20 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_verify(args: argparse.Namespace, console: Console) -> int:
     plan = load_plan(args.plan)
+    jobs, options = load_jobs(args.jobs) if args.jobs is not None else (None, None)
     runtime = RuntimeSettings(
         capacity=args.capacity,
         pipeline_stages=args.stages,
         data_parallel=args.data_parallel,
         padding_multiple=args.padding,
+        drop_last=None if options is None else options.drop_last,
     )
-    violations = verify(plan, runtime=runtime)
+    violations = verify(plan, runtime=runtime, jobs=jobs)
     if not violations:
         where = escape(str(args.plan))
         given = ", ".join(f"{name} {value}" for name, value in runtime.model_dump(exclude_none=True).items())
         fits = f", fits the runtime's {given}" if given else ""
+        fits += f", is for the jobs of {escape(str(args.jobs))}" if args.jobs is not None else ""
         console.print(
             f"[green]ok[/green]: {where} verifies clean ({len(plan.microbatches):,} microbatches{fits})", soft_wrap=True
         )
@@ -391,6 +394,13 @@ def _parser() -> argparse.ArgumentParser:
     runtime.add_argument("--data-parallel", type=_positive_int, metavar="D", help="replicas; the plan's must equal D")
     runtime.add_argument(
         "--padding", type=_positive_int, metavar="M", help="segment padding multiple; M must divide the plan's"
+    )
+    runtime.add_argument(
+        "--jobs",
+        type=Path,
+        metavar="JOBS",
+        help="the jobs file the runtime trains: the plan must be for its adapters, global batch sizes and sample "
+        "lengths, and follow its drop_last",
     )
 
     s = sub.add_parser("simulate", help="simulate a plan against the Megatron-style and mLoRA-style baselines")

@@ -523,7 +523,8 @@ class RuntimeSettings(BaseModel):
 
     A field left ``None`` is not checked. A plan fits a runtime when its capacity is at most the
     runtime's, its pipeline stages at least the runtime's, its data-parallel degree the runtime's,
-    and its padding multiple a multiple of the runtime's.
+    its padding multiple a multiple of the runtime's, and its global batch counts those that the
+    runtime's ``drop_last`` gives.
     """
 
     model_config = _FROZEN
@@ -546,6 +547,11 @@ class RuntimeSettings(BaseModel):
         ge=1,
         description="The multiple the runtime pads each segment to; it must divide the plan's padding multiple.",
     )
+    drop_last: StrictBool | None = Field(
+        default=None,
+        description="Whether the runtime drops each job's partial last global batch; the plan's global batch "
+        "counts must follow it (the plan file does not record it).",
+    )
 
 
 class Violation(BaseModel):
@@ -556,6 +562,7 @@ class Violation(BaseModel):
     kind: Literal[
         "schema",
         "settings",
+        "jobs",
         "sample_missing",
         "sample_repeated",
         "sample_wrong_batch",

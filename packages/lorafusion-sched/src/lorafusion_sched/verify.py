@@ -5,8 +5,13 @@ The runtime calls :func:`verify` before training and refuses a plan with violati
 * with the runtime's settings given (:class:`RuntimeSettings`), that the plan was made for them:
   its capacity at most the runtime's (its microbatches then fit), its pipeline stages at least the
   runtime's (the bubble lemma's distance is then long enough), the same data-parallel degree (the
-  replicas and ``step_after`` rounds depend on it), and a padding multiple that the runtime's
-  divides (its padded segments are then padded for the runtime too);
+  replicas and ``step_after`` rounds depend on it), a padding multiple that the runtime's
+  divides (its padded segments are then padded for the runtime too), and the global batch counts
+  that the runtime's ``drop_last`` gives;
+* with the runtime's jobs given, that the plan is for them: the same adapter names, global batch
+  sizes and sample lengths (a length the plan truncated to its capacity counted in
+  ``truncated_samples``); the plan file is otherwise checked only against itself, so a consistent
+  edit (an adapter or a global batch removed, with the header to match) passes without them;
 
 * every scheduled sample appears exactly once, in a segment of its own global batch
   (``sample // global_batch_size``), and the segment's tokens and padded tokens are right;
@@ -24,10 +29,18 @@ The runtime calls :func:`verify` before training and refuses a plan with violati
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TypedDict, cast
 
-from lorafusion_sched.models import AdapterInfo, Microbatch, Plan, RuntimeSettings, Violation, require_model
+from lorafusion_sched.models import (
+    AdapterInfo,
+    AdapterJob,
+    Microbatch,
+    Plan,
+    RuntimeSettings,
+    Violation,
+    require_model,
+)
 from lorafusion_sched.packing.problem import round_up
 
 __all__ = ["verify"]
@@ -59,6 +72,55 @@ def _check_settings(plan: Plan, runtime: RuntimeSettings, out: list[Violation]) 
             f"padding_multiple a multiple of {runtime.padding_multiple}"
         )
     out.extend(Violation(kind="settings", message=message) for message in messages)
+    if runtime.drop_last is not None:
+        flag = str(runtime.drop_last).lower()
+        for a in plan.adapters:
+            n, gbs = len(a.sample_tokens), a.global_batch_size
+            want = n // gbs if runtime.drop_last else -(-n // gbs)
+            if a.num_global_batches != want:
+                message = (
+                    f"num_global_batches = {a.num_global_batches}: {n} samples in global batches of {gbs} make "
+                    f"{want} with the runtime's drop_last = {flag}; plan again with drop_last = {flag}"
+                )
+                out.append(Violation(kind="settings", adapter=a.name, message=message))
+
+
+def _check_jobs(plan: Plan, jobs: Sequence[AdapterJob], out: list[Violation]) -> None:
+    """The plan's adapters against the runtime's jobs: names, global batch sizes, sample lengths."""
+    planned = {a.name: a for a in plan.adapters}
+    given = {job.name: job for job in jobs}
+    if set(planned) != set(given):
+        out.append(
+            Violation(
+                kind="jobs",
+                message=f"the plan is for adapters {sorted(planned)}, the runtime's jobs are {sorted(given)}: plan "
+                "the runtime's jobs",
+            )
+        )
+    for name in sorted(set(planned) & set(given)):
+        info, job = planned[name], given[name]
+        problem = _job_mismatch(info, job, plan.capacity)
+        if problem is not None:
+            out.append(
+                Violation(kind="jobs", adapter=name, message=f"adapter {name!r}: {problem}: plan the runtime's jobs")
+            )
+
+
+def _job_mismatch(info: AdapterInfo, job: AdapterJob, capacity: int) -> str | None:
+    """How the plan's adapter differs from the runtime's job of its name, if it does."""
+    if info.global_batch_size != job.global_batch_size:
+        return f"global_batch_size = {info.global_batch_size}, the job's is {job.global_batch_size}"
+    if len(info.sample_tokens) != len(job.sample_tokens):
+        return f"{len(info.sample_tokens)} samples, the job has {len(job.sample_tokens)}"
+    for i, (planned, actual) in enumerate(zip(info.sample_tokens, job.sample_tokens, strict=True)):
+        if planned != min(actual, capacity):
+            return f"sample_tokens[{i}] = {planned}, the job's sample is {actual} tokens long"
+    cut = sum(1 for actual in job.sample_tokens if actual > capacity)
+    if info.truncated_samples != cut:
+        return (
+            f"truncated_samples = {info.truncated_samples}, but {cut} of the job's samples exceed capacity {capacity}"
+        )
+    return None
 
 
 def _check_shape(plan: Plan, out: list[Violation]) -> None:
@@ -277,7 +339,9 @@ def _check_lemma_and_steps(plan: Plan, spans: dict[str, dict[int, tuple[int, int
             )
 
 
-def verify(plan: Plan, *, runtime: RuntimeSettings | None = None) -> list[Violation]:
+def verify(
+    plan: Plan, *, runtime: RuntimeSettings | None = None, jobs: Iterable[AdapterJob] | None = None
+) -> list[Violation]:
     """Every violated invariant of ``plan`` (empty when the plan is valid).
 
     Args:
@@ -285,20 +349,30 @@ def verify(plan: Plan, *, runtime: RuntimeSettings | None = None) -> list[Violat
         runtime: The settings of the runtime that will execute the plan; each one given that the
             plan was not made for is a violation of kind ``settings`` (see :class:`RuntimeSettings`).
             ``None``: the plan is checked against its own header only.
+        jobs: The jobs the runtime will train (as given to :func:`lorafusion_sched.plan`); a plan
+            for other adapters, global batch sizes or sample lengths is a violation of kind
+            ``jobs``. ``None``: the plan's adapters are checked against themselves only.
 
     Returns:
-        Violations ordered by kind of check, then by microbatch.
+        Violations grouped by check (settings, jobs, shape, samples and microbatches, bubble lemma
+        and steps, statistics); within a group, in the order found.
 
     Raises:
         TypeError: ``plan`` is not a :class:`Plan` (e.g. a dict from ``json.load``:
-            ``Plan.model_validate_json`` reads a file's text) or ``runtime`` not a :class:`RuntimeSettings`.
+            ``Plan.model_validate_json`` reads a file's text), ``runtime`` not a :class:`RuntimeSettings`,
+            or ``jobs`` not :class:`AdapterJob` models.
     """
     require_model(plan, Plan, "plan")
     if runtime is not None:
         require_model(runtime, RuntimeSettings, "runtime")
+    given = None if jobs is None else list(jobs)
+    for i, job in enumerate(given or []):
+        require_model(job, AdapterJob, f"jobs[{i}]")
     out: list[Violation] = []
     if runtime is not None:
         _check_settings(plan, runtime, out)
+    if given is not None:
+        _check_jobs(plan, given, out)
     _check_shape(plan, out)
     spans = _check_segments(plan, out)
     _check_lemma_and_steps(plan, spans, out)
