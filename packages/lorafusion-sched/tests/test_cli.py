@@ -62,6 +62,8 @@ def test_plan_verify_simulate_round_trip(tmp_path: Path, capsys: pytest.CaptureF
         (["demo", "--stage-factors", "1,x"], "--stage-factors = '1,x'"),
         (["demo", "--forward-points", "1024=0.1"], "give comma-separated TOKENS:SECONDS pairs"),
         (["demo", "--forward-points", "4096:0.2,1024:0.1"], "1024 tokens follows 4096: list the points by rising"),
+        (["demo", "--forward-points", "1024:0.1", "--forward-fixed", "3"], "give them, or --forward-fixed and"),
+        (["demo", "--samples", "64", "--no-milp", "--forward-fixed", "1e308"], "seconds per microbatch are out of"),
         (["demo", "--png", "timeline.txt"], "name the file *.png"),
         (["demo", "-o", "no-such-folder/plan.json"], "the folder 'no-such-folder' does not exist"),
         (["simulate", "nope.json", "--png", "no-such-folder/t.png"], "the folder 'no-such-folder' does not exist"),

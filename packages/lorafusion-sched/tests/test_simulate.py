@@ -171,3 +171,35 @@ def test_an_unknown_run_lists_the_runs() -> None:
     assert str(info.value) == "run 'nope' is not in this result; choose one of ['lorafusion', 'megatron', 'mlora']"
     with pytest.raises(SchedError, match=r"choose one of \['lorafusion'\]; simulate\(\.\.\., baselines=True\) adds"):
         simulate(p, baselines=False).run("megatron")
+
+
+def test_baseline_samples_per_microbatch_take_whole_numbers_as_the_models_do() -> None:
+    """``numpy.int64(2)`` and ``2.0`` were refused as "not a whole number"; every model takes them."""
+    import numpy as np
+
+    jobs = synthetic_jobs("xsum", 32, num_adapters=1, global_batch_size=8)
+    p = plan(jobs, PlanOptions(capacity=4096, pipeline_stages=2, use_milp=False))
+    expected = simulate(p, microbatch_samples={"xsum-0": 2})
+    for count in (np.int64(2), 2.0):
+        assert simulate(p, microbatch_samples={"xsum-0": count}) == expected
+    with pytest.raises(SchedError, match=r"microbatch_samples\['xsum-0'\] = 2.5: give a whole number, not a fraction"):
+        simulate(p, microbatch_samples={"xsum-0": 2.5})
+
+
+@pytest.mark.parametrize("fixed", [1e308, 1e-320])
+def test_seconds_past_a_float_are_an_error_not_inf(fixed: float) -> None:
+    """``forward_fixed_s = 1e308`` gave makespan inf (a traceback in the CLI's table); 1e-320 gave inf tokens/s."""
+    jobs = synthetic_jobs("xsum", 32, num_adapters=1, global_batch_size=8)
+    p = plan(jobs, PlanOptions(capacity=4096, pipeline_stages=2, use_milp=False))
+    with pytest.raises(SchedError, match="the cost model's seconds per microbatch are out of range"):
+        simulate(p, CostModel(forward_fixed_s=fixed, forward_per_token_s=0.0), baselines=False)
+
+
+def test_the_simulator_remembers_pipelines_by_digest_not_by_copy() -> None:
+    """It kept whole token tuples: 178 MB after planning a 100,000-sample job, freed only by clearing the cache."""
+    import importlib
+
+    simulate_module = importlib.import_module("lorafusion_sched.simulate")
+    run_sequences([[[_Item(t, "a") for t in range(1, 2000)]]], 4, UNIT)
+    assert simulate_module._ends
+    assert all(isinstance(key[0], bytes) and len(key[0]) == 16 for key in simulate_module._ends)

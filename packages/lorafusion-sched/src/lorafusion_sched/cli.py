@@ -195,9 +195,13 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
                 f"--forward-points = {args.forward_points!r}: give comma-separated TOKENS:SECONDS pairs, "
                 "e.g. 1024:0.17,4096:0.27"
             ) from None
+    line = {"forward_fixed_s": args.forward_fixed, "forward_per_token_s": args.forward_per_token}
+    if points is not None and any(value is not None for value in line.values()):
+        raise SchedError(
+            "--forward-points replace the line: give them, or --forward-fixed and --forward-per-token, not both"
+        )
     return CostModel(
-        forward_fixed_s=args.forward_fixed,
-        forward_per_token_s=args.forward_per_token,
+        **{name: value for name, value in line.items() if value is not None},
         backward_factor=args.backward_factor,
         stage_factors=factors,
         forward_points=points,
@@ -345,8 +349,8 @@ def _add_cost_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "cost model (seconds per stage; forward = fixed + per_token x padded tokens, or measured points)"
     )
-    group.add_argument("--forward-fixed", type=float, default=defaults.forward_fixed_s, metavar="S")
-    group.add_argument("--forward-per-token", type=float, default=defaults.forward_per_token_s, metavar="S")
+    group.add_argument("--forward-fixed", type=float, metavar="S", help=f"default {defaults.forward_fixed_s}")
+    group.add_argument("--forward-per-token", type=float, metavar="S", help=f"default {defaults.forward_per_token_s}")
     group.add_argument("--backward-factor", type=float, default=defaults.backward_factor, metavar="X")
     group.add_argument("--stage-factors", default=None, metavar="F,F,...", help="one multiplier per stage")
     group.add_argument(

@@ -49,6 +49,7 @@ __all__ = [
     "SimulationResult",
     "Violation",
     "require_model",
+    "whole_number",
 ]
 
 SCHEMA_VERSION = 1
@@ -60,7 +61,7 @@ HIGHS_INT_MAX = 2**31 - 1
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
-def _whole_number(value: object, place: str) -> int:
+def whole_number(value: object, place: str) -> int:
     """``value`` as an ``int``, or a ``ValueError`` that names ``place`` and the value.
 
     Takes what the JSON schema's ``integer`` takes: integers, and floats with no fractional part
@@ -90,7 +91,7 @@ def _whole_number(value: object, place: str) -> int:
 
 def _check_whole_number(value: object, info: ValidationInfo) -> object:
     """A ``before`` validator for a whole-number field; ``None`` passes on to the field's own type."""
-    return value if value is None else _whole_number(value, str(info.field_name))
+    return value if value is None else whole_number(value, str(info.field_name))
 
 
 def _check_whole_numbers(value: object, info: ValidationInfo) -> object:
@@ -100,7 +101,7 @@ def _check_whole_numbers(value: object, info: ValidationInfo) -> object:
     """
     if isinstance(value, str | bytes | dict) or not isinstance(value, Iterable):
         return value
-    return [_whole_number(item, f"{info.field_name}[{i}]") for i, item in enumerate(value)]
+    return [whole_number(item, f"{info.field_name}[{i}]") for i, item in enumerate(value)]
 
 
 def require_model(value: object, model: type[BaseModel], name: str) -> None:
@@ -463,7 +464,7 @@ def _check_schema_version(value: object) -> object:
     The message starts as pydantic's own for a literal (``Input should be 1``), which callers may
     match, and goes on to say which version this package reads and what to do.
     """
-    version = _whole_number(value, "schema_version")
+    version = whole_number(value, "schema_version")
     if version == SCHEMA_VERSION:
         return version
     remedy = (

@@ -26,14 +26,15 @@ A plan is verified before it is simulated, and refused if it has violations.
 
 from __future__ import annotations
 
-import functools
+import collections
+import hashlib
 import math
 import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from lorafusion_sched.errors import InvalidPlanError, SchedError
-from lorafusion_sched.models import CostModel, Plan, RunStats, SimulationResult, require_model
+from lorafusion_sched.models import CostModel, Plan, RunStats, SimulationResult, require_model, whole_number
 from lorafusion_sched.packing.problem import round_up
 from lorafusion_sched.sequence import Slot, insert_noops
 from lorafusion_sched.verify import verify
@@ -119,13 +120,27 @@ def _simulate_ops(tokens: Sequence[int], stages: int, cost: CostModel, start: fl
     return _Ops(forward, backward, f_input, b_input, f_end, b_end, max(clock))
 
 
-@functools.lru_cache(maxsize=64)
-def _pipeline_end(tokens: tuple[int, ...], stages: int, cost: CostModel, start: float) -> float:
-    """End of one 1F1B pipeline (:func:`_simulate_ops`), remembered.
+_REMEMBERED = 64
+"""Pipelines whose end :func:`_pipeline_end` remembers (each by a 16-byte digest of its microbatches, not a copy)."""
 
-    ``simulate`` of a plan planned with a cost model then runs no simulation the planner ran.
+_ends: collections.OrderedDict[tuple[bytes, int, CostModel, float], float] = collections.OrderedDict()
+
+
+def _pipeline_end(tokens: Sequence[int], stages: int, cost: CostModel, start: float) -> float:
+    """End of one 1F1B pipeline (:func:`_simulate_ops`), remembered for the last :data:`_REMEMBERED` pipelines.
+
+    ``simulate`` of a plan planned with a cost model then runs no simulation the planner ran. The
+    key holds a digest of the sizes, so that a planner's long sequences are not kept alive.
     """
-    return _simulate_ops(tokens, stages, cost, start).end
+    key = (hashlib.blake2b(repr(tuple(tokens)).encode(), digest_size=16).digest(), stages, cost, start)
+    end = _ends.get(key)
+    if end is None:
+        end = _ends[key] = _simulate_ops(tokens, stages, cost, start).end
+        if len(_ends) > _REMEMBERED:
+            _ends.popitem(last=False)
+    else:
+        _ends.move_to_end(key)
+    return end
 
 
 def _one_f_one_b(
@@ -135,7 +150,7 @@ def _one_f_one_b(
     if not items:
         return start
     if events is None:
-        return _pipeline_end(tuple(it.tokens for it in items), stages, cost, start)
+        return _pipeline_end([it.tokens for it in items], stages, cost, start)
     ops = _simulate_ops([it.tokens for it in items], stages, cost, start)
     for s in range(stages):
         clock = start
@@ -256,6 +271,11 @@ def _mlora_pipelines(plan: Plan, per_mb: dict[str, int]) -> list[list[list[_Item
 
 def _stats(name: str, pipelines: list[list[list[_Item]]], plan: Plan, cost: CostModel, tokens: int) -> RunStats:
     makespan, busy = run_sequences(pipelines, plan.pipeline_stages, cost)
+    if not math.isfinite(makespan) or (makespan > 0 and not math.isfinite(tokens / makespan)):
+        raise SchedError(
+            f"the {name} run's makespan, {makespan} s, is past what a float holds (or its tokens/s is): the cost "
+            "model's seconds per microbatch are out of range; give them in seconds, e.g. forward_fixed_s = 0.002"
+        )
     # A stage is never busy longer than the makespan; max() only removes rounding below zero,
     # which printed as "-0.0%" for a single-stage pipeline.
     per_stage = tuple(max(0.0, 1.0 - b / makespan) if makespan > 0 else 0.0 for b in busy)
@@ -327,30 +347,40 @@ def simulate(
 
     Raises:
         SchedError: If the plan has violations (the message counts them and quotes the first few),
-            the cost model's stage factors do not match the pipeline, or ``microbatch_samples``
-            names an adapter the plan lacks or a count below 1.
+            the cost model's stage factors do not match the pipeline, ``microbatch_samples``
+            names an adapter the plan lacks or a count below 1, or a run's simulated seconds are past
+            what a float holds (a cost model far out of range).
         TypeError: ``plan`` is not a :class:`Plan` or ``cost_model`` not a :class:`CostModel`.
     """
     cost = CostModel() if cost_model is None else cost_model
     _check_cost(plan, cost)
-    _check_microbatch_samples(plan, microbatch_samples or {})
+    chosen = _checked_microbatch_samples(plan, microbatch_samples or {})
     tokens = sum(mb.tokens for mb in plan.microbatches)
     runs = [_stats("lorafusion", _plan_pipelines(plan), plan, cost, tokens)]
     if baselines:
-        per_mb = baseline_microbatch_samples(plan) | (microbatch_samples or {})
+        per_mb = baseline_microbatch_samples(plan) | chosen
         runs.append(_stats("megatron", _megatron_pipelines(plan, per_mb), plan, cost, tokens))
         runs.append(_stats("mlora", _mlora_pipelines(plan, per_mb), plan, cost, tokens))
     return SimulationResult(pipeline_stages=plan.pipeline_stages, cost_model=cost, runs=tuple(runs))
 
 
-def _check_microbatch_samples(plan: Plan, per_mb: dict[str, int]) -> None:
-    """Raise unless every entry names an adapter of ``plan`` and a whole number of samples of at least 1."""
+def _checked_microbatch_samples(plan: Plan, per_mb: dict[str, int]) -> dict[str, int]:
+    """``per_mb`` as ints, once every entry names an adapter of ``plan`` and a whole number of at least 1.
+
+    Whole numbers as the models take them: ``numpy`` integers and ``2.0`` too.
+    """
     names = [a.name for a in plan.adapters]
+    out = {}
     for name, count in per_mb.items():
         if name not in names:
             raise SchedError(f"microbatch_samples names {name!r}, which is not an adapter of the plan ({names})")
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        try:
+            out[name] = whole_number(count, f"microbatch_samples[{name!r}]")
+        except ValueError as exc:
+            raise SchedError(str(exc)) from None
+        if out[name] < 1:
             raise SchedError(f"microbatch_samples[{name!r}] = {count!r}: give a whole number of samples, at least 1")
+    return out
 
 
 def timeline(plan: Plan, run: str = "lorafusion", cost_model: CostModel | None = None) -> list[Event]:
