@@ -327,3 +327,20 @@ def test_an_adapter_without_lengths_or_with_a_missing_lengths_file_is_named(tmp_
     (tmp_path / "data" / "nope.jsonl").write_text("5\n0\n")
     with pytest.raises(SchedError, match=r"adapters\[1\] \('b'\): .*nope.jsonl:2: 0 is not a positive whole"):
         load_jobs(tmp_path / "data" / "jobs.yaml")
+
+
+def test_a_plan_with_a_key_this_version_does_not_know_says_it_may_be_newer(tmp_path: Path) -> None:
+    """``stats.new_stat = 3: Extra inputs are not permitted`` did not say why: a newer version wrote the plan."""
+    from lorafusion_sched import __version__
+
+    save_plan(
+        plan([AdapterJob(name="a", sample_tokens=[5], global_batch_size=1)], PlanOptions(capacity=64)),
+        tmp_path / "p.json",
+    )
+    doc = json.loads((tmp_path / "p.json").read_text())
+    doc["stats"]["new_stat"] = 3
+    (tmp_path / "p.json").write_text(json.dumps(doc))
+    with pytest.raises(
+        SchedError, match=rf"stats.new_stat.*; a key this version \({__version__}\) does not know may come"
+    ):
+        load_plan(tmp_path / "p.json")

@@ -31,6 +31,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from lorafusion_sched.__about__ import __version__
 from lorafusion_sched.errors import SchedError
 from lorafusion_sched.jobs_syntax import parse_jobs_text
 from lorafusion_sched.models import AdapterJob, Plan, PlanOptions
@@ -386,4 +387,10 @@ def load_plan(path: str | Path) -> Plan:
     try:
         return Plan.model_validate_json(_read_text(path))
     except ValidationError as err:
-        raise SchedError(describe_validation_error(err, f"{path}: ")) from None
+        message = describe_validation_error(err, f"{path}: ")
+        if any(e["type"] == "extra_forbidden" for e in err.errors()):
+            message += (
+                f"; a key this version ({__version__}) does not know may come from a newer lorafusion-sched: "
+                "read the plan with that version, or plan again with this one"
+            )
+        raise SchedError(message) from None
