@@ -251,3 +251,18 @@ def test_the_runtimes_drop_last_sets_the_global_batch_counts() -> None:
         "num_global_batches = 3: 7 samples in global batches of 3 make 2 with the runtime's drop_last = true; plan "
         "again with drop_last = true"
     )
+
+
+def test_segments_and_samples_out_of_the_formats_order_are_schema_violations(good: Plan) -> None:
+    """The schema says a row lists its segments in the jobs' order, each segment's samples rising: unchecked before."""
+    two = next(i for i, mb in enumerate(good.microbatches) if len(mb.segments) == 2)
+    first, second = good.microbatches[two].segments
+    [violation] = verify(replace_mb(good, two, segments=(second, first)))
+    assert (violation.kind, violation.microbatch) == ("schema", two)
+    assert violation.message == "segments ['b', 'a'] are not in the order of the plan's adapters"
+    many = next(i for i, mb in enumerate(good.microbatches) if len(mb.segments[0].samples) > 1)
+    segment = good.microbatches[many].segments[0]
+    backwards = segment.model_copy(update={"samples": tuple(reversed(segment.samples))})
+    [violation] = verify(replace_mb(good, many, segments=(backwards, *good.microbatches[many].segments[1:])))
+    assert (violation.kind, violation.adapter) == ("schema", segment.adapter)
+    assert violation.message.endswith("are not in rising order")

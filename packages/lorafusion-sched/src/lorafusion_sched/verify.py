@@ -15,7 +15,8 @@ The runtime calls :func:`verify` before training and refuses a plan with violati
 
 * every scheduled sample appears exactly once, in a segment of its own global batch
   (``sample // global_batch_size``), and the segment's tokens and padded tokens are right;
-* a microbatch holds at most ``capacity`` padded tokens and at most one segment per adapter;
+* a microbatch holds at most ``capacity`` padded tokens and at most one segment per adapter, its
+  segments in the order of the plan's adapters and each segment's samples rising (the format's order);
 * an adapter's global batches appear in order;
 * the bubble lemma: with ``d`` replicas and microbatch ``i`` at round ``i // d``, the first round
   of global batch ``g + 1`` is at least ``S`` rounds after the last round of ``g``;
@@ -206,6 +207,33 @@ def _check_stats(plan: Plan, out: list[Violation]) -> None:
             out.append(Violation(kind="stats", message=f"stats.{name} = {stated}, but the plan gives {want}"))
 
 
+def _check_order(index: int, mb: Microbatch, order: dict[str, int], out: list[Violation]) -> None:
+    """The plan format's order: a microbatch's segments in the order of the plan's adapters, a segment's samples rising.
+
+    A runtime may lay the row out as listed and rely on it; ``plan`` writes them so.
+    """
+    known = [order[s.adapter] for s in mb.segments if s.adapter in order]
+    if known != sorted(known):
+        listed = [s.adapter for s in mb.segments]
+        out.append(
+            Violation(
+                kind="schema",
+                microbatch=index,
+                message=f"segments {listed} are not in the order of the plan's adapters",
+            )
+        )
+    out.extend(
+        Violation(
+            kind="schema",
+            microbatch=index,
+            adapter=seg.adapter,
+            message=f"the samples of {seg.adapter!r}'s segment, {list(seg.samples)}, are not in rising order",
+        )
+        for seg in mb.segments
+        if list(seg.samples) != sorted(seg.samples)
+    )
+
+
 def _check_segments(plan: Plan, out: list[Violation]) -> dict[str, dict[int, tuple[int, int]]]:
     """Per-sample checks; returns adapter -> global batch -> (first round, last round)."""
     d = plan.data_parallel
@@ -213,6 +241,7 @@ def _check_segments(plan: Plan, out: list[Violation]) -> dict[str, dict[int, tup
     seen: dict[str, dict[int, int]] = {a.name: {} for a in plan.adapters}
     spans: dict[str, dict[int, tuple[int, int]]] = {a.name: {} for a in plan.adapters}
     latest: dict[str, int] = {}
+    order = {a.name: k for k, a in enumerate(plan.adapters)}
     for i, mb in enumerate(plan.microbatches):
         round_ = i // d
         if mb.padded_tokens > plan.capacity:
@@ -234,6 +263,7 @@ def _check_segments(plan: Plan, out: list[Violation]) -> dict[str, dict[int, tup
                     message=f"adapter {name!r} has {adapters_here.count(name)} segments (global batches {batches})",
                 )
             )
+        _check_order(i, mb, order, out)
         for seg in mb.segments:
             a = info.get(seg.adapter)
             if a is None:
