@@ -424,33 +424,40 @@ class PlanStats(BaseModel):
 
     model_config = _FROZEN
 
-    num_microbatches: WholeNumber = Field(description="All microbatches, no-ops included.")
-    num_noops: WholeNumber = Field(description="No-op microbatches inserted for the bubble lemma or data parallel.")
-    lower_bound: WholeNumber = Field(description="ceil(sum over adapter global batches of padded tokens / capacity).")
+    num_microbatches: WholeNumber = Field(ge=0, description="All microbatches, no-ops included.")
+    num_noops: WholeNumber = Field(
+        ge=0, description="No-op microbatches inserted for the bubble lemma or data parallel."
+    )
+    lower_bound: WholeNumber = Field(
+        ge=0, description="ceil(sum over adapter global batches of padded tokens / capacity)."
+    )
     fill_ratio: StrictFloat = Field(
         ge=0, le=1, allow_inf_nan=False, description="Padded tokens / (non-no-op microbatches x capacity)."
     )
     token_ratio: StrictFloat = Field(
         ge=0, le=1, allow_inf_nan=False, description="Real tokens / (non-no-op microbatches x capacity)."
     )
-    num_groups: WholeNumber = Field(description="Adapter groups used (summed over phases when adapters run out).")
+    num_groups: WholeNumber = Field(ge=0, description="Adapter groups used (summed over phases when adapters run out).")
     groups: tuple[tuple[str, ...], ...] = Field(description="Groups of the first phase, in execution order.")
-    num_tasks: WholeNumber = Field(description="Packing problems: (group, global batch) pairs.")
-    greedy_at_bound: WholeNumber = Field(description="Tasks where greedy met both lower bounds, so no MILP ran.")
-    milp_runs: WholeNumber = Field(description="Tasks where the MILP ran.")
+    num_tasks: WholeNumber = Field(ge=0, description="Packing problems: (group, global batch) pairs.")
+    greedy_at_bound: WholeNumber = Field(ge=0, description="Tasks where greedy met both lower bounds, so no MILP ran.")
+    milp_runs: WholeNumber = Field(ge=0, description="Tasks where the MILP ran.")
     milp_wins: WholeNumber = Field(
-        description="Tasks whose MILP packing beat greedy (fewer or a smaller last microbatch) and is in the plan."
+        ge=0,
+        description="Tasks whose MILP packing beat greedy (fewer or a smaller last microbatch) and is in the plan.",
     )
-    milp_timeouts: WholeNumber = Field(description="MILP solves stopped by the time or node limit.")
+    milp_timeouts: WholeNumber = Field(ge=0, description="MILP solves stopped by the time or node limit.")
     merged_samples: WholeNumber = Field(
-        description="Samples moved into an earlier microbatch by the merge pass (0 if the unmerged sequence is kept)."
+        ge=0,
+        description="Samples moved into an earlier microbatch by the merge pass (0 if the unmerged sequence is kept).",
     )
-    dropped_samples: WholeNumber = Field(description="Samples left out by drop_last.")
+    dropped_samples: WholeNumber = Field(ge=0, description="Samples left out by drop_last.")
     split_batches: WholeNumber = Field(
+        ge=0,
         default=0,
         description="Global batches run alone that were split into more, smaller microbatches (needs cost_model).",
     )
-    workers: WholeNumber = Field(description="Processes that solved MILPs (1: in this process).")
+    workers: WholeNumber = Field(ge=0, description="Processes that solved MILPs (1: in this process).")
     solve_seconds: StrictFloat = Field(
         ge=0,
         allow_inf_nan=False,
