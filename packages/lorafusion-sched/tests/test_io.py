@@ -135,11 +135,11 @@ def test_load_jobs_yaml_with_a_lengths_file(tmp_path: Path) -> None:
                 "adapters": [{"name": "a", "sample_tokens": [5], "global_batch_size": 1}],
                 "options": {"capacity": "4096"},
             },
-            r"options.capacity: capacity = '4096': give a whole number \(4096\), not a string",
+            r"options.capacity = '4096': give a whole number \(4096\), not a string",
         ),
         (
             {"adapters": [{"name": "a", "sample_tokens": [5, 6.5], "global_batch_size": 1}]},
-            r"adapters\[0\].sample_tokens: sample_tokens\[1\] = 6.5: give a whole number, not a fraction",
+            r"adapters\[0\].sample_tokens\[1\] = 6.5: give a whole number, not a fraction",
         ),
         (
             {
@@ -344,3 +344,19 @@ def test_a_plan_with_a_key_this_version_does_not_know_says_it_may_be_newer(tmp_p
         SchedError, match=rf"stats.new_stat.*; a key this version \({__version__}\) does not know may come"
     ):
         load_plan(tmp_path / "p.json")
+
+
+def test_save_plan_refuses_a_dict_as_the_other_functions_do(tmp_path: Path) -> None:
+    """It raised ``AttributeError: 'dict' object has no attribute 'model_dump_json'``."""
+    with pytest.raises(TypeError, match=r"plan has type dict, not Plan: .*Plan.model_validate"):
+        save_plan({}, tmp_path / "p.json")  # type: ignore[arg-type]
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_one_number_where_a_list_belongs_says_to_write_a_list(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.yaml"
+    path.write_text("adapters:\n  - {name: a, sample_tokens: 3, global_batch_size: 1}\noptions: {capacity: 64}\n")
+    with pytest.raises(
+        SchedError, match=r"adapters\[0\].sample_tokens = 3: Input should be a valid tuple; give a list, e.g. \[3\]"
+    ):
+        load_jobs(path)

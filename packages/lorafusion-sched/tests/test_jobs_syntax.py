@@ -127,5 +127,5 @@ def test_integers_are_yaml_12s(tmp_path: Path, text: str, value: int) -> None:
 def test_a_base_60_number_is_text_and_refused(tmp_path: Path) -> None:
     """YAML 1.1 read ``1:30`` as 90."""
     path = write(tmp_path, "jobs.yaml", f"adapters: [{ADAPTER}]\noptions: {{capacity: 1:30}}\n")
-    with pytest.raises(SchedError, match=r"options.capacity: capacity = '1:30': give a whole number, not a string"):
+    with pytest.raises(SchedError, match=r"options.capacity = '1:30': give a whole number, not a string"):
         load_jobs(path)

@@ -34,7 +34,7 @@ from pydantic import ValidationError
 from lorafusion_sched.__about__ import __version__
 from lorafusion_sched.errors import SchedError
 from lorafusion_sched.jobs_syntax import parse_jobs_text
-from lorafusion_sched.models import AdapterJob, Plan, PlanOptions
+from lorafusion_sched.models import AdapterJob, Plan, PlanOptions, require_model
 
 __all__ = [
     "LENGTH_FIELDS",
@@ -204,6 +204,11 @@ def describe_validation_error(err: ValidationError, where: str = "") -> str:
         message = str(e["msg"])
         ours = message.removeprefix("Value error, ")
         if ours != message:
+            last = str(e["loc"][-1]) if e["loc"] else ""
+            if last and ours.startswith((f"{last} = ", f"{last}[")):  # it names its field: name only the parents
+                parents = ".".join(str(x) for x in e["loc"][:-1])
+                parts.append(f"{where}{parents}.{ours}" if parents else f"{where}{ours}")
+                continue
             place = f"{where}{loc}" if loc else where.rstrip(": .")
             parts.append(f"{place}: {ours}" if place else ours)
             continue
@@ -234,6 +239,8 @@ def _hint(kind: str, value: object) -> str:
         return f"; write true or false{yaml_11}"
     if kind == "string_type" and (value is None or isinstance(value, bool | int | float)):
         return f'; in a jobs file, put it in quotes ("{json.dumps(value)}")'
+    if kind == "tuple_type" and isinstance(value, int | float):
+        return f"; give a list, e.g. [{value}]"
     return ""
 
 
@@ -372,7 +379,12 @@ def _fsync_folder(folder: Path) -> None:
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:
-    """Write ``plan`` as indented JSON, atomically (:func:`write_atomically`)."""
+    """Write ``plan`` as indented JSON, atomically (:func:`write_atomically`).
+
+    Raises:
+        TypeError: ``plan`` is not a :class:`Plan` (a dict, say: ``Plan.model_validate`` builds one).
+    """
+    require_model(plan, Plan, "plan")
     write_atomically(path, lambda temporary: temporary.write_text(plan.model_dump_json(indent=1) + "\n", "utf-8"))
 
 
