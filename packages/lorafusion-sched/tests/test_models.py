@@ -269,6 +269,8 @@ def test_plan_stats_refuse_ratios_that_no_plan_has(value: float) -> None:
         ("a\nb", r"name = 'a\\nb': remove the control character '\\n' \(U\+000A\); a name is shown on one line"),
         ("x\x00", r"remove the control character '\\x00' \(U\+0000\)"),
         ("a\u2028b", r"remove the control character '\\u2028' \(U\+2028\)"),
+        ("\u200b", r"name = '\\u200b': give a name with a visible character"),
+        ("e\u0301", r"name = 'e\\u0301': write it in Unicode's composed form \(NFC\), '\\xe9'; it prints as"),
     ],
 )
 def test_adapter_names_print_as_themselves_on_one_line(name: str, needle: str) -> None:

@@ -137,7 +137,9 @@ def _check_adapter_name(value: str) -> str:
     """An ``after`` validator: a name that prints as itself on one line of a table or message.
 
     Refused: a name of only whitespace, whitespace around it (``"a "`` would pass for ``"a"`` in a
-    table), and control characters or line separators (a newline breaks the CLI's tables).
+    table), control characters or line separators (a newline breaks the CLI's tables), a name of
+    zero-width characters only, and one not in Unicode's composed form (``"e\u0301"`` prints as
+    ``"é"``, another name).
     """
     if not value.strip():
         raise ValueError(f"name = {value!r}: give a name with at least one character that is not whitespace")
@@ -148,6 +150,14 @@ def _check_adapter_name(value: str) -> str:
         raise ValueError(
             f"name = {value!r}: remove the control character {bad!r} (U+{ord(bad):04X}); a name is shown on one "
             f"line in tables and messages"
+        )
+    if all(unicodedata.category(c) == "Cf" for c in value):  # zero-width characters only: prints as nothing
+        raise ValueError(f"name = {value!r}: give a name with a visible character")
+    if unicodedata.normalize("NFC", value) != value:  # "e" + U+0301 prints as "é" (U+00E9), another name
+        composed = unicodedata.normalize("NFC", value)
+        raise ValueError(
+            f"name = {value!a}: write it in Unicode's composed form (NFC), {composed!a}; it prints as "
+            f"{composed!r}, which is another name"
         )
     return value
 
