@@ -4,6 +4,7 @@ run writes. Each is tidied at the next start or refused with a clear message, ne
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -232,3 +233,25 @@ def test_run_state_names_what_no_run_writes(entry: dict[str, Any], problem: str)
     data = {**RunState(position=0, jobs={"a": JobProgress(**_job())}).to_json(), **entry}
     with pytest.raises(InvalidStateError, match=problem):
         RunState.from_json(data)
+
+
+@pytest.mark.parametrize(
+    ("summary", "pipeline", "needle"),
+    [
+        ("pipeline_summary.json", False, "holds a pipeline run (pipeline_summary.json): resume it with the parallel"),
+        ("summary.json", True, "holds a single-process run (summary.json): resume it without pipeline parallelism"),
+        ("summary.json", False, "train without --resume to start afresh"),
+        (None, True, "train without --resume to start afresh"),
+    ],
+)
+def test_a_resume_without_a_checkpoint_names_the_runtime_that_ran_there(
+    tmp_path: Path, summary: str | None, pipeline: bool, needle: str
+) -> None:
+    """A finished pipeline run resumed without --pipeline-stages was told to train afresh (then --overwrite)."""
+    from lorafusion_megatron.checkpoint import checkpoint_to_resume
+
+    (tmp_path / "checkpoints").mkdir()
+    if summary is not None:
+        (tmp_path / summary).write_text("{}")
+    with pytest.raises(TrainerError, match=rf"--resume: no checkpoint in .*; .*{re.escape(needle)}"):
+        checkpoint_to_resume(tmp_path / "checkpoints", resume=True, pipeline=pipeline)

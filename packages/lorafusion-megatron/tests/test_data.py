@@ -235,3 +235,12 @@ def test_record_count_reads_no_more_than_it_needs(tmp_path: Path) -> None:
     (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
     with pytest.raises(TrainerError, match="not a readable Parquet file"):
         record_count(tmp_path / "broken.parquet")
+
+
+@pytest.mark.parametrize("name", ["a.jsonl", "a.json"])
+def test_a_file_that_starts_with_a_byte_order_mark_is_read(tmp_path: Path, name: str) -> None:
+    """Some editors save UTF-8 with a BOM: it was "Unexpected UTF-8 BOM" on the first record."""
+
+    text = '{"text": "a"}\n{"text": "b"}\n' if name.endswith("l") else '[{"text": "a"}, {"text": "b"}]'
+    (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert read_records(tmp_path / name) == [{"text": "a"}, {"text": "b"}]

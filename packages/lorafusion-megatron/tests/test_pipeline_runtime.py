@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from lorafusion_megatron.config import TrainerConfig, parse_config
+from lorafusion_megatron.config import TrainerConfig, load_config, parse_config
 from lorafusion_megatron.pipeline.options import ParallelConfig
 from lorafusion_megatron.testing import assert_same_adapters, saved_adapters, two_job_config, write_profile
 from lorafusion_megatron.trainer import Trainer
@@ -113,6 +113,8 @@ def test_demo_on_two_pipeline_stages_ends_with_the_single_process_adapters(tmp_p
     summary = json.loads((tmp_path / "pipeline" / "pipeline_summary.json").read_text())
     assert summary["pipeline_stages"] == 2
     assert len(summary["bubble_ratio_per_stage"]) == 2
+    # `train DIR/demo.yaml --resume` resumes it as it ran: without the flag it was told to train afresh.
+    assert load_config(tmp_path / "pipeline" / "demo.yaml").parallel.pipeline_stages == 2
     # The durations alone imply at most the measured bubble (the rest is the runtime's own), up to
     # the skew of the stages' clocks, which start at a barrier.
     assert all(shares["norm_wait"] >= 0 for shares in summary["idle_shares_per_stage"])

@@ -383,6 +383,28 @@ def test_tensorboard_scalars_per_job(make_config, tmp_path: Path) -> None:
         assert list((tmp_path / "tb" / name).glob("events.out.tfevents.*"))
 
 
+def test_tensorboard_gets_each_jobs_last_step_whatever_the_interval(tmp_path: Path) -> None:
+    """With logging_steps 3, a job of 4 steps got step 3 only; with 1000, none (the docs say: and its last step)."""
+    pytest.importorskip("tensorboard")
+    from lorafusion_megatron.optim import StepStats
+    from lorafusion_megatron.reporting import TensorBoardLogger
+    from lorafusion_megatron.state import JobProgress
+
+    logger = TensorBoardLogger(str(tmp_path / "tb"), interval=3)
+    written: list[int] = []
+
+    class Recorder:
+        def add_scalar(self, tag: str, value: float, step: int) -> None:
+            if tag == "train/loss":
+                written.append(step)
+
+    logger._writer = lambda job: Recorder()  # type: ignore[method-assign]
+    job = JobProgress(name="first", total_steps=4, last_loss=1.0)
+    for step in range(1, 5):
+        logger.log_step(job, StepStats(step=step, learning_rate=1e-3, grad_norm=1.0), seconds=1.0)
+    assert written == [3, 4]
+
+
 def test_the_host_reads_results_back_only_once_more_work_is_queued(make_config, monkeypatch, caplog) -> None:
     """Neither a microbatch's losses nor a step's gradient norm is read before the next microbatch is
     queued (on a GPU each read waits for the device), steps included; the last ones at the end."""

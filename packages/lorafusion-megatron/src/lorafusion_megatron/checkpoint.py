@@ -39,7 +39,7 @@ from lorafusion_megatron.atomic_dirs import replace_dir, restore_interrupted_rep
 from lorafusion_megatron.base_fingerprint import PRESET_WEIGHTS, base_weights_fingerprint
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.planning import plan_from_json
-from lorafusion_megatron.run_layout import PROFILE_REPORT
+from lorafusion_megatron.run_layout import PIPELINE_SUMMARY, PROFILE_REPORT, SUMMARY
 from lorafusion_megatron.state import InvalidStateError, RunState
 from lorafusion_megatron.write_errors import CannotWriteError, clear_write_errors
 
@@ -148,8 +148,11 @@ def latest_checkpoint(directory: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def checkpoint_to_resume(directory: Path, *, resume: bool) -> Path | None:
+def checkpoint_to_resume(directory: Path, *, resume: bool, pipeline: bool = False) -> Path | None:
     """The checkpoint a run continues from: the newest one with ``--resume``, ``None`` for a fresh run.
+
+    ``pipeline``: the run is the pipeline runtime's (where there is no checkpoint, a single-process
+    run's summary in the folder is named, and the reverse).
 
     Raises:
         TrainerError: ``--resume`` finds no checkpoint, or a fresh run finds some (it would mix
@@ -157,13 +160,29 @@ def checkpoint_to_resume(directory: Path, *, resume: bool) -> Path | None:
     """
     found = latest_checkpoint(directory)
     if resume and found is None:
-        raise TrainerError(f"--resume: no checkpoint in {directory}; train without --resume to start afresh")
+        raise TrainerError(f"--resume: no checkpoint in {directory}{_other_runtime_hint(directory.parent, pipeline)}")
     if not resume and found is not None:
         raise TrainerError(
             f"{directory} holds checkpoints of an earlier run: continue it with --resume, or choose another "
             "output_dir, or delete that folder to start afresh here (--overwrite never deletes checkpoints)"
         )
     return found
+
+
+def _other_runtime_hint(output_dir: Path, pipeline: bool) -> str:
+    """What to do about a ``--resume`` without a checkpoint: the other runtime's run, if its summary is there.
+
+    A run's summary tells which runtime finished it: ``summary.json`` the single process,
+    ``pipeline_summary.json`` the pipeline runtime; a finished run is resumed only by its own.
+    """
+    if not pipeline and (output_dir / PIPELINE_SUMMARY).is_file():
+        return (
+            f"; {output_dir} holds a pipeline run ({PIPELINE_SUMMARY}): resume it with the parallel flags it ran with "
+            "(--pipeline-stages, --data-parallel, --schedule: its parallel settings are in that file)"
+        )
+    if pipeline and (output_dir / SUMMARY).is_file():
+        return f"; {output_dir} holds a single-process run ({SUMMARY}): resume it without pipeline parallelism"
+    return "; train without --resume to start afresh"
 
 
 def recover_interrupted_writes(config: TrainerConfig) -> None:
@@ -496,7 +515,8 @@ def _profile_hint(checkpoint: Path) -> str:
         return ""
     return (
         f"; {profile} was written after this checkpoint, and with scheduler.capacity: auto it sets the "
-        "run's capacity: move it away (or give scheduler.capacity the value the checkpoint was written with)"
+        "run's capacity: give scheduler.capacity the value the checkpoint was written with (e.g. --set "
+        "scheduler.capacity=N, N as the change above shows)"
     )
 
 

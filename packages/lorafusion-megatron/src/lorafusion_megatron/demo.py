@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from lorafusion_megatron.config import TrainerConfig
+    from lorafusion_megatron.pipeline.options import ParallelConfig
 
 __all__ = ["DEMO_JOBS", "DemoTask", "build_demo", "demo_records"]
 
@@ -113,7 +114,9 @@ def _save_base(directory: Path, texts: list[str], seed: int) -> None:
     tokenizer.save_pretrained(directory)
 
 
-def build_demo(output: Path, *, samples_per_job: int = 128, epochs: int = 2, seed: int = 0) -> TrainerConfig:
+def build_demo(
+    output: Path, *, samples_per_job: int = 128, epochs: int = 2, seed: int = 0, parallel: ParallelConfig | None = None
+) -> TrainerConfig:
     """Write the demo's base model, datasets and config under ``output``; return the config.
 
     The files are built in a hidden folder beside ``output`` and renamed to ``output`` once all are
@@ -125,12 +128,16 @@ def build_demo(output: Path, *, samples_per_job: int = 128, epochs: int = 2, see
         samples_per_job: Records per job.
         epochs: Passes over each job's data.
         seed: Seed of the data, the base weights and the run.
+        parallel: The run's parallelism, written into ``demo.yaml`` (so that ``train DIR/demo.yaml``
+            and its ``--resume`` run it alike); ``None``: one process.
 
     Raises:
         TrainerError: ``output`` came to hold files while the demo was built (nothing is replaced).
     """
     output = output.resolve()
     document = _demo_document(output, epochs, seed)
+    if parallel is not None and (settings := parallel.model_dump(mode="json", exclude_defaults=True)):
+        document["parallel"] = settings
     with removed_if_unused_on_error(absent_folders(output.parent)):
         output.parent.mkdir(parents=True, exist_ok=True)
         staging = output.with_name(f".{output.name}.tmp-{secrets.token_hex(4)}")

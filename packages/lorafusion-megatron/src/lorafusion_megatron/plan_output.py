@@ -53,8 +53,6 @@ def check_plan_output(output: Path, config: TrainerConfig, config_path: Path) ->
             the run's files or folders, or is an existing file that is not a plan JSON.
     """
     target = output.resolve()
-    if target.is_dir():
-        raise TrainerError(f"plan -o {output}: it is a folder; name a file, e.g. -o {output / 'plan.json'}")
     if not target.parent.is_dir():
         raise TrainerError(f"plan -o {output}: the folder {output.parent} does not exist; create it or choose another")
     for what, path in _run_paths(config, config_path):
@@ -65,6 +63,8 @@ def check_plan_output(output: Path, config: TrainerConfig, config_path: Path) ->
                 f"plan -o {output} {inside} {what} ({path}), which the plan would replace or the run writes; "
                 f"write the plan elsewhere, e.g. -o plan.json"
             )
+    if target.is_dir():  # after the run's own folders, so that the file suggested is not refused next
+        raise TrainerError(f"plan -o {output}: it is a folder; name a file, e.g. -o {output / 'plan.json'}")
     if target.exists() and not _is_plan_file(target):
         raise TrainerError(
             f"plan -o {output}: the file exists and is not a plan JSON, so it is not replaced; "

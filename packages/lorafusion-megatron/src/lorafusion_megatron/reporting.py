@@ -87,7 +87,7 @@ class TensorBoardLogger:
 
     Args:
         directory: Event folder, or ``None`` for no TensorBoard.
-        interval: Write a job's scalars every this many of its steps.
+        interval: Write a job's scalars every this many of its steps, and at its last step.
     """
 
     def __init__(self, directory: str | None, interval: int) -> None:
@@ -111,8 +111,8 @@ class TensorBoardLogger:
         return writer
 
     def log_step(self, job: JobProgress, stats: StepStats, seconds: float) -> None:
-        """Record one optimizer step of ``job``."""
-        if self._directory is None or stats.step % self.interval:
+        """Record one optimizer step of ``job``: every ``interval``-th, and its last."""
+        if self._directory is None or (stats.step % self.interval and stats.step != job.total_steps):
             return
         writer = self._writer(job.name)
         writer.add_scalar("train/loss", job.last_loss, stats.step)

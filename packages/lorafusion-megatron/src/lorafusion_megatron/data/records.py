@@ -18,7 +18,7 @@ Kind = Literal["jsonl", "parquet", "saved"]
 
 def _read_jsonl(path: Path, *, first_only: bool = False) -> list[dict[str, Any]]:
     """The records of a JSON-lines file or a JSON array; with ``first_only``, only the first is kept (and read)."""
-    with path.open(encoding="utf-8") as text:
+    with path.open(encoding="utf-8-sig") as text:  # a BOM, as some editors write, is not data
         numbered = ((number, line) for number, line in enumerate(text, start=1) if line.strip())
         head = next(numbered, None)
         if head is None:
@@ -40,7 +40,7 @@ def _read_jsonl(path: Path, *, first_only: bool = False) -> list[dict[str, Any]]
 
 def _count_jsonl(path: Path) -> int:
     """Records of a JSON-lines file (its non-blank lines, not parsed) or of a JSON array (parsed whole)."""
-    with path.open(encoding="utf-8") as text:
+    with path.open(encoding="utf-8-sig") as text:
         lines = (line for line in text if line.strip())
         head = next(lines, None)
         if head is None:

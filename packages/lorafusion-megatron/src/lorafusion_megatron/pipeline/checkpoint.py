@@ -195,7 +195,7 @@ def check_resumable(config: TrainerConfig, parallel: ParallelConfig) -> Finished
     if finished is not None:
         finished.check_config(fingerprint, parallel=parallel.layout_settings())
         return finished
-    found = checkpoint_to_resume(config.checkpoint_dir, resume=True)
+    found = checkpoint_to_resume(config.checkpoint_dir, resume=True, pipeline=True)
     assert found is not None  # resume=True raises instead
     read_run_state(found, fingerprint=fingerprint, parallel=parallel)
     return None

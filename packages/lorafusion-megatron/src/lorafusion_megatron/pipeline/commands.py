@@ -8,6 +8,7 @@ and return the exit status.
 from __future__ import annotations
 
 import argparse
+import shlex
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -177,6 +178,8 @@ def demo(output: Path, parallel: ParallelConfig, console: Console, *, samples_pe
     )
     if summary is None:
         return 0
-    status = report(summary, output, console)
-    console.print(f"Adapters: {output / 'adapters'}; config: {output / 'demo.yaml'}")
+    resume = shlex.join(["lorafusion-megatron", "train", str(output / "demo.yaml"), "--resume"])  # parallel: in it
+    status = report(summary, output, console, resume_command=resume)
+    if status != 1:  # stopped with a checkpoint: the adapters are not written yet
+        console.print(f"Adapters: {output / 'adapters'}; config: {output / 'demo.yaml'}")
     return status

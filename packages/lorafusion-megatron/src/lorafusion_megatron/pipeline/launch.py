@@ -324,8 +324,8 @@ def run_demo(
     """
     from lorafusion_megatron.demo import build_demo
 
-    config = build_demo(output, samples_per_job=samples_per_job, epochs=epochs)
     parallel = ParallelConfig.model_validate(
         {"pipeline_stages": pipeline_stages, "data_parallel": data_parallel, "schedule": schedule}
     )
+    config = build_demo(output, samples_per_job=samples_per_job, epochs=epochs, parallel=parallel)
     return launch(config, parallel, backend="gloo")

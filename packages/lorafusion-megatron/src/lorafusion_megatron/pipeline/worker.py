@@ -151,7 +151,7 @@ def shared_plan(
 
     def decide() -> tuple[Plan, str | None, str]:
         check_run_outputs(config)
-        found = checkpoint_to_resume(config.checkpoint_dir, resume=resume)
+        found = checkpoint_to_resume(config.checkpoint_dir, resume=resume, pipeline=True)
         if found is None:
             made = make_pipeline_plan(config, data, parallel)
             # An earlier run's summary goes before any of its adapters is replaced (finished_run).
