@@ -383,6 +383,7 @@ def test_tensorboard_scalars_per_job(make_config, tmp_path: Path) -> None:
         assert list((tmp_path / "tb" / name).glob("events.out.tfevents.*"))
 
 
+@pytest.mark.together
 def test_tensorboard_gets_each_jobs_last_step_whatever_the_interval(tmp_path: Path) -> None:
     """With logging_steps 3, a job of 4 steps got step 3 only; with 1000, none (the docs say: and its last step)."""
     pytest.importorskip("tensorboard")
