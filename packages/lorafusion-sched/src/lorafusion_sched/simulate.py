@@ -187,26 +187,37 @@ def run_sequences(
         Makespan and busy seconds per stage (averaged over replicas): stage ``s`` is busy for
         ``factor_s (1 + backward_factor) forward(tokens)`` per microbatch.
     """
+    work = sum(
+        sum(cost.unscaled_forward_seconds(it.tokens) for items in per_replica for it in items) / len(per_replica)
+        for per_replica in pipelines
+    )
+    factors = cost.stage_factors or (1.0,) * stages
+    return _makespan(pipelines, stages, cost, events), [
+        factor * (1.0 + cost.backward_factor) * work for factor in factors
+    ]
+
+
+def _makespan(
+    pipelines: Sequence[Sequence[Sequence[_Item]]], stages: int, cost: CostModel, events: list[Event] | None = None
+) -> float:
+    """The end of the last of the pipelines run one after another; replica 0's ops go to ``events``."""
     clock = 0.0
-    work = 0.0  # unscaled forward seconds per replica
     for per_replica in pipelines:
         ends = [
             _one_f_one_b(items, stages, cost, clock, events if r == 0 else None) for r, items in enumerate(per_replica)
         ]
-        forwards = [cost.unscaled_forward_seconds(it.tokens) for items in per_replica for it in items]
-        work += sum(forwards) / len(per_replica)
         clock = max([clock, *ends])
-    factors = cost.stage_factors or (1.0,) * stages
-    return clock, [factor * (1.0 + cost.backward_factor) * work for factor in factors]
+    return clock
 
 
 def sequence_seconds(padded_tokens: Sequence[int], stages: int, replicas: int, cost: CostModel) -> float:
     """Makespan of one continuous 1F1B pipeline of microbatches of these sizes (0: a no-op), dealt to replicas.
 
-    Microbatch ``i`` runs on replica ``i % replicas``; the slowest replica sets the time.
+    Microbatch ``i`` runs on replica ``i % replicas``; the slowest replica sets the time. (The
+    planner's splits call it for every candidate: no busy times are computed.)
     """
     items = [_Item(tokens, "") for tokens in padded_tokens]
-    return run_sequences([_split(items, replicas)], stages, cost)[0]
+    return _makespan([_split(items, replicas)], stages, cost)
 
 
 def baseline_microbatch_samples(plan: Plan) -> dict[str, int]:
@@ -396,5 +407,5 @@ def timeline(plan: Plan, run: str = "lorafusion", cost_model: CostModel | None =
     if run not in builders:
         raise SchedError(f"run = {run!r} is unknown: choose one of {', '.join(builders)}")
     events: list[Event] = []
-    run_sequences(builders[run](), plan.pipeline_stages, cost, events)
+    _makespan(builders[run](), plan.pipeline_stages, cost, events)
     return events
