@@ -39,7 +39,7 @@ from lorafusion_megatron.atomic_dirs import replace_dir, restore_interrupted_rep
 from lorafusion_megatron.base_fingerprint import PRESET_WEIGHTS, base_weights_fingerprint
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.planning import plan_from_json
-from lorafusion_megatron.run_layout import PIPELINE_SUMMARY, PROFILE_REPORT, SUMMARY
+from lorafusion_megatron.run_layout import PIPELINE_SUMMARY, PROFILE_REPORT, SUMMARY, TRAINER_STATE
 from lorafusion_megatron.state import InvalidStateError, RunState
 from lorafusion_megatron.write_errors import CannotWriteError, clear_write_errors
 
@@ -77,7 +77,6 @@ _NAME = re.compile(r"^checkpoint-(\d+)$")
 _FORMAT = 1
 _DELETING = ".deleting"
 """Suffix of the hidden name an old checkpoint is renamed to before it is deleted: ``.checkpoint-<n>.deleting``."""
-_STATE = "trainer_state.json"
 _T = TypeVar("_T")
 
 _log = logging.getLogger(__name__)
@@ -137,7 +136,7 @@ def _checkpoints(directory: Path) -> list[tuple[int, Path]]:
     found = []
     for child in directory.iterdir():
         match = _NAME.match(child.name)
-        if match and (child / _STATE).is_file():
+        if match and (child / TRAINER_STATE).is_file():
             found.append((int(match.group(1)), child))
     return sorted(found)
 
@@ -244,7 +243,9 @@ def _delete_leftovers(directory: Path) -> None:
         return
     for child in directory.iterdir():
         if _is_husk(child, before=complete[-1][0]):
-            _log.info("deleting %s: a checkpoint whose deletion a kill cut short (it holds no %s)", child, _STATE)
+            _log.info(
+                "deleting %s: a checkpoint whose deletion a kill cut short (it holds no %s)", child, TRAINER_STATE
+            )
             _delete_checkpoint(child)
 
 
@@ -253,7 +254,7 @@ def _is_husk(folder: Path, *, before: int) -> bool:
     match = _NAME.match(folder.name)
     if match is None or int(match.group(1)) >= before:
         return False
-    return folder.is_dir() and not folder.is_symlink() and not (folder / _STATE).is_file()
+    return folder.is_dir() and not folder.is_symlink() and not (folder / TRAINER_STATE).is_file()
 
 
 def read_checkpoint_file(checkpoint: Path, name: str, read: Callable[[Path], _T]) -> _T:
@@ -508,7 +509,7 @@ def _profile_hint(checkpoint: Path) -> str:
     """Why an unchanged config may differ: a ``profile.json`` written after the checkpoint (``capacity: auto``)."""
     profile = checkpoint.parent.parent / PROFILE_REPORT
     try:
-        newer = profile.stat().st_mtime > (checkpoint / _STATE).stat().st_mtime
+        newer = profile.stat().st_mtime > (checkpoint / TRAINER_STATE).stat().st_mtime
     except OSError:
         return ""
     if not newer:
@@ -581,7 +582,7 @@ def save_checkpoint(
                 for adapter in adapter_parameters:
                     save_adapter(model, adapter, staging / "adapters" / adapter)
                 meta = {"format": _FORMAT, **fingerprint.to_meta(), "state": state.to_json(), "run_id": run_id}
-                (staging / _STATE).write_text(json.dumps(meta, indent=2, sort_keys=True), "utf-8")
+                (staging / TRAINER_STATE).write_text(json.dumps(meta, indent=2, sort_keys=True), "utf-8")
                 replace_dir(staging, target)
     except CannotWriteError as failed:  # also one of its adapters' (named by its staging folder: say the checkpoint)
         raise CannotWriteError(target, failed.reason, _after_failed_checkpoint(directory)) from failed
@@ -655,7 +656,7 @@ def _resumed_state(checkpoint: Path, meta: Mapping[str, Any], plan: Plan) -> Run
         state = RunState.from_json(meta.get("state"))
         _check_against_plan(state, plan)
     except InvalidStateError as exc:
-        raise TrainerError(damaged_message(checkpoint, f"{_STATE} holds what no run writes ({exc})")) from None
+        raise TrainerError(damaged_message(checkpoint, f"{TRAINER_STATE} holds what no run writes ({exc})")) from None
     return state
 
 
@@ -699,7 +700,7 @@ def _read_meta(checkpoint: Path) -> dict[str, Any]:
     Raises:
         TrainerError: As :func:`read_checkpoint_file` (a list, say, or no ``fingerprint``: a hand edit).
     """
-    return read_checkpoint_file(checkpoint, _STATE, _read_meta_file)
+    return read_checkpoint_file(checkpoint, TRAINER_STATE, _read_meta_file)
 
 
 def _read_meta_file(path: Path) -> dict[str, Any]:

@@ -17,6 +17,7 @@ __all__ = [
     "PROFILE_TABLE",
     "RUN_OUTPUTS",
     "SUMMARY",
+    "TRAINER_STATE",
 ]
 
 PLAN = "plan.json"
@@ -31,6 +32,8 @@ EVAL_HISTORY = "eval_history.json"
 """Every evaluation of the run so far, by job."""
 CHECKPOINTS = "checkpoints"
 """Folder of the ``checkpoint-<n>`` folders."""
+TRAINER_STATE = "trainer_state.json"
+"""A checkpoint's position, counters and fingerprint (written last: a checkpoint without it is none)."""
 PROFILE_REPORT = "profile.json"
 """``lorafusion-megatron profile``'s measurements and choice of capacity."""
 PROFILE_TABLE = "profile.md"

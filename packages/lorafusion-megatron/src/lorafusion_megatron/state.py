@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["InvalidStateError", "JobProgress", "RunState"]
+__all__ = ["InvalidStateError", "JobProgress", "RunState", "whole_count"]
 
 
 class InvalidStateError(ValueError):
@@ -98,9 +98,9 @@ class RunState:
                 raise InvalidStateError(f"{listed}: job {job.name!r} appears twice")
             jobs[job.name] = job
         return cls(
-            position=_count(_required(data, "position", where), _at(where, "position")),
+            position=whole_count(_required(data, "position", where), _at(where, "position")),
             jobs=jobs,
-            total_optimizer_steps=_count(
+            total_optimizer_steps=whole_count(
                 _required(data, "total_optimizer_steps", where), _at(where, "total_optimizer_steps")
             ),
             seconds=_seconds(_required(data, "seconds", where), _at(where, "seconds")),
@@ -125,10 +125,12 @@ def _job_from_json(raw: Any, listed: str, index: int) -> JobProgress:
     if not isinstance(name, str) or not name:
         raise InvalidStateError(f"{_at(where, 'name')}: {name!r} is not a job name")
     where = f"{listed}[{name}]"  # as the config's differences name jobs
-    job = JobProgress(name=name, total_steps=_count(_required(raw, "total_steps", where), _at(where, "total_steps")))
+    job = JobProgress(
+        name=name, total_steps=whole_count(_required(raw, "total_steps", where), _at(where, "total_steps"))
+    )
     for key in _COUNTS:
         if key in raw:
-            setattr(job, key, _count(raw[key], _at(where, key)))
+            setattr(job, key, whole_count(raw[key], _at(where, key)))
     if job.steps_done > job.total_steps:
         raise InvalidStateError(
             f"{_at(where, 'steps_done')}: {job.steps_done} is more than the job's total_steps, {job.total_steps}"
@@ -141,7 +143,7 @@ def _job_from_json(raw: Any, listed: str, index: int) -> JobProgress:
         for key, value in _object(raw.get("pending_loss", {}), _at(where, "pending_loss")).items()
     }
     job.pending_targets = {
-        _batch_index(key, _at(where, "pending_targets")): _count(value, _at(where, f"pending_targets[{key}]"))
+        _batch_index(key, _at(where, "pending_targets")): whole_count(value, _at(where, f"pending_targets[{key}]"))
         for key, value in _object(raw.get("pending_targets", {}), _at(where, "pending_targets")).items()
     }
     return job
@@ -170,7 +172,7 @@ def _list(value: Any, where: str) -> list[Any]:
     return value
 
 
-def _count(value: Any, where: str) -> int:
+def whole_count(value: Any, where: str) -> int:
     """A whole number of at least 0 (``bool`` is not one, though Python counts it as an ``int``)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidStateError(f"{where}: {value!r} is not a whole number of at least 0")

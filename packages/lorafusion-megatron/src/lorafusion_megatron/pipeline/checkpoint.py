@@ -35,6 +35,8 @@ from lorafusion_megatron.checkpoint import (
 from lorafusion_megatron.errors import TrainerError
 from lorafusion_megatron.finished_run import FinishedRun, finished_run
 from lorafusion_megatron.pipeline.stall import Heartbeat, no_heartbeat
+from lorafusion_megatron.run_layout import TRAINER_STATE
+from lorafusion_megatron.state import InvalidStateError, whole_count
 from lorafusion_megatron.write_errors import clear_write_errors
 
 if TYPE_CHECKING:
@@ -132,7 +134,7 @@ def save_pipeline_checkpoint(
                     "total_optimizer_steps": total_steps,
                     "world_size": layout.world_size,
                 }
-                (folder / "trainer_state.json").write_text(json.dumps(meta, indent=2, sort_keys=True), encoding="utf-8")
+                (folder / TRAINER_STATE).write_text(json.dumps(meta, indent=2, sort_keys=True), encoding="utf-8")
                 replace_dir(folder, target)
             finally:
                 if folder.exists():
@@ -161,13 +163,11 @@ def read_run_state(path: Path, *, fingerprint: RunFingerprint, parallel: Paralle
             f"checkpoint {path} was written with parallel settings {meta.get('parallel')}; this run has "
             f"{parallel.layout_settings()}: resume with the same stages, replicas and schedule"
         )
-    for key in ("position", "total_optimizer_steps"):  # what a hand edit could break: the rank files are binary
-        value = meta.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            problem = (
-                f"trainer_state.json holds what no run writes ({key}: {value!r} is not a whole number of at least 0)"
-            )
-            raise TrainerError(damaged_message(path, problem))
+    try:  # what a hand edit could break: the rank files are binary
+        for key in ("position", "total_optimizer_steps"):
+            whole_count(meta.get(key), key)
+    except InvalidStateError as exc:
+        raise TrainerError(damaged_message(path, f"{TRAINER_STATE} holds what no run writes ({exc})")) from None
     return meta
 
 
